@@ -1,0 +1,1 @@
+"""Triton copy kernels and their torch references (imported as ``kvtriton.kernels``)."""

@@ -1,0 +1,343 @@
+"""A block pool with ref counts, a pluggable free queue and a prefix-cache hash map.
+
+The same class serves as the GPU pool (the prefix cache a scheduler allocates from) and as the
+CPU tier (where completed stores are registered). Block 0 is the null block: never allocated,
+never freed, never cached; tables use it for pages a group does not need.
+
+A block with ref count 0 sits in the free queue and keeps its hashes until it is handed out
+again, so it can still be hit ("evictable cached"). Which free block is handed out next is the
+eviction policy's choice (``kvtriton.policies``; LRU by default). Every operation costs O(1) per
+block named; bad input raises ``ValueError`` before anything is changed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+from kvtriton.policies import EvictionPolicy, make_policy
+
+__all__ = ["AllBlocksCleared", "BlockPool", "BlockRemoved", "BlockStored", "NULL_BLOCK"]
+
+logger = logging.getLogger(__name__)
+
+NULL_BLOCK = 0
+
+KeyCallback = Callable[[int, int], None]
+
+
+@dataclass(slots=True)
+class BlockStored:
+    """A block became hittable under ``block_hashes`` (fields as in vLLM's kv_events)."""
+
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None = None
+    group_idx: int | None = None
+
+
+@dataclass(slots=True)
+class BlockRemoved:
+    """``block_hashes`` are no longer hittable in ``medium``."""
+
+    block_hashes: list[int]
+    medium: str | None
+
+
+@dataclass(slots=True)
+class AllBlocksCleared:
+    medium: str | None
+
+
+class BlockPool:
+    """``num_blocks`` blocks (block 0 is the null block) with ref counts and a hash map.
+
+    ``on_insert(key, block_id)`` and ``on_evict(key, block_id)`` listeners see every key that
+    becomes hittable or stops being hittable; the planner keeps its presence tensors with them.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        *,
+        policy: str | EvictionPolicy = "lru",
+        medium: str = "GPU",
+        enable_events: bool = False,
+    ) -> None:
+        if not isinstance(num_blocks, int) or num_blocks < 2:
+            raise ValueError(f"num_blocks must be an int >= 2 (block 0 is null), got {num_blocks!r}")
+        self.num_blocks = num_blocks
+        self.medium = medium
+        self.enable_events = enable_events
+        self.ref_cnt: list[int] = [0] * num_blocks
+        # Primary key per block (None: unhashed) and its aliases (hash boundaries inside it).
+        self._primary: list[int | None] = [None] * num_blocks
+        self._aliases: list[tuple[int, ...]] = [()] * num_blocks
+        # key -> block id, or key -> {block id: None} when several blocks share the key.
+        self._map: dict[int, int | dict[int, None]] = {}
+        self._policy = make_policy(policy) if isinstance(policy, str) else policy
+        self._fill_free_queue()
+        self._events: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
+        self._on_insert: list[KeyCallback] = []
+        self._on_evict: list[KeyCallback] = []
+
+    def _fill_free_queue(self) -> None:
+        # Unhashed blocks enter at the head, so pushing in descending order hands out 1, 2, ...
+        self._policy.reset(self.num_blocks)
+        for b in range(self.num_blocks - 1, 0, -1):
+            self._policy.push(b, None)
+
+    # ---- listeners and introspection -------------------------------------------------------
+
+    def add_listener(self, on_insert: KeyCallback | None = None,
+                     on_evict: KeyCallback | None = None) -> None:
+        if on_insert is not None:
+            self._on_insert.append(on_insert)
+        if on_evict is not None:
+            self._on_evict.append(on_evict)
+
+    @property
+    def policy(self) -> EvictionPolicy:
+        return self._policy
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that ``get_new_blocks`` can hand out now (free, cached or not)."""
+        return len(self._policy)
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Non-null blocks with a reference."""
+        return self.num_blocks - 1 - len(self._policy)
+
+    @property
+    def num_cached_keys(self) -> int:
+        return len(self._map)
+
+    def is_free(self, block_id: int) -> bool:
+        return block_id in self._policy
+
+    def block_hash(self, block_id: int) -> int | None:
+        """The primary key of ``block_id`` or ``None``."""
+        return self._primary[block_id]
+
+    def block_keys(self, block_id: int) -> tuple[int, ...]:
+        """Every key ``block_id`` is registered under: primary first, then aliases."""
+        p = self._primary[block_id]
+        return () if p is None else (p, *self._aliases[block_id])
+
+    def get_cached_block(self, key: int) -> int | None:
+        """One block registered under ``key`` (the first registered), or ``None``."""
+        entry = self._map.get(key)
+        if entry is None or isinstance(entry, int):
+            return entry
+        return next(iter(entry))
+
+    def cached_blocks(self, key: int) -> list[int]:
+        entry = self._map.get(key)
+        if entry is None:
+            return []
+        return [entry] if isinstance(entry, int) else list(entry)
+
+    def __contains__(self, key: int) -> bool:
+        return key in self._map
+
+    def iter_free(self, after: int | None = None) -> Iterator[int]:
+        """Free blocks in eviction order (next victim first), optionally after ``after``."""
+        return self._policy.iter_blocks(after)
+
+    def take_events(self) -> list[BlockStored | BlockRemoved | AllBlocksCleared]:
+        events, self._events = self._events, []
+        return events
+
+    # ---- validation ------------------------------------------------------------------------
+
+    def _check_ids(self, block_ids: Sequence[int], what: str) -> None:
+        n = self.num_blocks
+        for b in block_ids:
+            if not isinstance(b, int) or isinstance(b, bool) or not 0 <= b < n:
+                raise ValueError(f"{what}: block id {b!r} out of range [0, {n})")
+            if b == NULL_BLOCK:
+                raise ValueError(f"{what}: block id 0 is the null block")
+
+    # ---- allocation ------------------------------------------------------------------------
+
+    def get_new_blocks(self, n: int) -> list[int]:
+        """Hand out ``n`` blocks with ref count 1, evicting the hashes they still carried."""
+        if not isinstance(n, int) or n < 0:
+            raise ValueError(f"get_new_blocks: n must be a non-negative int, got {n!r}")
+        if n > len(self._policy):
+            raise ValueError(f"get_new_blocks: asked for {n} blocks, {len(self._policy)} free")
+        out = []
+        for _ in range(n):
+            b = self._policy.pop()
+            if self._primary[b] is not None:
+                self._evict(b)
+            self.ref_cnt[b] = 1
+            out.append(b)
+        return out
+
+    def touch(self, block_ids: Sequence[int]) -> None:
+        """Take one more reference on each block; a free block leaves the free queue (a hit)."""
+        self._check_ids(block_ids, "touch")
+        policy, ref = self._policy, self.ref_cnt
+        for b in block_ids:
+            if ref[b] == 0:
+                policy.remove(b)
+            ref[b] += 1
+
+    def free_blocks(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference on each block, in order.
+
+        Blocks reaching ref count 0 join the free queue: unhashed ones at the head (reused
+        first), hashed ones at the tail in the order given, so pass a chain's tail first to make
+        its head the last to go.
+        """
+        block_ids = list(block_ids)
+        self._check_ids(block_ids, "free_blocks")
+        ref = self.ref_cnt
+        for b, times in Counter(block_ids).items():
+            if ref[b] < times:
+                raise ValueError(
+                    f"free_blocks: block {b} freed {times}x with ref count {ref[b]} (double free)")
+        policy, primary = self._policy, self._primary
+        for b in block_ids:
+            ref[b] -= 1
+            if ref[b] == 0:
+                policy.push(b, primary[b])
+
+    # ---- hashing ---------------------------------------------------------------------------
+
+    def cache_block(
+        self,
+        block_id: int,
+        key: int,
+        aliases: Sequence[int] = (),
+        *,
+        parent_key: int | None = None,
+        token_ids: Sequence[int] = (),
+        block_size: int = 0,
+        lora_id: int | None = None,
+        group_idx: int | None = None,
+    ) -> None:
+        """Register ``block_id`` under its primary ``key`` and ``aliases``.
+
+        The block must be unhashed and referenced (a free block would be evicted unseen).
+        """
+        self._check_ids([block_id], "cache_block")
+        if self._primary[block_id] is not None:
+            raise ValueError(f"cache_block: block {block_id} is already cached under "
+                             f"{self._primary[block_id]:#x}")
+        if self.ref_cnt[block_id] == 0:
+            raise ValueError(f"cache_block: block {block_id} is free; cache it while referenced")
+        aliases = tuple(a for a in dict.fromkeys(aliases) if a != key)
+        self._primary[block_id] = key
+        self._aliases[block_id] = aliases
+        for k in (key, *aliases):
+            self._map_add(k, block_id)
+            for cb in self._on_insert:
+                cb(k, block_id)
+        if self.enable_events:
+            self._events.append(BlockStored([key, *aliases], parent_key, list(token_ids),
+                                            block_size, lora_id, self.medium, None, group_idx))
+
+    def _map_add(self, key: int, b: int) -> None:
+        entry = self._map.get(key)
+        if entry is None:
+            self._map[key] = b
+        elif isinstance(entry, int):
+            self._map[key] = {entry: None, b: None}
+        else:
+            entry[b] = None
+
+    def _map_remove(self, key: int, b: int) -> None:
+        entry = self._map[key]
+        if isinstance(entry, int):
+            del self._map[key]
+            return
+        del entry[b]
+        if len(entry) == 1:
+            self._map[key] = next(iter(entry))
+
+    def _evict(self, b: int) -> None:
+        keys = self.block_keys(b)
+        self._policy.on_evicted(b, keys[0])
+        self._primary[b] = None
+        self._aliases[b] = ()
+        for k in keys:
+            self._map_remove(k, b)
+            for cb in self._on_evict:
+                cb(k, b)
+        if self.enable_events:
+            self._events.append(BlockRemoved(list(keys), self.medium))
+
+    def evict_cached(self, block_id: int) -> bool:
+        """Drop the hashes of a free cached block now (it stays free, first to be reused).
+
+        Returns False (and changes nothing) if the block is referenced or unhashed. Used to model
+        outside pressure on a tier, e.g. the benchmark's per-step eviction rate.
+        """
+        self._check_ids([block_id], "evict_cached")
+        if self.ref_cnt[block_id] or self._primary[block_id] is None:
+            return False
+        self._policy.remove(block_id)
+        self._evict(block_id)
+        self._policy.push(block_id, None)
+        return True
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every hash if no block is referenced; returns whether it did."""
+        if self.num_used_blocks:
+            logger.warning("reset_prefix_cache: %d blocks still referenced; not reset",
+                           self.num_used_blocks)
+            return False
+        for b in range(1, self.num_blocks):
+            if self._primary[b] is not None:
+                keys = self.block_keys(b)
+                self._primary[b] = None
+                self._aliases[b] = ()
+                for k in keys:
+                    for cb in self._on_evict:
+                        cb(k, b)
+        self._map.clear()
+        self._fill_free_queue()
+        if self.enable_events:
+            self._events.append(AllBlocksCleared(self.medium))
+        return True
+
+    # ---- checks for tests and fuzzing ------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` if any pool invariant is broken (O(num_blocks))."""
+        assert self.ref_cnt[NULL_BLOCK] == 0 and NULL_BLOCK not in self._policy
+        assert self._primary[NULL_BLOCK] is None
+        for b in range(1, self.num_blocks):
+            assert self.ref_cnt[b] >= 0, f"block {b} ref count {self.ref_cnt[b]}"
+            assert (b in self._policy) == (self.ref_cnt[b] == 0), f"block {b} queue membership"
+            for k in self.block_keys(b):
+                assert b in self.cached_blocks(k), f"block {b} key {k:#x} missing from map"
+        n_map = 0
+        for k, entry in self._map.items():
+            blocks = [entry] if isinstance(entry, int) else list(entry)
+            for b in blocks:
+                assert k in self.block_keys(b), f"map key {k:#x} -> block {b} not on block"
+                n_map += 1
+        assert n_map == sum(len(self.block_keys(b)) for b in range(self.num_blocks))
+        assert len(self._policy) == sum(1 for b in range(1, self.num_blocks) if not self.ref_cnt[b])
+
+
+def cached_prefix_blocks(pool: BlockPool, keys: Iterable[int]) -> list[int]:
+    """Blocks of the longest run of leading ``keys`` cached in ``pool``."""
+    out = []
+    for k in keys:
+        b = pool.get_cached_block(k)
+        if b is None:
+            break
+        out.append(b)
+    return out
