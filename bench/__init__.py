@@ -1,0 +1,1 @@
+"""kvtriton's benchmark harness: ``python -m bench`` runs it; results go to ``bench/results/``."""

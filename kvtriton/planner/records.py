@@ -1,0 +1,105 @@
+"""Plain records the planner exchanges with a scheduler, a worker and the simulator.
+
+Keys are dense ids from a shared ``HashIndex`` (``kvtriton.hashing``): both block pools and the
+planner's tensors are indexed by them. ``Request.keys[g, j]`` is group g's key for the hash
+boundary after token ``(j + 1) * hash_block_size``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvtriton.hashing import HashIndex, group_key
+from kvtriton.specs import KVLayout
+
+__all__ = ["PlannerMeta", "Request", "StepOutput", "Transfer", "request_keys"]
+
+
+def request_keys(layout: KVLayout, index: HashIndex, block_hashes) -> np.ndarray:
+    """Dense key ids ``[num_groups, len(block_hashes)]`` (int64) of a token sequence's chain
+    hashes, one row per group of ``layout``."""
+    hashes = [int(h) for h in block_hashes]
+    out = np.empty((layout.num_groups, len(hashes)), dtype=np.int64)
+    for g in range(layout.num_groups):
+        out[g] = index.intern_many(group_key(h, g) for h in hashes)
+    return out
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """A request as the planner sees it.
+
+    ``keys`` covers every full hash block the request will ever have (prompt and output, as far
+    as the workload knows them); only the first ``num_tokens // hash_block_size`` exist yet.
+    ``num_output_placeholders`` are scheduled-but-unconfirmed tokens (async scheduling), which a
+    store must not trust.
+    """
+
+    request_id: str
+    keys: np.ndarray
+    num_prompt_tokens: int
+    num_tokens: int
+    num_computed_tokens: int = 0
+    num_output_placeholders: int = 0
+    lora_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_prompt_tokens <= 0:
+            raise ValueError(f"request {self.request_id!r}: num_prompt_tokens must be positive, "
+                             f"got {self.num_prompt_tokens}")
+        if self.num_tokens < self.num_prompt_tokens:
+            raise ValueError(f"request {self.request_id!r}: num_tokens={self.num_tokens} < "
+                             f"num_prompt_tokens={self.num_prompt_tokens}")
+        if self.keys.ndim != 2:
+            raise ValueError(f"request {self.request_id!r}: keys must be [groups, n], "
+                             f"got shape {self.keys.shape}")
+
+    @property
+    def confirmed_tokens(self) -> int:
+        return self.num_computed_tokens - self.num_output_placeholders
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What the scheduler decided this step, in the shape a connector receives it.
+
+    ``new_block_ids[req][g]`` are the GPU blocks appended to the request's table for group g this
+    step (for a request that was preempted and resumed: its whole new table). ``boundary_handoffs``
+    lists, per request, ``(boundary_tokens, gpu_block_id, group)`` Mamba states saved this step.
+    """
+
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    new_block_ids: dict[str, tuple[list[int], ...]] = field(default_factory=dict)
+    preempted_req_ids: set[str] = field(default_factory=set)
+    resumed_req_ids: set[str] = field(default_factory=set)
+    finished_req_ids: set[str] = field(default_factory=set)
+    boundary_handoffs: dict[str, list[tuple[int, int, int]]] = field(default_factory=dict)
+    # Request order of this step (scan order); defaults to the order of num_scheduled_tokens.
+    order: list[str] | None = None
+
+
+@dataclass(slots=True)
+class Transfer:
+    """One direction's copies for one step: pair i moves GPU block ``gpu_blocks[i]`` of group
+    ``groups[i]`` to or from CPU block ``cpu_blocks[i]``. ``event`` is -1 when empty."""
+
+    event: int = -1
+    gpu_blocks: list[int] = field(default_factory=list)
+    cpu_blocks: list[int] = field(default_factory=list)
+    groups: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.gpu_blocks)
+
+
+@dataclass(slots=True)
+class PlannerMeta:
+    """A step's transfers for the workers: one store, one load, and which requests each
+    in-flight load event serves."""
+
+    store: Transfer
+    load: Transfer
+    load_event_to_reqs: dict[int, list[str]]
+    need_flush: bool = False
