@@ -1,0 +1,60 @@
+"""Planner policy switches, the knobs the benchmarks compare."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["PlannerConfig"]
+
+
+@dataclass(frozen=True, slots=True)
+class PlannerConfig:
+    """How the planner selects, frees and bounds its stores.
+
+    - ``restore``: re-store blocks of running requests that the CPU evicted below the cursor
+      (off: seed 001's cursor-only control).
+    - ``scan``: ``"fused"`` (one vectorized pass) or ``"loop"`` (the per-block reference); both
+      select exactly the same blocks.
+    - ``cpu_free_order``: order in which a completed store's CPU blocks join the CPU free queue;
+      ``"tail_first"`` makes a chain's head the last to be evicted, ``"head_first"`` is the
+      reference connector's ascending order.
+    - ``max_restores_per_step``: cap on re-stores selected in one step (None: only the CPU budget).
+    - ``max_restores_per_key``: a key re-stored this many times is not re-stored again, which
+      bounds thrash when the running working set exceeds the CPU (None: unbounded). Thrash is
+      counted either way.
+    - ``scan_idle``: also scan running requests with no scheduled tokens this step (the
+      reference connector skips them, so their evicted blocks wait).
+    - ``lazy``: offload from the GPU free queue instead of eagerly (``lazy_target_blocks``
+      overrides the target derived from the layout and ``max_num_batched_tokens``).
+    - ``fine_grained``: CPU hits may end on any hash boundary (full-attention layouts only).
+    - ``world_size``: workers that must report a store before it counts.
+    """
+
+    restore: bool = True
+    scan: Literal["fused", "loop"] = "fused"
+    cpu_free_order: Literal["tail_first", "head_first"] = "tail_first"
+    max_restores_per_step: int | None = None
+    max_restores_per_key: int | None = None
+    scan_idle: bool = False
+    lazy: bool = False
+    lazy_target_blocks: int | None = None
+    max_num_batched_tokens: int = 8192
+    fine_grained: bool = False
+    world_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.scan not in ("fused", "loop"):
+            raise ValueError(f"scan must be 'fused' or 'loop', got {self.scan!r}")
+        if self.cpu_free_order not in ("tail_first", "head_first"):
+            raise ValueError(
+                f"cpu_free_order must be 'tail_first' or 'head_first', got {self.cpu_free_order!r}")
+        for name in ("max_restores_per_step", "max_restores_per_key", "lazy_target_blocks"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 0):
+                raise ValueError(f"{name} must be None or a non-negative int, got {v!r}")
+        if not isinstance(self.world_size, int) or self.world_size < 1:
+            raise ValueError(f"world_size must be a positive int, got {self.world_size!r}")
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError(
+                f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")

@@ -1,0 +1,121 @@
+"""The contract of an eager store selector, shared by the fused scan and the loop reference.
+
+A selector owns the per-request block tables and cursors of the positional groups (full
+attention, sliding window) and decides, once per step, which GPU blocks to copy to the CPU.
+
+Semantics (both implementations follow them exactly; tests compare them on random schedules):
+
+- Keys: position p of group g in a request is the group block ending at token
+  ``(p + 1) * block_size_g``; its key is the request's primary key there. A request *owns* the
+  keys of all its positions from admission to release.
+- Wanted: a key the CPU evicted while some request owned it (or whose store failed or was
+  abandoned) is *wanted* until it is stored again, becomes present in the CPU, or is owned by
+  no request.
+- Candidates, in (scan rank, group, position) order: for each scanned row and group, positions
+  ``[cursor, ready)`` ("new") and, with re-store on, positions below the cursor whose key is
+  wanted ("re-store").
+- Source block: the table entry; a null entry of a sliding-window group is recovered from the GPU
+  prefix cache by key when a block there still holds it.
+- Outcome, first match wins: ``null`` (no source), ``not_hashed`` (the source does not hold the
+  key), ``in_flight`` (source block or key already being stored), ``already_cached`` (key
+  present in the CPU), ``duplicate`` (key met earlier in this pass), ``restore_capped`` (per-key or
+  per-step re-store bound), ``deferred`` (no CPU block left in the budget), else selected.
+- Cursor: the first position at or past the old cursor that was ``deferred``, or a duplicate
+  whose first occurrence was not selected; else ``ready``. Never moves backwards.
+- Thrash: a selected re-store of a key that was re-stored before.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvtriton.planner.stats import ScanOutcomes
+
+__all__ = ["Selection", "StoreSelector"]
+
+
+@dataclass(slots=True)
+class Selection:
+    """The blocks one scan selected, in (scan rank, group, position) order."""
+
+    rows: list[int] = field(default_factory=list)
+    groups: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    gpu_blocks: list[int] = field(default_factory=list)
+    keys: list[int] = field(default_factory=list)
+    restore: list[bool] = field(default_factory=list)
+    outcomes: ScanOutcomes = field(default_factory=ScanOutcomes)
+    thrash: int = 0
+
+    def __len__(self) -> int:
+        return len(self.gpu_blocks)
+
+
+class StoreSelector(ABC):
+    """Per-request tables, cursors, ownership and wanted keys, plus the per-step selection."""
+
+    #: CPU evictions of keys owned by a running request (counted when they happen).
+    running_evictions: int
+
+    @abstractmethod
+    def admit(self, row: int, primary_keys: list[np.ndarray]) -> None:
+        """Start tracking ``row`` whose group g has primary keys ``primary_keys[g]`` by position
+        (empty for groups that are not positional)."""
+
+    @abstractmethod
+    def release(self, row: int) -> None:
+        """Stop tracking ``row``: drop its table, cursors and ownership."""
+
+    @abstractmethod
+    def append_blocks(self, row: int, group: int, block_ids: list[int]) -> None:
+        """Append GPU blocks to the row's table for ``group``."""
+
+    @abstractmethod
+    def table(self, row: int, group: int) -> list[int]:
+        ...
+
+    @abstractmethod
+    def cursor(self, row: int, group: int) -> int:
+        ...
+
+    @abstractmethod
+    def on_cpu_insert(self, key: int, block: int) -> None:
+        ...
+
+    @abstractmethod
+    def on_cpu_evict(self, key: int, block: int) -> None:
+        ...
+
+    @abstractmethod
+    def on_gpu_insert(self, key: int, block: int) -> None:
+        ...
+
+    @abstractmethod
+    def on_gpu_evict(self, key: int, block: int) -> None:
+        ...
+
+    @abstractmethod
+    def set_in_flight(self, gpu_blocks: list[int], keys: list[int], value: bool) -> None:
+        ...
+
+    @abstractmethod
+    def in_flight(self, gpu_block: int, key: int) -> bool:
+        ...
+
+    @abstractmethod
+    def want(self, keys: list[int]) -> None:
+        """Mark keys whose store failed or was abandoned as wanted (if owned)."""
+
+    @abstractmethod
+    def wanted_below_cursor(self, row: int, group: int) -> list[int]:
+        """Positions below the cursor of ``row`` whose key is wanted (for a finish flush)."""
+
+    @abstractmethod
+    def select(self, rows: list[int], ready: np.ndarray, budget: int,
+               restore_budget: int | None) -> Selection:
+        """One scan. ``rows`` in scan order, ``ready[i, g]`` the confirmed positions of
+        ``rows[i]`` in group g, ``budget`` the CPU blocks available, ``restore_budget`` the
+        re-store cap for this step (None: none)."""

@@ -1,0 +1,61 @@
+"""Counters and gauges the planner keeps; every figure the simulator reports per policy."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+__all__ = ["PlannerStats", "ScanOutcomes"]
+
+
+@dataclass(slots=True)
+class ScanOutcomes:
+    """What the store scan decided for each candidate position, by outcome.
+
+    A candidate is a position in ``[cursor, ready)`` or a position below the cursor whose key the
+    CPU evicted. Precedence: null, not_hashed, in_flight, already_cached, duplicate (its key was
+    met earlier in the pass), restore_capped, deferred (no CPU space), then stored/restored.
+    """
+
+    null: int = 0
+    not_hashed: int = 0
+    in_flight: int = 0
+    already_cached: int = 0
+    duplicate: int = 0
+    restore_capped: int = 0
+    deferred: int = 0
+    stored: int = 0
+    restored: int = 0
+
+    def add(self, other: ScanOutcomes) -> None:
+        for k, v in asdict(other).items():
+            setattr(self, k, getattr(self, k) + v)
+
+
+@dataclass(slots=True)
+class PlannerStats:
+    """Cumulative planner figures. Blocks are CPU blocks; tokens are prompt tokens."""
+
+    flush_stored: int = 0
+    handoff_stored: int = 0
+    handoff_dropped: int = 0
+    lazy_stored: int = 0
+    stores_completed: int = 0
+    blocks_stored: int = 0
+    loads_issued: int = 0
+    blocks_loaded: int = 0
+    cpu_hit_tokens: int = 0
+    lookups: int = 0
+    lookups_unaligned: int = 0
+    chain_holes: int = 0
+    lookups_with_holes: int = 0
+    restore_thrash: int = 0
+    running_evictions: int = 0
+    stale_reports: int = 0
+    failed_transfers: int = 0
+    abandoned_stores: int = 0
+    scan: ScanOutcomes = field(default_factory=ScanOutcomes)
+
+    def as_dict(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "scan"}
+        out.update({f"scan_{k}": v for k, v in asdict(self.scan).items()})
+        return out
