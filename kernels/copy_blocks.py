@@ -1,0 +1,313 @@
+"""One-launch block copies between paged GPU KV tensors and the block-major CPU pool.
+
+A step's store (GPU -> CPU, gather) or load (CPU -> GPU, scatter) is a list of pairs
+``(gpu_block, cpu_block, group)``. Every group and every layer moves in one launch of
+``_copy_blocks_kernel``, driven by int64 tables that are built once per engine (``CopyTable``):
+
+- ``rows``  ``[R, 5]``: one row per segment (a layer's K or V page, a Mamba conv or SSM state):
+  GPU base address, GPU block stride (bytes), segment bytes, offset in the CPU block, and the
+  access width in bytes (16, 4 or 1) that every address of that row is aligned to;
+- ``units`` ``[U, 3]``: the work units of one block, per group: row, first byte, bytes. Large
+  segments (Mamba SSM states, MiBs) are cut into chunks so that a few pairs still spread over
+  every program;
+- ``group_units`` ``[G, 2]``: each group's unit range in ``units``.
+
+Per step the host sends only the pairs, sorted by group, and each group's pair range: two small
+int tensors, not one descriptor per (block x layer) as a batched memcpy needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+from triton import knobs
+
+__all__ = ["DEFAULT_SM_BUDGET", "CopyTable", "copy_blocks", "validate_pairs"]
+
+# Copies compete with the model for SMs: a few programs saturate a PCIe link (vLLM tuned 12 on
+# an H100 for 8-32 KiB pieces), so the default grid stays small.
+DEFAULT_SM_BUDGET = 16
+# Bytes one program moves per loop iteration: 16 KiB is four 16-byte vectors per thread at 8 warps,
+# so each SM keeps enough reads in flight to cover host-memory latency (~1-2 us) on loads.
+TILE_BYTES = 16384
+NUM_WARPS = 8
+# Units of work are at most this many bytes of one segment.
+CHUNK_BYTES = 256 * 1024
+WIDTHS = (16, 4, 1)
+
+INTERPRETED = bool(knobs.runtime.interpret)
+
+
+@triton.jit
+def _copy_span(src_addr, dst_addr, n_bytes, WIDTH: tl.constexpr, TILE: tl.constexpr):
+    """Copy ``n_bytes`` from address ``src_addr`` to ``dst_addr`` (int64 scalars) in tiles of
+    ``TILE`` bytes, ``WIDTH``-byte aligned; full tiles unmasked so they vectorize."""
+    if WIDTH == 16:
+        # 16-byte rows: 4 x int32 per thread; the hints let the compiler emit 128-bit accesses.
+        p_src = tl.multiple_of(src_addr.to(tl.pointer_type(tl.int32)), 16)
+        p_dst = tl.multiple_of(dst_addr.to(tl.pointer_type(tl.int32)), 16)
+        n = tl.multiple_of(n_bytes // 4, 4)
+        ELEMS: tl.constexpr = TILE // 4
+    elif WIDTH == 4:
+        p_src = src_addr.to(tl.pointer_type(tl.int32))
+        p_dst = dst_addr.to(tl.pointer_type(tl.int32))
+        n = n_bytes // 4
+        ELEMS: tl.constexpr = TILE // 4
+    else:
+        p_src = src_addr.to(tl.pointer_type(tl.uint8))
+        p_dst = dst_addr.to(tl.pointer_type(tl.uint8))
+        n = n_bytes
+        ELEMS: tl.constexpr = TILE
+    o_t = tl.arange(0, ELEMS)  # [ELEMS]
+    n_full = n // ELEMS * ELEMS
+    for start in range(0, n_full, ELEMS):
+        b_x = tl.load(p_src + start + o_t, eviction_policy="evict_first")
+        tl.store(p_dst + start + o_t, b_x)
+    if n_full < n:
+        o_tail = n_full + o_t
+        m_tail = o_tail < n
+        b_x = tl.load(p_src + o_tail, mask=m_tail, eviction_policy="evict_first")
+        tl.store(p_dst + o_tail, b_x, mask=m_tail)
+
+
+@triton.jit
+def _copy_blocks_kernel(
+    p_pairs,
+    p_step_groups,
+    p_rows,
+    p_units,
+    cpu_addr,
+    cpu_block_bytes,
+    num_groups,
+    TO_CPU: tl.constexpr,
+    TILE: tl.constexpr,
+):
+    """Copy every (pair, unit) of one step between GPU blocks and CPU blocks.
+
+    Grid: ``(num_programs,)``, persistent. The work of group g is ``pair_count[g] x unit_count[g]``
+    items (item w: pair ``w // unit_count``, unit ``w % unit_count``); items are numbered across
+    groups and program i takes the items congruent to i modulo the grid size.
+
+    Pointers (all int64): ``p_pairs`` ``[n, 2]`` (gpu block, cpu block), sorted by group;
+    ``p_step_groups`` ``[G, 4]`` (unit start, unit count, pair start, pair count);
+    ``p_rows`` ``[R, 5]`` and ``p_units`` ``[U, 3]`` as in the module docstring. ``cpu_addr`` is
+    the device address of CPU block 0 and ``cpu_block_bytes`` the pool's row pitch.
+    ``TO_CPU`` selects the store (gather into the CPU pool) or the load (scatter into GPU blocks).
+    """
+    i_prog = tl.program_id(0).to(tl.int64)
+    n_prog = tl.num_programs(0).to(tl.int64)
+    done = i_prog * 0
+    for i_g in range(num_groups):
+        unit_start = tl.load(p_step_groups + i_g * 4 + 0)
+        unit_count = tl.load(p_step_groups + i_g * 4 + 1)
+        pair_start = tl.load(p_step_groups + i_g * 4 + 2)
+        pair_count = tl.load(p_step_groups + i_g * 4 + 3)
+        n_work = pair_count * unit_count
+        # Continue the round-robin where the previous group left off, so small groups do not all
+        # land on the first programs.
+        first = (i_prog - done % n_prog + n_prog) % n_prog
+        for w in range(first, n_work, n_prog):
+            i_pair = pair_start + w // unit_count
+            i_unit = unit_start + w % unit_count
+            gpu_block = tl.load(p_pairs + i_pair * 2 + 0)
+            cpu_block = tl.load(p_pairs + i_pair * 2 + 1)
+            row = tl.load(p_units + i_unit * 3 + 0)
+            byte_start = tl.load(p_units + i_unit * 3 + 1)
+            n_bytes = tl.load(p_units + i_unit * 3 + 2)
+            gpu_base = tl.load(p_rows + row * 5 + 0)
+            gpu_stride = tl.load(p_rows + row * 5 + 1)
+            cpu_offset = tl.load(p_rows + row * 5 + 3)
+            width = tl.load(p_rows + row * 5 + 4)
+            gpu_at = gpu_base + gpu_block * gpu_stride + byte_start
+            cpu_at = cpu_addr + cpu_block * cpu_block_bytes + cpu_offset + byte_start
+            if TO_CPU:
+                src_at = gpu_at
+                dst_at = cpu_at
+            else:
+                src_at = cpu_at
+                dst_at = gpu_at
+            if width == 16:
+                _copy_span(src_at, dst_at, n_bytes, 16, TILE)
+            elif width == 4:
+                _copy_span(src_at, dst_at, n_bytes, 4, TILE)
+            else:
+                _copy_span(src_at, dst_at, n_bytes, 1, TILE)
+        done += n_work
+
+
+@dataclass(frozen=True, slots=True)
+class CopyTable:
+    """The static tables of one engine (see the module docstring), on the GPU tensors' device.
+
+    ``num_gpu_blocks[g]`` bounds group g's GPU ids; ``group_units_host`` is ``group_units`` on the
+    host, so a launch needs no device read.
+    """
+
+    rows: torch.Tensor
+    units: torch.Tensor
+    group_units_host: np.ndarray
+    num_gpu_blocks: tuple[int, ...]
+    cpu_block_bytes: int
+    device: torch.device
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.num_gpu_blocks)
+
+
+def _as_ids(name: str, values) -> np.ndarray:
+    if isinstance(values, torch.Tensor):
+        if values.device.type != "cpu":
+            raise ValueError(f"{name} must be host (CPU) ids, got a tensor on {values.device}")
+        values = values.numpy()
+    arr = np.asarray(values)
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
+    return arr.astype(np.int64, copy=False)
+
+
+def _check_range(name: str, ids: np.ndarray, upper: int) -> None:
+    bad = (ids < 0) | (ids >= upper)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"{name}[{i}]={int(ids[i])} is out of range [0, {upper})")
+
+
+def validate_pairs(table: CopyTable, num_cpu_blocks: int, direction: str,
+                   gpu_blocks, cpu_blocks, groups) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Check one step's pairs against ``table`` and return them as int64 arrays.
+
+    Raises ``ValueError`` naming the bad value: unequal lengths, a group or block id out of
+    range, or a destination written twice (a store's CPU block, a load's (group, GPU block)).
+    """
+    if direction not in ("store", "load"):
+        raise ValueError(f"direction must be 'store' or 'load', got {direction!r}")
+    gpu = _as_ids("gpu_blocks", gpu_blocks)
+    cpu = _as_ids("cpu_blocks", cpu_blocks)
+    grp = _as_ids("groups", groups)
+    if not len(gpu) == len(cpu) == len(grp):
+        raise ValueError(f"gpu_blocks, cpu_blocks and groups must have equal lengths, got "
+                         f"{len(gpu)}, {len(cpu)} and {len(grp)}")
+    if len(gpu) == 0:
+        return gpu, cpu, grp
+    _check_range("groups", grp, table.num_groups)
+    limits = np.asarray(table.num_gpu_blocks, dtype=np.int64)[grp]
+    bad = (gpu < 0) | (gpu >= limits)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"gpu_blocks[{i}]={int(gpu[i])} is out of range [0, {int(limits[i])}) "
+                         f"for group {int(grp[i])}")
+    _check_range("cpu_blocks", cpu, num_cpu_blocks)
+    # A destination written twice in one launch is a race between programs: refuse it.
+    dest = cpu if direction == "store" else grp * (int(limits.max()) + 1) + gpu
+    _, first, counts = np.unique(dest, return_index=True, return_counts=True)
+    if (counts > 1).any():
+        i = int(first[np.flatnonzero(counts > 1)[0]])
+        what = (f"cpu_blocks[{i}]={int(cpu[i])}" if direction == "store"
+                else f"gpu_blocks[{i}]={int(gpu[i])} (group {int(grp[i])})")
+        raise ValueError(f"{direction}: destination {what} appears more than once")
+    return gpu, cpu, grp
+
+
+def _check_pool(table: CopyTable, cpu_pool: torch.Tensor) -> None:
+    if not isinstance(cpu_pool, torch.Tensor):
+        raise ValueError(f"cpu_pool must be a torch.Tensor, got {type(cpu_pool).__name__}")
+    if cpu_pool.dtype != torch.uint8 or cpu_pool.dim() != 2:
+        raise ValueError(f"cpu_pool must be a 2-D uint8 tensor, got {cpu_pool.dtype} "
+                         f"{tuple(cpu_pool.shape)}")
+    if cpu_pool.shape[1] != table.cpu_block_bytes:
+        raise ValueError(f"cpu_pool row bytes {cpu_pool.shape[1]} != cpu_block_bytes "
+                         f"{table.cpu_block_bytes}")
+    if not cpu_pool.is_contiguous():
+        raise ValueError(f"cpu_pool must be contiguous, got strides {cpu_pool.stride()}")
+    if cpu_pool.device.type != "cpu":
+        raise ValueError(f"cpu_pool must live in host memory, got device {cpu_pool.device}")
+    if cpu_pool.data_ptr() % 16:
+        raise ValueError(f"cpu_pool address {cpu_pool.data_ptr():#x} is not 16-byte aligned")
+    if table.device.type == "cuda" and not cpu_pool.is_pinned():
+        raise ValueError("cpu_pool is not pinned (page-locked); a CUDA copy kernel cannot "
+                         "address pageable host memory")
+
+
+def copy_blocks(
+    direction: str,
+    table: CopyTable,
+    cpu_pool: torch.Tensor,
+    gpu_blocks,
+    cpu_blocks,
+    groups,
+    *,
+    sm_budget: int = DEFAULT_SM_BUDGET,
+    cpu_pool_device_ptr: int | None = None,
+    tile_bytes: int = TILE_BYTES,
+    num_warps: int = NUM_WARPS,
+    ids_checked: bool = False,
+) -> int:
+    """Move blocks between GPU KV tensors and ``cpu_pool`` in one launch on the current stream.
+
+    ``direction`` is ``"store"`` (GPU block ``gpu_blocks[i]`` of group ``groups[i]`` -> CPU block
+    ``cpu_blocks[i]``) or ``"load"`` (the reverse). Ids are host sequences (lists, numpy or CPU
+    tensors). ``cpu_pool`` is the ``[num_cpu_blocks, cpu_block_bytes]`` uint8 pool; with CUDA it
+    must be pinned, and ``cpu_pool_device_ptr`` is its device address when that differs from the
+    host one. At most ``sm_budget`` programs run. Everything is validated before the launch
+    (``ValueError`` naming the bad value; nothing is written then). ``ids_checked=True`` skips
+    the id checks for int64 arrays that ``validate_pairs`` already returned for this table and
+    pool (the engine validates a whole step before starting either direction). Returns the
+    number of pairs.
+    """
+    if direction not in ("store", "load"):
+        raise ValueError(f"direction must be 'store' or 'load', got {direction!r}")
+    if not isinstance(sm_budget, int) or isinstance(sm_budget, bool) or sm_budget <= 0:
+        raise ValueError(f"sm_budget must be a positive int, got {sm_budget!r}")
+    if tile_bytes <= 0 or tile_bytes % 16 or tile_bytes & (tile_bytes - 1):
+        raise ValueError(f"tile_bytes must be a power of two multiple of 16, got {tile_bytes}")
+    _check_pool(table, cpu_pool)
+    if ids_checked:
+        gpu, cpu, grp = gpu_blocks, cpu_blocks, groups
+    else:
+        gpu, cpu, grp = validate_pairs(table, cpu_pool.shape[0], direction,
+                                       gpu_blocks, cpu_blocks, groups)
+    n = len(gpu)
+    if n == 0:
+        return 0
+    if table.device.type != "cuda" and not INTERPRETED:
+        raise ValueError(f"the Triton copy kernel needs CUDA tensors or TRITON_INTERPRET=1; the "
+                         f"KV tensors are on {table.device}")
+
+    num_groups = table.num_groups
+    order = np.argsort(grp, kind="stable")
+    counts = np.bincount(grp, minlength=num_groups)
+    step = np.empty((num_groups, 4), dtype=np.int64)
+    step[:, :2] = table.group_units_host
+    step[:, 2] = np.cumsum(counts) - counts
+    step[:, 3] = counts
+    total_work = int((step[:, 1] * step[:, 3]).sum())
+    if total_work == 0:
+        return n
+
+    # One host buffer, one host-to-device copy per launch.
+    host = torch.empty(num_groups * 4 + 2 * n, dtype=torch.int64,
+                       pin_memory=table.device.type == "cuda")
+    host_np = host.numpy()
+    host_np[: num_groups * 4] = step.reshape(-1)
+    pairs_np = host_np[num_groups * 4:].reshape(n, 2)
+    pairs_np[:, 0] = gpu[order]
+    pairs_np[:, 1] = cpu[order]
+    dev = host.to(table.device, non_blocking=True)
+
+    cpu_addr = cpu_pool.data_ptr() if cpu_pool_device_ptr is None else int(cpu_pool_device_ptr)
+    grid = (min(sm_budget, total_work),)
+    _copy_blocks_kernel[grid](
+        dev[num_groups * 4:], dev[: num_groups * 4], table.rows, table.units,
+        cpu_addr, table.cpu_block_bytes, num_groups,
+        TO_CPU=direction == "store", TILE=tile_bytes, num_warps=num_warps,
+    )
+    return n
