@@ -1,9 +1,12 @@
 """A tiny scheduler around ``OffloadPlanner`` for tests: exact control over every step.
 
 It does what a vLLM scheduler does around a connector, and nothing more: a GPU prefix-cache
-lookup, the planner's lookup, allocation, ``update_state_after_alloc``, ``build_meta`` before the
-step's tokens count as computed, caching of full blocks, and finish (blocks freed tail first).
-Transfers complete only when the test says so.
+lookup, the planner's lookup, allocation (null pages for sliding-window blocks already out of the
+window), ``update_state_after_alloc``, ``build_meta`` before the step's tokens count as computed,
+caching of full blocks, optional freeing of sliding-window blocks that left the window, preemption
+and resumption, and finish (blocks freed tail first). Transfers complete only when the test says
+so; the harness remembers every transfer in flight so that ``check_invariants`` can account for
+every reference the planner holds.
 """
 
 from __future__ import annotations
@@ -13,12 +16,18 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvtriton.hashing import HashIndex, chain_hashes
+from kvtriton.lookup import find_longest_hit
 from kvtriton.planner import OffloadPlanner, PlannerConfig, PlannerMeta, Request, StepOutput
 from kvtriton.planner.records import request_keys
-from kvtriton.pool import BlockPool
-from kvtriton.specs import FullAttentionSpec, KVLayout
+from kvtriton.pool import NULL_BLOCK, BlockPool
+from kvtriton.specs import FullAttentionSpec, KVLayout, SlidingWindowSpec
 
 LLAMA_TINY = KVLayout([FullAttentionSpec(16, 1, 8, 1)], name="tiny")
+# One full-attention group of 32-token blocks hashed every 16 tokens: every block has an alias.
+ALIAS_TINY = KVLayout([FullAttentionSpec(32, 1, 8, 1)], hash_block_size=16, name="alias")
+# Full attention plus a 40-token sliding window, both with 16-token blocks.
+HYBRID_TINY = KVLayout([FullAttentionSpec(16, 1, 8, 1),
+                        SlidingWindowSpec(16, 1, 8, 1, sliding_window=40)], name="hybrid")
 
 
 def tokens_for(prefix: int, n: int) -> list[int]:
@@ -29,23 +38,50 @@ def tokens_for(prefix: int, n: int) -> list[int]:
 @dataclass
 class Running:
     req: Request
-    tables: list[list[int]]
-    new: list[list[int]] = field(default_factory=list)
-    cached: int = 0  # blocks of group 0 already cached in the GPU pool
+    tables: list[list[int]]  # the scheduler's view: NULL where a page was never or no longer held
+    new: list[list[int]] = field(default_factory=list)  # block ids not yet sent to the planner
+    cached: list[int] = field(default_factory=list)  # leading positions already hashed, per group
+    resumed: bool = False
+
+
+@dataclass
+class StoreInFlight:
+    gpu: list[int]
+    cpu: list[int]
+    groups: list[int]
+    keys: list[tuple[int, ...]]  # every key of each GPU source, as the store will register it
+    reports: int = 0
 
 
 class Harness:
+    """``free_out_of_window``: free sliding-window blocks once they leave the window (vLLM's
+    ``remove_skipped_blocks``); the planner keeps their ids, which may then be reused."""
+
     def __init__(self, layout: KVLayout = LLAMA_TINY, num_gpu_blocks: int = 256,
-                 cpu: int | BlockPool = 64, config: PlannerConfig | None = None) -> None:
+                 cpu: int | BlockPool = 64, config: PlannerConfig | None = None,
+                 free_out_of_window: bool = False) -> None:
         self.layout = layout
         self.index = HashIndex()
         self.gpu = BlockPool(num_gpu_blocks)
         self.planner = OffloadPlanner(layout, self.gpu, cpu, config)
         self.cpu = self.planner.cpu_pool
+        self.free_out_of_window = free_out_of_window
         self.running: dict[str, Running] = {}
+        self.preempted: dict[str, Request] = {}
         self.order: list[str] = []
+        self._preempted_now: set[str] = set()
+        self.stores: dict[int, StoreInFlight] = {}
+        self.loads: dict[int, tuple[list[int], list[int], list[str]]] = {}
+        # CPU block -> the keys its last completed store registered (for the invariants).
+        self.registered: dict[int, tuple[int, ...]] = {}
+
+    @property
+    def G(self) -> int:
+        return self.layout.num_groups
 
     def request(self, rid: str, tokens: list[int], output: int = 0) -> Request:
+        """A request whose prompt is ``tokens`` minus the last ``output`` ones (which decode
+        steps produce; their keys are known up front)."""
         hashes = chain_hashes(tokens, self.layout.hash_block_size)
         keys = request_keys(self.layout, self.index, hashes)
         return Request(rid, keys, num_prompt_tokens=len(tokens) - output,
@@ -53,116 +89,273 @@ class Harness:
 
     # ---- scheduling -----------------------------------------------------------------------
 
+    def _skipped(self, g: int, computed: int) -> int:
+        """Leading blocks of group g a sliding window no longer needs at ``computed`` tokens."""
+        spec = self.layout.groups[g]
+        if spec.kind != "sliding_window":
+            return 0
+        return max(0, computed - spec.sliding_window + 1) // spec.block_size
+
+    def blocks_needed(self, req: Request, num_tokens: int | None = None) -> int:
+        n = req.num_tokens if num_tokens is None else num_tokens
+        return sum(-(-n // g.block_size) for g in self.layout.groups)
+
     def admit(self, req: Request, accept: int | None = None) -> tuple[int, int]:
-        """Schedule a new request: GPU hit, CPU hit (``accept`` caps what the scheduler takes),
-        allocation. Returns (gpu_hit_tokens, cpu_tokens_accepted)."""
-        B = self.layout.groups[0].block_size
-        r = B // self.layout.hash_block_size
-        prim = req.keys[0, r - 1::r].tolist()
-        gpu_hit = []
-        for k in prim:
-            b = self.gpu.get_cached_block(k)
-            if b is None:
-                break
-            gpu_hit.append(b)
-        gpu_hit = gpu_hit[:max(0, (req.num_tokens - 1) // B)]
-        local = len(gpu_hit) * B
+        """Schedule a new (or resume a preempted) request: GPU hit, CPU hit (``accept`` caps
+        what the scheduler takes), allocation. Returns (gpu_hit_tokens, cpu_tokens_accepted)."""
+        rid = req.request_id
+        resumed = self.preempted.pop(rid, None) is not None
+        hbs = self.layout.hash_block_size
+        keys = req.keys[:, :min(req.keys.shape[1], req.num_tokens // hbs)].tolist()
+        hit = find_longest_hit(self.layout, self.gpu, keys, req.num_tokens - 1)
+        local = hit.num_tokens
         ext, _ = self.planner.get_num_new_matched_tokens(req, local)
         if accept is not None:
             ext = min(ext, accept)
-        n_blocks = -(-req.num_tokens // B)
-        self.gpu.touch(gpu_hit)
-        new = self.gpu.get_new_blocks(n_blocks - len(gpu_hit))
-        table = gpu_hit + new
-        self.planner.update_state_after_alloc(req, (table,), ext)
-        req.num_computed_tokens = local + ext
-        run = Running(req, [table], [list(table)], cached=len(gpu_hit))
-        self.running[req.request_id] = run
-        self.order.append(req.request_id)
-        self._cache_full(run, upto=req.num_computed_tokens)
+        computed = local + ext
+        tables, cached = [], []
+        for g, spec in enumerate(self.layout.groups):
+            held = hit.blocks[g]
+            self.gpu.touch([b for b in held if b != NULL_BLOCK])
+            n_blocks = -(-req.num_tokens // spec.block_size)
+            skip = self._skipped(g, computed)
+            nulls = max(0, min(skip, n_blocks) - len(held))
+            fresh = self.gpu.get_new_blocks(n_blocks - len(held) - nulls)
+            tables.append(list(held) + [NULL_BLOCK] * nulls + fresh)
+            cached.append(len(held))
+        self.planner.update_state_after_alloc(req, tuple(tables), ext)
+        req.num_computed_tokens = computed
+        run = Running(req, tables, [list(t) for t in tables], cached, resumed=resumed)
+        self.running[rid] = run
+        self.order.append(rid)
+        self._cache_full(run, upto=local)
         return local, ext
 
+    def resume(self, rid: str, accept: int | None = None) -> tuple[int, int]:
+        return self.admit(self.preempted[rid], accept)
+
     def _cache_full(self, run: Running, upto: int) -> None:
-        B = self.layout.groups[0].block_size
-        r = B // self.layout.hash_block_size
-        table = run.tables[0]
-        while run.cached < min(upto // B, len(table), run.req.keys.shape[1] // r):
-            i = run.cached
-            keys = run.req.keys[0, i * r:(i + 1) * r].tolist()
-            if self.gpu.block_hash(table[i]) is None:
-                self.gpu.cache_block(table[i], keys[-1], keys[:-1])
-            run.cached += 1
+        hbs = self.layout.hash_block_size
+        for g, spec in enumerate(self.layout.groups):
+            r = spec.block_size // hbs
+            table = run.tables[g]
+            while run.cached[g] < min(upto // spec.block_size, len(table),
+                                      run.req.keys.shape[1] // r):
+                i = run.cached[g]
+                b = table[i]
+                if b != NULL_BLOCK and self.gpu.block_hash(b) is None:
+                    keys = run.req.keys[g, i * r:(i + 1) * r].tolist()
+                    self.gpu.cache_block(b, keys[-1], keys[:-1])
+                run.cached[g] += 1
+
+    def _drop_out_of_window(self, run: Running) -> None:
+        for g in range(self.G):
+            table = run.tables[g]
+            for i in range(min(self._skipped(g, run.req.num_computed_tokens), len(table))):
+                if table[i] != NULL_BLOCK and i < run.cached[g]:
+                    self.gpu.free_blocks([table[i]])
+                    table[i] = NULL_BLOCK
+
+    def grow_need(self, rid: str, n: int) -> int:
+        """GPU blocks that scheduling ``n`` more tokens of ``rid`` would allocate."""
+        run = self.running[rid]
+        total = max(run.req.num_tokens, run.req.num_computed_tokens + n)
+        return sum(max(0, -(-total // spec.block_size) - len(run.tables[g]))
+                   for g, spec in enumerate(self.layout.groups))
 
     def step(self, scheduled: dict[str, int] | None = None, decode: bool = False,
              **extra) -> PlannerMeta:
         """One step: ``scheduled[rid]`` tokens per request (default: the rest of the prompt, or 1
-        when ``decode``). build_meta sees the tokens computed before this step."""
+        when ``decode``; nothing for a request waiting for its CPU load). build_meta sees the
+        tokens computed before this step. Sliding-window blocks out of the window are freed after
+        the step when ``free_out_of_window``."""
         if scheduled is None:
             scheduled = {}
             for rid, run in self.running.items():
+                if self.planner.load_pending(rid):
+                    continue
                 left = run.req.num_tokens - run.req.num_computed_tokens
                 scheduled[rid] = left if left > 0 else (1 if decode else 0)
-        B = self.layout.groups[0].block_size
-        new_ids = {}
+        new_ids, resumed = {}, set()
         for rid, n in scheduled.items():
             run = self.running[rid]
             req = run.req
             grow = req.num_computed_tokens + n - req.num_tokens
             if grow > 0:  # decode: the sequence gets longer
                 req.num_tokens += grow
-                need = -(-req.num_tokens // B) - len(run.tables[0])
-                if need > 0:
-                    blocks = self.gpu.get_new_blocks(need)
-                    run.tables[0] += blocks
-                    run.new[0] += blocks
-            if run.new[0]:
-                new_ids[rid] = (run.new[0],)
-                run.new = [[]]
+                for g, spec in enumerate(self.layout.groups):
+                    need = -(-req.num_tokens // spec.block_size) - len(run.tables[g])
+                    if need > 0:
+                        blocks = self.gpu.get_new_blocks(need)
+                        run.tables[g] += blocks
+                        run.new[g] += blocks
+            if any(run.new):
+                new_ids[rid] = tuple(run.new)
+                run.new = [[] for _ in range(self.G)]
+                if run.resumed:
+                    resumed.add(rid)
+                    run.resumed = False
         order = [r for r in self.order if r in scheduled]
+        preempted, self._preempted_now = self._preempted_now, set()
         step = StepOutput(num_scheduled_tokens=dict(scheduled), new_block_ids=new_ids,
-                          order=order, **extra)
+                          order=order, preempted_req_ids=preempted | extra.pop(
+                              "preempted_req_ids", set()),
+                          resumed_req_ids=resumed | extra.pop("resumed_req_ids", set()), **extra)
         meta = self.planner.build_meta(step)
+        self._record(meta)
         for rid, n in scheduled.items():
             run = self.running[rid]
             if self.planner.load_pending(rid):
                 continue
             run.req.num_computed_tokens += n
             self._cache_full(run, run.req.num_computed_tokens)
+            if self.free_out_of_window:
+                self._drop_out_of_window(run)
         return meta
 
-    def complete(self, meta: PlannerMeta, stores: bool = True, loads: bool = True) -> None:
+    def _record(self, meta: PlannerMeta) -> None:
+        s = meta.store
+        if s.event >= 0:
+            self.stores[s.event] = StoreInFlight(
+                list(s.gpu_blocks), list(s.cpu_blocks), list(s.groups),
+                [self.gpu.block_keys(b) for b in s.gpu_blocks])
+        ld = meta.load
+        if ld.event >= 0:
+            self.loads[ld.event] = (list(ld.gpu_blocks), list(ld.cpu_blocks),
+                                    list(meta.load_event_to_reqs[ld.event]))
+
+    # ---- completions ------------------------------------------------------------------------
+
+    def complete_stores(self, events, reports: int | None = None, failed=()) -> None:
+        """``reports`` worker reports for each event (default: all of ``world_size``)."""
         world = self.planner.config.world_size
-        finished = []
+        n = world if reports is None else reports
+        done = {ev: n for ev in events}
+        self.planner.update_connector_output(completed_stores=done, failed_stores=list(failed))
+        for ev in events:
+            st = self.stores[ev]
+            st.reports += n
+            if st.reports >= world:
+                self._store_done(ev)
+        for ev in failed:
+            st = self.stores.pop(ev)
+            for c in st.cpu:
+                self.registered.pop(c, None)
+
+    def _store_done(self, ev: int) -> None:
+        st = self.stores.pop(ev)
+        for c, keys in zip(st.cpu, st.keys):
+            self.registered[c] = keys
+
+    def complete_loads(self, events, failed: bool = False) -> None:
+        rids = [r for ev in events for r in self.loads.pop(ev)[2]]
+        if failed:
+            self.planner.update_connector_output(failed_loads=rids)
+        else:
+            self.planner.update_connector_output(finished_loads=rids)
+        for rid in rids:
+            run = self.running.get(rid)
+            if run is not None and not self.planner.load_pending(rid):
+                self._cache_full(run, run.req.num_computed_tokens)
+
+    def complete(self, meta: PlannerMeta, stores: bool = True, loads: bool = True) -> None:
         if loads and meta.load.event >= 0:
-            finished = meta.load_event_to_reqs.get(meta.load.event, [])
-        done = {meta.store.event: world} if stores and meta.store.event >= 0 else {}
-        self.planner.update_connector_output(finished_loads=list(finished),
-                                             completed_stores=done)
+            self.complete_loads([meta.load.event])
+        if stores and meta.store.event >= 0:
+            self.complete_stores([meta.store.event])
+
+    def complete_all(self) -> None:
+        self.complete_loads(list(self.loads))
+        self.complete_stores(list(self.stores))
+
+    def abandon_tracking(self) -> None:
+        """After ``planner.reset()``: the harness forgets its requests (their GPU blocks are
+        freed); transfers in flight stay tracked until completed."""
+        for rid in list(self.running):
+            self._free_tables(self.running.pop(rid))
+        self.preempted.clear()
+        self.order.clear()
+
+    # ---- finish and preemption ----------------------------------------------------------------
+
+    def _free_tables(self, run: Running) -> None:
+        for table in run.tables:
+            self.gpu.free_blocks([b for b in reversed(table) if b != NULL_BLOCK])
 
     def finish(self, rid: str) -> None:
+        if rid in self.preempted:
+            self.planner.request_finished(self.preempted.pop(rid))
+            return
         run = self.running.pop(rid)
         self.order.remove(rid)
         self.planner.request_finished(run.req)
-        self.gpu.free_blocks(list(reversed(run.tables[0])))
+        self._free_tables(run)
 
     def preempt(self, rid: str) -> None:
-        run = self.running[rid]
-        self.gpu.free_blocks(list(reversed(run.tables[0])))
-        run.tables = [[]]
-        run.cached = 0
+        """Preempt by recompute: blocks freed now, the next step reports it preempted."""
+        run = self.running.pop(rid)
+        self.order.remove(rid)
+        self._free_tables(run)
         run.req.num_computed_tokens = 0
+        run.req.num_output_placeholders = 0
+        self.preempted[rid] = run.req
+        self._preempted_now.add(rid)
 
     # ---- inspection -----------------------------------------------------------------------
 
-    def cpu_prefix_blocks(self, req: Request) -> int:
-        """Leading primary keys of ``req`` present in the CPU pool."""
+    def cpu_prefix_blocks(self, req: Request, group: int = 0) -> int:
+        """Leading primary keys of ``req``'s group ``group`` present in the CPU pool."""
         n = 0
-        for k in req.keys[0].tolist():
+        for k in self.primary_keys(req, group).tolist():
             if k not in self.cpu:
                 break
             n += 1
         return n
 
-    def primary_keys(self, req: Request) -> np.ndarray:
-        r = self.layout.groups[0].block_size // self.layout.hash_block_size
-        return req.keys[0, r - 1::r]
+    def primary_keys(self, req: Request, group: int = 0) -> np.ndarray:
+        r = self.layout.groups[group].block_size // self.layout.hash_block_size
+        return req.keys[group, r - 1::r]
+
+    def evict_cpu_key(self, key: int) -> None:
+        b = self.cpu.get_cached_block(int(key))
+        assert b is not None and self.cpu.evict_cached(b), f"key {key} not evictable"
+
+    def free_cached_cpu_blocks(self) -> list[int]:
+        """CPU blocks that are free but still cached, in eviction order."""
+        return [b for b in self.cpu.iter_free() if self.cpu.block_hash(b) is not None]
+
+    def check_invariants(self) -> None:
+        """Every reference in both pools accounted for (call between steps, with no finish
+        flush queued): CPU blocks are held only by stores and loads in flight, GPU blocks by the
+        running requests' tables plus those transfers; no CPU block is the destination of two
+        stores; every CPU key was registered by a completed store of a GPU block holding it."""
+        self.gpu.check_invariants()
+        self.cpu.check_invariants()
+        cpu_ref = [0] * self.cpu.num_blocks
+        gpu_ref = [0] * self.gpu.num_blocks
+        dests: set[int] = set()
+        for st in self.stores.values():
+            for c in st.cpu:
+                assert c not in dests, f"CPU block {c} is the destination of two stores"
+                dests.add(c)
+                cpu_ref[c] += 1
+            for b in st.gpu:
+                gpu_ref[b] += 1
+        for gpu, cpu, _ in self.loads.values():
+            for c in cpu:
+                cpu_ref[c] += 1
+            for b in gpu:
+                gpu_ref[b] += 1
+        for run in self.running.values():
+            for table in run.tables:
+                for b in table:
+                    if b != NULL_BLOCK:
+                        gpu_ref[b] += 1
+        assert self.cpu.ref_cnt == cpu_ref, "CPU references not accounted for"
+        assert self.gpu.ref_cnt == gpu_ref, "GPU references not accounted for"
+        for c in range(1, self.cpu.num_blocks):
+            keys = self.cpu.block_keys(c)
+            if keys:
+                assert keys == self.registered.get(c), (
+                    f"CPU block {c} holds {keys}, its last completed store carried "
+                    f"{self.registered.get(c)}")

@@ -6,10 +6,10 @@ import re
 
 import pytest
 import torch
-from kvtriton.kernels.reference import load_blocks_loop, store_blocks_loop
 
 from kvtriton import TransferEngine
 from kvtriton.engine import allocate_kv_caches, segment_views
+from kvtriton.kernels.reference import load_blocks_loop, store_blocks_loop
 from kvtriton.planner.records import PlannerMeta, Transfer
 from kvtriton.specs import FullAttentionSpec, KVLayout, MambaSpec, SlidingWindowSpec
 

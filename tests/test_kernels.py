@@ -14,6 +14,8 @@ import re
 import numpy as np
 import pytest
 import torch
+
+from kvtriton.engine import allocate_host_pool, allocate_kv_caches, build_copy_table, segment_views
 from kvtriton.kernels.copy_blocks import copy_blocks
 from kvtriton.kernels.reference import (
     load_blocks_loop,
@@ -21,8 +23,6 @@ from kvtriton.kernels.reference import (
     store_blocks_loop,
     store_blocks_ref,
 )
-
-from kvtriton.engine import allocate_host_pool, allocate_kv_caches, build_copy_table, segment_views
 from kvtriton.specs import FullAttentionSpec, KVLayout, MambaSpec, SlidingWindowSpec
 
 SENTINEL = 0xA5
