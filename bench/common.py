@@ -50,7 +50,7 @@ def machine_info() -> dict:
 
 
 def write_result(name: str, payload: dict, results_dir: Path | None = None) -> Path:
-    """Write ``payload`` plus ``machine_info()`` to ``<results_dir>/<name>.json``; return the path."""
+    """Write ``payload`` plus ``machine_info()`` to ``<results_dir>/<name>.json``; return it."""
     out_dir = Path(results_dir) if results_dir is not None else RESULTS_DIR
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{name}.json"

@@ -9,9 +9,10 @@ the victim. Unhashed blocks hold nothing worth keeping, so every policy hands th
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from collections.abc import Iterator
 
-__all__ = ["POLICIES", "EvictionPolicy", "LRUPolicy", "make_policy"]
+__all__ = ["POLICIES", "ARCPolicy", "EvictionPolicy", "LRUPolicy", "S3FIFOPolicy", "make_policy"]
 
 
 class EvictionPolicy(ABC):
@@ -158,7 +159,242 @@ class LRUPolicy(EvictionPolicy):
         return iter(self._q)
 
 
-POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy}
+def _skip_past(order: Iterator[int], after: int) -> Iterator[int]:
+    """``order`` from the block following ``after`` on (O(position of ``after``) to find it)."""
+    for b in order:
+        if b == after:
+            break
+    return order
+
+
+def _remember(ghost: OrderedDict[int, None], key: int, limit: int) -> None:
+    ghost[key] = None
+    ghost.move_to_end(key)
+    while len(ghost) > limit:
+        ghost.popitem(last=False)
+
+
+class ARCPolicy(EvictionPolicy):
+    """Adaptive replacement (Megiddo & Modha, FAST'03) over the free blocks.
+
+    T1 holds free blocks whose content has been used by one holder since it was cached; T2 those
+    taken back by a hit (``remove``) at least once, which return to T2's MRU end when freed again.
+    B1 and B2 are ghost lists of the keys of blocks evicted from T1 and T2, each bounded by the
+    pool size. A freshly cached block whose key is in B1 raises the target size ``p`` of T1 by
+    ``max(1, |B2| // |B1|)``; one in B2 lowers it by ``max(1, |B1| // |B2|)``; either way it
+    enters T2, as in ARC (vLLM's ``ARCOffloadingManager`` enters it in T1 and adapts on touch).
+    ``pop`` takes T1's LRU block while ``|T1| > p`` (or T2 is empty), else T2's LRU block.
+
+    Only free blocks live here, so ``p`` steers the free part of the pool; referenced blocks are
+    outside any list. Every operation is O(1); ``iter_blocks(after)`` finds ``after`` by walking.
+    """
+
+    name = "arc"
+
+    def reset(self, num_blocks: int) -> None:
+        self._cap = max(1, num_blocks - 1)
+        self._unhashed = _LinkedQueue(num_blocks)
+        self._t1 = _LinkedQueue(num_blocks)
+        self._t2 = _LinkedQueue(num_blocks)
+        self._b1: OrderedDict[int, None] = OrderedDict()
+        self._b2: OrderedDict[int, None] = OrderedDict()
+        self.p = 0
+        # Per block: content not yet seen by a hashed push (handed out since), and the list it
+        # last left (1: T1, 2: T2) so that ``on_evicted`` knows its ghost list.
+        self._fresh = bytearray(b"\x01") * num_blocks
+        self._left = bytearray(num_blocks)
+
+    def push(self, block_id: int, key: int | None) -> None:
+        if key is None:
+            self._fresh[block_id] = 1
+            self._unhashed.appendleft(block_id)
+            return
+        if not self._fresh[block_id]:
+            self._t2.append(block_id)  # back from a hit: used twice
+            return
+        self._fresh[block_id] = 0
+        b1, b2 = self._b1, self._b2
+        if key in b1:
+            self.p = min(self.p + max(1, len(b2) // len(b1)), self._cap)
+            del b1[key]
+            self._t2.append(block_id)
+        elif key in b2:
+            self.p = max(self.p - max(1, len(b1) // len(b2)), 0)
+            del b2[key]
+            self._t2.append(block_id)
+        else:
+            self._t1.append(block_id)
+
+    def remove(self, block_id: int) -> None:
+        if block_id in self._t1:
+            self._t1.remove(block_id)
+            self._left[block_id] = 1
+        elif block_id in self._t2:
+            self._t2.remove(block_id)
+            self._left[block_id] = 2
+        else:
+            self._unhashed.remove(block_id)
+
+    def _take_t1(self, n1: int, n2: int) -> bool:
+        return n1 > 0 and (n1 > self.p or n2 == 0)
+
+    def pop(self) -> int:
+        if len(self._unhashed):
+            b = self._unhashed.popleft()
+        elif self._take_t1(len(self._t1), len(self._t2)):
+            b = self._t1.popleft()
+            self._left[b] = 1
+        else:
+            b = self._t2.popleft()  # IndexError when every list is empty
+            self._left[b] = 2
+        self._fresh[b] = 1
+        return b
+
+    def on_evicted(self, block_id: int, key: int) -> None:
+        ghost = self._b1 if self._left[block_id] == 1 else self._b2
+        _remember(ghost, key, self._cap)
+        self._fresh[block_id] = 1
+
+    def __len__(self) -> int:
+        return len(self._unhashed) + len(self._t1) + len(self._t2)
+
+    def __contains__(self, block_id: int) -> bool:
+        return block_id in self._unhashed or block_id in self._t1 or block_id in self._t2
+
+    def _order(self) -> Iterator[int]:
+        yield from self._unhashed
+        i1, i2 = iter(self._t1), iter(self._t2)
+        n1, n2 = len(self._t1), len(self._t2)
+        while n1 or n2:
+            if self._take_t1(n1, n2):
+                n1 -= 1
+                yield next(i1)
+            else:
+                n2 -= 1
+                yield next(i2)
+
+    def iter_blocks(self, after: int | None = None) -> Iterator[int]:
+        if after is not None and after in self:
+            return _skip_past(self._order(), after)
+        return self._order()
+
+    @property
+    def ghost_sizes(self) -> tuple[int, int]:
+        """``(|B1|, |B2|)``."""
+        return len(self._b1), len(self._b2)
+
+
+class S3FIFOPolicy(EvictionPolicy):
+    """S3-FIFO (Yang et al., SOSP'23) over the free blocks: a small FIFO S, a main FIFO M, and a
+    ghost FIFO G of keys evicted from S.
+
+    A freshly cached block enters S, or M if its key is in G. A hit (``remove``) takes the block
+    out; when freed again it returns to M's tail: from S that is S3-FIFO's promotion of a block
+    used again, from M it also earns one more pass (frequency, at most 3). ``pop`` evicts S's
+    head while S holds more than ``small_fraction`` of the pool (or M is empty), recording its key
+    in G; otherwise M's head, which goes back to M's tail with its frequency lowered by one while
+    that is positive (CLOCK-like reinsertion). O(1) amortized per operation: each reinsertion is
+    paid for by an earlier hit.
+    """
+
+    name = "s3fifo"
+
+    def __init__(self, small_fraction: float = 0.1) -> None:
+        if not 0.0 < small_fraction < 1.0:
+            raise ValueError(f"small_fraction must be in (0, 1), got {small_fraction!r}")
+        self.small_fraction = small_fraction
+
+    def reset(self, num_blocks: int) -> None:
+        self._cap = max(1, num_blocks - 1)
+        self._small_target = max(1, int(self._cap * self.small_fraction))
+        self._unhashed = _LinkedQueue(num_blocks)
+        self._small = _LinkedQueue(num_blocks)
+        self._main = _LinkedQueue(num_blocks)
+        self._ghost: OrderedDict[int, None] = OrderedDict()
+        self._fresh = bytearray(b"\x01") * num_blocks
+        self._freq = bytearray(num_blocks)
+        self._left = bytearray(num_blocks)  # 1: left S, 2: left M
+
+    def push(self, block_id: int, key: int | None) -> None:
+        if key is None:
+            self._fresh[block_id] = 1
+            self._unhashed.appendleft(block_id)
+            return
+        if not self._fresh[block_id]:
+            if self._left[block_id] == 2:
+                self._freq[block_id] = min(self._freq[block_id] + 1, 3)
+            else:
+                self._freq[block_id] = 0
+            self._main.append(block_id)
+            return
+        self._fresh[block_id] = 0
+        self._freq[block_id] = 0
+        if key in self._ghost:
+            del self._ghost[key]
+            self._main.append(block_id)
+        else:
+            self._small.append(block_id)
+
+    def remove(self, block_id: int) -> None:
+        if block_id in self._small:
+            self._small.remove(block_id)
+            self._left[block_id] = 1
+        elif block_id in self._main:
+            self._main.remove(block_id)
+            self._left[block_id] = 2
+        else:
+            self._unhashed.remove(block_id)
+
+    def pop(self) -> int:
+        if len(self._unhashed):
+            b = self._unhashed.popleft()
+        elif len(self._small) > self._small_target or not len(self._main):
+            b = self._small.popleft()  # IndexError when every queue is empty
+            self._left[b] = 1
+        else:
+            main, freq = self._main, self._freq
+            b = main.popleft()
+            while freq[b]:
+                freq[b] -= 1
+                main.append(b)
+                b = main.popleft()
+            self._left[b] = 2
+        self._fresh[b] = 1
+        return b
+
+    def on_evicted(self, block_id: int, key: int) -> None:
+        if self._left[block_id] == 1:
+            _remember(self._ghost, key, self._cap)
+        self._fresh[block_id] = 1
+
+    def __len__(self) -> int:
+        return len(self._unhashed) + len(self._small) + len(self._main)
+
+    def __contains__(self, block_id: int) -> bool:
+        return block_id in self._unhashed or block_id in self._small or block_id in self._main
+
+    def _order(self) -> Iterator[int]:
+        yield from self._unhashed
+        small = iter(self._small)
+        for _ in range(len(self._small) - self._small_target):
+            yield next(small)
+        # Reinsertion keeps M's relative order, so M drains in passes by remaining frequency.
+        freq = self._freq
+        for level in range(4):
+            yield from (b for b in self._main if freq[b] == level)
+        yield from small
+
+    def iter_blocks(self, after: int | None = None) -> Iterator[int]:
+        if after is not None and after in self:
+            return _skip_past(self._order(), after)
+        return self._order()
+
+
+POLICIES: dict[str, type[EvictionPolicy]] = {
+    "lru": LRUPolicy,
+    "arc": ARCPolicy,
+    "s3fifo": S3FIFOPolicy,
+}
 
 
 def make_policy(name: str) -> EvictionPolicy:

@@ -1,0 +1,188 @@
+"""Per-step store-planning cost: loop control, loop re-store and the fused scan.
+
+The setting of ``anchors.md``'s measurement of vLLM's real scheduler: one full-attention group,
+16-token blocks, R running requests of 2,048 stored blocks each, one new block per request per
+step, and about 1% of the stored blocks evicted from the CPU before each step. Timed: one
+``OffloadPlanner.build_meta`` call (selection, CPU allocation, pinning); the CPU evictions and
+store completions between steps are not timed. Median and quartiles over the timed steps.
+
+Run: ``python -m bench.bench_planner [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+
+import numpy as np
+
+from bench.common import write_result
+from kvtriton.planner import OffloadPlanner, PlannerConfig, Request, StepOutput
+from kvtriton.pool import BlockPool
+from kvtriton.specs import FullAttentionSpec, KVLayout
+
+LAYOUT = KVLayout([FullAttentionSpec(16, 8, 128, 32)], name="llama3-8b-like")
+BLOCK = 16
+VARIANTS = {
+    "loop_control": PlannerConfig(scan="loop", restore=False),
+    "loop_restore": PlannerConfig(scan="loop", restore=True),
+    "fused_restore": PlannerConfig(scan="fused", restore=True),
+    "fused_control": PlannerConfig(scan="fused", restore=False),
+}
+# vLLM 0.33.0's SimpleCPUOffloadScheduler on this machine class, from ../shared/docs/anchors.md.
+VLLM_ANCHOR_MS = {
+    16: {"control": 0.079, "restore_loop": 5.9},
+    64: {"control": 0.29, "restore_loop": 43},
+    128: {"control": 0.64, "restore_loop": 82},
+    256: {"control": 1.41, "restore_loop": 191},
+}
+
+
+class Scenario:
+    """R requests of ``blocks`` stored blocks, driven step by step."""
+
+    def __init__(self, config: PlannerConfig, num_requests: int, blocks: int, steps: int,
+                 evict_fraction: float, seed: int) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.evict_fraction = evict_fraction
+        total = num_requests * (blocks + steps + 1)
+        self.gpu = BlockPool(total + 1)
+        self.cpu = BlockPool(int(total * 1.05) + 1, medium="CPU")
+        self.planner = OffloadPlanner(LAYOUT, self.gpu, self.cpu, config)
+        self.reqs: list[Request] = []
+        self.tables: list[list[int]] = []
+        n_keys = blocks + steps + 1
+        new_ids = {}
+        for i in range(num_requests):
+            keys = np.arange(i * n_keys, (i + 1) * n_keys, dtype=np.int64)[None, :]
+            req = Request(f"r{i}", keys, num_prompt_tokens=blocks * BLOCK,
+                          num_tokens=blocks * BLOCK + 1)
+            table = self.gpu.get_new_blocks(blocks)
+            for pos, b in enumerate(table):
+                self.gpu.cache_block(b, int(keys[0, pos]))
+            self.planner.update_state_after_alloc(req, (table,), 0)
+            req.num_computed_tokens = blocks * BLOCK
+            self.reqs.append(req)
+            self.tables.append(table)
+            new_ids[req.request_id] = (list(table),)
+        # Store everything once, untimed: the steady state has every block on the CPU.
+        meta = self.planner.build_meta(StepOutput(
+            num_scheduled_tokens={r.request_id: 1 for r in self.reqs}, new_block_ids=new_ids))
+        self._complete(meta)
+
+    def _complete(self, meta) -> None:
+        if meta.store.event >= 0:
+            self.planner.update_connector_output(completed_stores={meta.store.event: 1})
+
+    def step(self) -> tuple[float, int, int]:
+        """One step; returns (build_meta seconds, new stores, re-stores)."""
+        cached = [b for b in self.cpu.iter_free() if self.cpu.block_hash(b) is not None]
+        n_evict = int(len(cached) * self.evict_fraction)
+        for b in self.rng.choice(cached, size=n_evict, replace=False).tolist():
+            self.cpu.evict_cached(b)
+        new_ids = {}
+        for req, table in zip(self.reqs, self.tables, strict=True):
+            pos = len(table)
+            (b,) = self.gpu.get_new_blocks(1)
+            self.gpu.cache_block(b, int(req.keys[0, pos]))
+            table.append(b)
+            new_ids[req.request_id] = ([b],)
+        step = StepOutput(num_scheduled_tokens={r.request_id: BLOCK for r in self.reqs},
+                          new_block_ids=new_ids)
+        before = self.planner.stats.scan.stored, self.planner.stats.scan.restored
+        t0 = time.perf_counter()
+        meta = self.planner.build_meta(step)
+        dt = time.perf_counter() - t0
+        for req in self.reqs:
+            req.num_computed_tokens += BLOCK
+            req.num_tokens += BLOCK
+        self._complete(meta)
+        s = self.planner.stats.scan
+        return dt, s.stored - before[0], s.restored - before[1]
+
+
+def run(sizes: list[int], blocks: int, steps: int, warmup: int, evict_fraction: float,
+        variants: list[str]) -> list[dict]:
+    rows = []
+    for n in sizes:
+        for name in variants:
+            gc.collect()
+            t0 = time.perf_counter()
+            sc = Scenario(VARIANTS[name], n, blocks, steps + warmup, evict_fraction, seed=n)
+            setup_s = time.perf_counter() - t0
+            times, stores, restores = [], [], []
+            for i in range(steps + warmup):
+                dt, s, r = sc.step()
+                if i >= warmup:
+                    times.append(dt * 1e3)
+                    stores.append(s)
+                    restores.append(r)
+            q = statistics.quantiles(times, n=4)
+            row = {
+                "variant": name, "requests": n, "blocks_per_request": blocks,
+                "median_ms": statistics.median(times), "p25_ms": q[0], "p75_ms": q[2],
+                "stores_per_step": statistics.mean(stores),
+                "restores_per_step": statistics.mean(restores),
+                "restore_thrash": sc.planner.stats.restore_thrash,
+                "setup_s": setup_s,
+            }
+            rows.append(row)
+            print(f"  {name:14s} R={n:4d}  {row['median_ms']:9.3f} ms/step  "
+                  f"stores {row['stores_per_step']:8.1f}  "
+                  f"re-stores {row['restores_per_step']:8.1f}", flush=True)
+    return rows
+
+
+def targets(rows: list[dict]) -> dict:
+    """The issue's targets at 128 x 2,048, where that size ran."""
+    by = {(r["variant"], r["requests"]): r["median_ms"] for r in rows}
+    out = {}
+    if ("fused_restore", 128) in by and ("loop_restore", 128) in by:
+        speedup = by["loop_restore", 128] / by["fused_restore", 128]
+        out["fused_vs_loop_restore_speedup_at_128"] = {"value": speedup, "target": ">= 50",
+                                                         "met": speedup >= 50}
+    if ("fused_restore", 128) in by and ("loop_control", 128) in by:
+        ratio = by["fused_restore", 128] / by["loop_control", 128]
+        out["fused_restore_over_loop_control_at_128"] = {"value": ratio, "target": "<= 1",
+                                                          "met": ratio <= 1}
+    if ("fused_restore", 128) in by:
+        ms = by["fused_restore", 128]
+        out["fused_restore_ms_at_128"] = {"value": ms, "target": "< 1 ms", "met": ms < 1}
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="16, 64 and 128 requests, 10 steps")
+    ap.add_argument("--sizes", type=int, nargs="*", default=None)
+    ap.add_argument("--blocks", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--evict", type=float, default=0.01, help="fraction evicted per step")
+    ap.add_argument("--out", default="planner", help="result name under bench/results/")
+    args = ap.parse_args(argv)
+    sizes = args.sizes or ([16, 64, 128] if args.quick else [16, 64, 128, 256])
+    steps = args.steps or (10 if args.quick else 20)
+    print(f"planner scaling: {args.blocks} blocks/request, {steps} timed steps, "
+          f"{args.evict:.0%} of CPU-cached blocks evicted per step")
+    rows = run(sizes, args.blocks, steps, warmup=3, evict_fraction=args.evict,
+               variants=list(VARIANTS))
+    payload = {
+        "conditions": {"blocks_per_request": args.blocks, "block_tokens": BLOCK,
+                       "timed_steps": steps, "warmup_steps": 3, "evict_fraction": args.evict,
+                       "timed_call": "OffloadPlanner.build_meta"},
+        "rows": rows,
+        "targets": targets(rows),
+        "vllm_anchor_ms": {"source": "shared/docs/anchors.md (vLLM 0.33.0, 2 vCPU)",
+                           "by_requests": VLLM_ANCHOR_MS},
+    }
+    path = write_result(args.out, payload)
+    for k, v in payload["targets"].items():
+        print(f"  target {k}: {v['value']:.3g} ({v['target']}) {'met' if v['met'] else 'MISSED'}")
+    print(f"wrote {path}")
+    return payload
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,280 @@
+"""The ``kvtriton`` command: ``simulate``, ``replay`` and ``trace-stats``.
+
+Every error a user can cause (a bad file, an impossible size, an unknown name) is one line on
+stderr and exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+__all__ = ["main"]
+
+BUILTIN_WORKLOADS = ("agent", "mooncake", "cc-agentic")
+
+
+class _UsageError(Exception):
+    """A bad argument or input, reported as one line with exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2, like every other input error
+        raise _UsageError(message)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(float(text)) if "e" in text.lower() else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+    return v
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not v > 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive finite number")
+    return v
+
+
+def _csv(text: str) -> list[str]:
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError("expected a comma-separated list")
+    return items
+
+
+def _add_workload_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("workload")
+    g.add_argument("--workload", default="agent", metavar="NAME|PATH",
+                   help="agent (generator), mooncake or cc-agentic (shipped traces), or a trace "
+                        "file/folder (Mooncake JSONL or kv-cache-tester JSON); default: agent")
+    g.add_argument("--block-size", type=_positive_int, default=16,
+                   help="simulated block size in tokens (divides the trace's block size)")
+    g.add_argument("--limit", type=_positive_int, default=None,
+                   help="keep only the first N requests (and the turns they lead to)")
+    g.add_argument("--seed", type=int, default=0, help="generator seed")
+    g.add_argument("--conversations", type=_positive_int, default=32,
+                   help="agent: concurrent conversations")
+    g.add_argument("--turns", type=_positive_int, nargs=2, default=(10, 50), metavar=("MIN", "MAX"),
+                   help="agent: turns per conversation")
+    g.add_argument("--system-prompt", type=_positive_int, default=2048,
+                   help="agent: shared system prompt tokens")
+    g.add_argument("--think-s", type=float, default=8.0, help="agent: mean think time, seconds")
+
+
+def load_workload(args: argparse.Namespace):
+    """The workload named by ``--workload`` at ``--block-size``."""
+    from kvtriton.sim import (
+        CC_AGENTIC_SAMPLE,
+        MOONCAKE_SYNTHETIC,
+        AgentConfig,
+        agent_workload,
+        data_path,
+        load_trace,
+    )
+
+    name = args.workload
+    if name == "agent":
+        lo, hi = args.turns
+        cfg = AgentConfig(num_conversations=args.conversations, min_turns=lo, max_turns=hi,
+                          system_prompt_tokens=args.system_prompt, think_s_mean=args.think_s,
+                          hash_block_size=args.block_size, seed=args.seed)
+        wl = agent_workload(cfg)
+    else:
+        path = {"mooncake": MOONCAKE_SYNTHETIC, "cc-agentic": CC_AGENTIC_SAMPLE}.get(name)
+        path = data_path(path) if path else Path(name)
+        wl = load_trace(path, hash_block_size=args.block_size)
+    return limit_workload(wl, args.limit) if args.limit else wl
+
+
+def limit_workload(wl, n: int):
+    """The first ``n`` requests of ``wl`` whose predecessors (closed loop) are kept too."""
+    from kvtriton.sim import Workload
+
+    kept, ids = [], set()
+    for r in wl.requests:
+        if len(kept) == n:
+            break
+        if r.after is None or r.after in ids:
+            kept.append(r)
+            ids.add(r.request_id)
+    return Workload(kept, wl.hash_block_size, f"{wl.name}[:{n}]")
+
+
+def _capacity(args, prefix: str) -> dict:
+    out = {}
+    for unit in ("tokens", "gib", "blocks"):
+        v = getattr(args, f"{prefix}_{unit}")
+        if v is not None:
+            out[f"{prefix}_{unit}"] = v
+    if len(out) > 1:
+        raise _UsageError(f"give one of --{prefix}-tokens, --{prefix}-gib, --{prefix}-blocks")
+    return out
+
+
+def _write_json(path: str, doc: dict) -> None:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(doc, indent=2) + "\n")
+
+
+def _cmd_simulate(args) -> int:
+    from kvtriton.sim import simulate
+
+    wl = load_workload(args)
+    kw = {**_capacity(args, "gpu"), **_capacity(args, "cpu")}
+    res = simulate(wl, model=args.model, gpu=args.gpu, policies=args.policies,
+                   token_budget=args.token_budget, max_running=args.max_running,
+                   integrity=args.integrity, integrity_backend=args.integrity_backend,
+                   bound=not args.no_bound, progress=not args.quiet, **kw)
+    c = res.conditions
+    print(f"{wl.name}: {len(wl)} requests; {c['layout']}; GPU {c['gpu_blocks']:,} blocks "
+          f"({c['gpu_gib']:.1f} GiB), CPU {c['cpu_blocks']:,} blocks ({c['cpu_gib']:.1f} GiB); "
+          f"{args.gpu} cost model")
+    print(res.table())
+    if res.bound is not None:
+        print(f"bound: {res.bound['policy']}: {res.bound['hit_rate']:.1%}")
+    if args.json:
+        _write_json(args.json, res.to_dict())
+        print(f"wrote {args.json}")
+    if args.plot:
+        from kvtriton.plots import plot_simulation
+
+        plot_simulation(res, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _cmd_replay(args) -> int:
+    from kvtriton.sim import capacity_sweep
+    from kvtriton.sim.progress import Progress
+
+    wl = load_workload(args)
+    caps = args.capacities
+    n_runs = len(args.policies) * (len(caps) if caps else 6)
+    bar = Progress("replay", enabled=not args.quiet)
+    done = [0]
+
+    def tick(_r):
+        done[0] += 1
+        bar(done[0], n_runs)
+
+    res = capacity_sweep(wl, caps, args.policies, progress=tick)
+    print(f"{wl.name}: {res.requests} requests, {res.prompt_tokens:,} prompt tokens, "
+          f"{res.hash_block_size}-token blocks")
+    print(res.table())
+    if args.json:
+        _write_json(args.json, res.to_dict())
+        print(f"wrote {args.json}")
+    if args.plot:
+        from kvtriton.plots import plot_sweep
+
+        plot_sweep(res, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _cmd_trace_stats(args) -> int:
+    from kvtriton.sim import trace_stats
+
+    stats = trace_stats(args.file, hash_block_size=args.block_size)
+    if args.json:
+        _write_json(args.json, stats)
+    width = max(len(k) for k in stats)
+    for k, v in stats.items():
+        if isinstance(v, float):
+            v = f"{v:.4g}"
+        print(f"{k:<{width}}  {v}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from kvtriton.sim.cost import GPUS
+    from kvtriton.sim.replay import DEFAULT_POLICIES as REPLAY_POLICIES
+    from kvtriton.sim.setups import DEFAULT_POLICIES, TIER_POLICIES
+    from kvtriton.specs import PRESETS
+
+    ap = _Parser(prog="kvtriton", description="A CPU tier for an LLM server's KV cache: "
+                 "simulate policies, replay traces through one cache tier, describe traces.")
+    sub = ap.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    s = sub.add_parser("simulate", help="serving-loop simulation, policies side by side")
+    _add_workload_args(s)
+    s.add_argument("--model", default="llama3-8b", choices=sorted(PRESETS))
+    s.add_argument("--gpu", default="H100", choices=sorted(GPUS))
+    for tier in ("gpu", "cpu"):
+        s.add_argument(f"--{tier}-tokens", type=_positive_int, default=None,
+                       help=f"{tier.upper()} capacity in tokens")
+        s.add_argument(f"--{tier}-gib", type=_positive_float, default=None,
+                       help=f"{tier.upper()} capacity in GiB of KV")
+        s.add_argument(f"--{tier}-blocks", type=_positive_int, default=None,
+                       help=f"{tier.upper()} capacity in blocks")
+    s.add_argument("--policies", type=_csv, default=list(DEFAULT_POLICIES),
+                   help=f"comma-separated, from: {', '.join(TIER_POLICIES)}")
+    s.add_argument("--token-budget", type=_positive_int, default=8192)
+    s.add_argument("--max-running", type=_positive_int, default=256)
+    s.add_argument("--integrity", action="store_true",
+                   help="move real bytes through the TransferEngine and check every load")
+    s.add_argument("--integrity-backend", choices=("torch", "triton"), default="torch")
+    s.add_argument("--no-bound", action="store_true", help="skip the Belady cache-only bound")
+    s.add_argument("--json", metavar="PATH")
+    s.add_argument("--plot", metavar="PATH", help="PNG: hit rate and TTFT per policy")
+    s.add_argument("--quiet", action="store_true", help="no progress bar")
+    s.set_defaults(func=_cmd_simulate)
+
+    r = sub.add_parser("replay", help="cache-only replay: hit rate vs capacity per policy")
+    _add_workload_args(r)
+    r.add_argument("--capacities", type=lambda t: [_positive_int(x) for x in _csv(t)],
+                   default=None, help="comma-separated capacities in tokens (default: a sweep)")
+    r.add_argument("--policies", type=_csv, default=list(REPLAY_POLICIES),
+                   help="comma-separated, from: lru, arc, s3fifo, belady")
+    r.add_argument("--json", metavar="PATH")
+    r.add_argument("--plot", metavar="PATH", help="PNG: hit rate vs capacity")
+    r.add_argument("--quiet", action="store_true", help="no progress bar")
+    r.set_defaults(func=_cmd_replay)
+
+    t = sub.add_parser("trace-stats", help="describe a trace file or folder")
+    t.add_argument("file")
+    t.add_argument("--block-size", type=_positive_int, default=None,
+                   help="hash block size (default: the trace's own)")
+    t.add_argument("--json", metavar="PATH")
+    t.set_defaults(func=_cmd_trace_stats)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kvtriton.sim.integrity import IntegrityError
+
+    try:
+        args = build_parser().parse_args(argv)
+        return args.func(args)
+    except IntegrityError as e:
+        print(f"kvtriton: integrity check failed: {e}", file=sys.stderr)
+        return 1
+    except _UsageError as e:
+        print(f"kvtriton: error: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, OSError, ImportError) as e:
+        if os.environ.get("KVTRITON_DEBUG"):
+            raise
+        # TraceError is a ValueError; its message already names the file and line.
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"kvtriton: error: {msg}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("kvtriton: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

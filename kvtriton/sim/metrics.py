@@ -1,0 +1,110 @@
+"""What one simulation run reports, and the per-policy table."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+__all__ = ["RunMetrics", "format_table"]
+
+
+def _pct(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+@dataclass(slots=True)
+class RunMetrics:
+    """Counters of one run. Tokens are prompt tokens unless named otherwise; times in seconds
+    are modeled, except ``planner_s``/``build_meta_ms`` and ``wall_s``, which are measured."""
+
+    policy: str
+    requests: int = 0
+    finished: int = 0
+    rejected: int = 0
+    steps: int = 0
+    prompt_tokens: int = 0
+    gpu_hit_tokens: int = 0
+    cpu_hit_tokens: int = 0
+    prefill_tokens: int = 0
+    recomputed_tokens: int = 0
+    preemptions: int = 0
+    bytes_d2h: int = 0
+    bytes_h2d: int = 0
+    planner_s: float = 0.0
+    wall_s: float = 0.0
+    makespan_s: float = 0.0
+    ttft_s: list[float] = field(default_factory=list)
+    build_meta_ms: list[float] = field(default_factory=list)
+    planner: dict = field(default_factory=dict)
+
+    def summary(self) -> dict:
+        """Flat figures for tables and JSON."""
+        p = self.planner
+        hits = self.gpu_hit_tokens + self.cpu_hit_tokens
+        return {
+            "policy": self.policy,
+            "requests": self.requests,
+            "finished": self.finished,
+            "rejected": self.rejected,
+            "prompt_tokens": self.prompt_tokens,
+            "gpu_hit_tokens": self.gpu_hit_tokens,
+            "cpu_hit_tokens": self.cpu_hit_tokens,
+            "token_hit_rate": hits / self.prompt_tokens if self.prompt_tokens else 0.0,
+            "prefill_tokens": self.prefill_tokens,
+            "recomputed_tokens": self.recomputed_tokens,
+            "stored_blocks": p.get("blocks_stored", 0),
+            "restored_blocks": p.get("scan_restored", 0),
+            "restore_thrash": p.get("restore_thrash", 0),
+            "loaded_blocks": p.get("blocks_loaded", 0),
+            "bytes_d2h": self.bytes_d2h,
+            "bytes_h2d": self.bytes_h2d,
+            "running_evictions": p.get("running_evictions", 0),
+            "chain_holes": p.get("chain_holes", 0),
+            "lookups_with_holes": p.get("lookups_with_holes", 0),
+            "preemptions": self.preemptions,
+            "steps": self.steps,
+            "build_meta_ms_mean": float(np.mean(self.build_meta_ms)) if self.build_meta_ms
+            else 0.0,
+            "build_meta_ms_p99": _pct(self.build_meta_ms, 99) if self.build_meta_ms else 0.0,
+            "planner_ms_per_step": 1e3 * self.planner_s / self.steps if self.steps else 0.0,
+            "ttft_p50_s": _pct(self.ttft_s, 50),
+            "ttft_p90_s": _pct(self.ttft_s, 90),
+            "ttft_p99_s": _pct(self.ttft_s, 99),
+            "makespan_s": self.makespan_s,
+            "wall_s": self.wall_s,
+            "ttft_all_s": [round(t, 6) for t in self.ttft_s],
+        }
+
+
+_COLUMNS = [
+    ("policy", "policy", "{}"),
+    ("token_hit_rate", "hit rate", "{:.1%}"),
+    ("gpu_hit_tokens", "GPU hit tok", "{:,}"),
+    ("cpu_hit_tokens", "CPU hit tok", "{:,}"),
+    ("recomputed_tokens", "recomputed", "{:,}"),
+    ("stored_blocks", "stored", "{:,}"),
+    ("restored_blocks", "re-stored", "{:,}"),
+    ("running_evictions", "run. evict", "{:,}"),
+    ("chain_holes", "holes", "{:,}"),
+    ("preemptions", "preempt", "{:,}"),
+    ("ttft_p50_s", "TTFT p50 s", "{:.3f}"),
+    ("ttft_p90_s", "p90 s", "{:.3f}"),
+    ("ttft_p99_s", "p99 s", "{:.3f}"),
+    ("planner_ms_per_step", "plan ms/step", "{:.3f}"),
+    ("wall_s", "wall s", "{:.1f}"),
+]
+
+
+def format_table(rows: list[dict]) -> str:
+    """A fixed-width table of ``RunMetrics.summary()`` rows."""
+    cells = [[title for _, title, _ in _COLUMNS]]
+    cells += [[fmt.format(r[key]) for key, _, fmt in _COLUMNS] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(_COLUMNS))]
+    lines = []
+    for n, row in enumerate(cells):
+        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                               for i, (c, w) in enumerate(zip(row, widths, strict=True))))
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)

@@ -1,0 +1,47 @@
+"""The CPU-tier policies the simulator compares side by side."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvtriton.planner import PlannerConfig
+
+__all__ = ["DEFAULT_POLICIES", "TIER_POLICIES", "TierPolicy", "tier_policy"]
+
+
+@dataclass(frozen=True, slots=True)
+class TierPolicy:
+    """A CPU tier setup: planner switches (``None``: no CPU tier) and the CPU pool's eviction."""
+
+    name: str
+    planner: PlannerConfig | None
+    cpu_eviction: str
+    description: str
+
+
+TIER_POLICIES: dict[str, TierPolicy] = {
+    p.name: p
+    for p in (
+        TierPolicy("no_cpu", None, "lru", "GPU prefix cache only"),
+        TierPolicy("control", PlannerConfig(restore=False, cpu_free_order="head_first"), "lru",
+                   "seed 001: stored once per cursor, CPU blocks freed head first, LRU"),
+        TierPolicy("restore", PlannerConfig(restore=True, cpu_free_order="head_first"), "lru",
+                   "seed 000: re-store evicted blocks of running requests, head first, LRU"),
+        TierPolicy("restore_tail", PlannerConfig(restore=True, cpu_free_order="tail_first"),
+                   "lru", "re-store, CPU blocks freed tail first, LRU"),
+        TierPolicy("restore_tail_arc", PlannerConfig(restore=True, cpu_free_order="tail_first"),
+                   "arc", "re-store, tail first, ARC on the CPU tier"),
+        TierPolicy("restore_tail_s3fifo",
+                   PlannerConfig(restore=True, cpu_free_order="tail_first"), "s3fifo",
+                   "re-store, tail first, S3-FIFO on the CPU tier"),
+    )
+}
+
+DEFAULT_POLICIES = tuple(TIER_POLICIES)
+
+
+def tier_policy(name: str) -> TierPolicy:
+    try:
+        return TIER_POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r}; known: {', '.join(TIER_POLICIES)}") from None

@@ -1,0 +1,135 @@
+"""``simulate()``: one workload, several CPU-tier policies, side by side."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvtriton.sim.cost import CostModel
+from kvtriton.sim.integrity import IntegrityChecker
+from kvtriton.sim.keys import workload_keys
+from kvtriton.sim.loop import ServingLoop
+from kvtriton.sim.metrics import format_table
+from kvtriton.sim.progress import Progress
+from kvtriton.sim.replay import BELADY, replay
+from kvtriton.sim.setups import DEFAULT_POLICIES, tier_policy
+from kvtriton.sim.workload import Workload
+from kvtriton.specs import KVLayout, preset
+
+__all__ = ["SimulationResult", "capacity_blocks", "simulate"]
+
+GiB = 1 << 30
+
+
+def capacity_blocks(layout: KVLayout, *, blocks: int | None = None, tokens: int | None = None,
+                    gib: float | None = None, what: str = "capacity") -> int:
+    """Blocks from exactly one of ``blocks``, ``tokens`` (of the first group's block size) or
+    ``gib`` (of ``layout.cpu_block_bytes`` per block)."""
+    given = [v for v in (blocks, tokens, gib) if v is not None]
+    if len(given) != 1:
+        raise ValueError(f"{what}: give exactly one of blocks, tokens, GiB")
+    if blocks is not None:
+        n = blocks
+    elif tokens is not None:
+        n = int(tokens) // layout.groups[0].block_size
+    else:
+        n = int(gib * GiB) // layout.cpu_block_bytes
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"{what} must be at least one block, got {given[0]!r} -> {n} blocks")
+    return n
+
+
+@dataclass(slots=True)
+class SimulationResult:
+    """Per-policy summaries plus the conditions they ran under."""
+
+    workload: str
+    conditions: dict
+    rows: list[dict] = field(default_factory=list)
+    bound: dict | None = None
+
+    def table(self) -> str:
+        return format_table(self.rows)
+
+    def to_dict(self) -> dict:
+        return {"workload": self.workload, "conditions": self.conditions, "rows": self.rows,
+                "bound": self.bound}
+
+
+def simulate(
+    workload: Workload,
+    *,
+    model: str = "llama3-8b",
+    gpu: str = "H100",
+    gpu_blocks: int | None = None,
+    gpu_tokens: int | None = None,
+    gpu_gib: float | None = None,
+    cpu_blocks: int | None = None,
+    cpu_tokens: int | None = None,
+    cpu_gib: float | None = None,
+    policies: Sequence[str] = DEFAULT_POLICIES,
+    token_budget: int = 8192,
+    max_running: int = 256,
+    integrity: bool = False,
+    integrity_backend: str = "torch",
+    bound: bool = True,
+    progress: bool = False,
+) -> SimulationResult:
+    """Replay ``workload`` through the serving loop once per policy.
+
+    The layout is the ``model`` preset at the workload's ``hash_block_size`` as block size.
+    Capacities are given in blocks, tokens or GiB (defaults: 262,144 GPU tokens, 32 GiB of
+    Llama-3-8B KV, and four times that on the CPU). A request larger than the whole GPU pool is
+    rejected and counted, as a server rejects a prompt over its context length. ``bound`` adds
+    Belady's MIN in a cache-only replay of the same total (GPU + CPU) capacity: an upper bound on
+    the hit rate of any eviction policy. Raises ``ValueError`` for unknown names and impossible
+    sizes.
+    """
+    if not isinstance(token_budget, int) or token_budget < 1:
+        raise ValueError(f"token_budget must be a positive int, got {token_budget!r}")
+    if not isinstance(max_running, int) or max_running < 1:
+        raise ValueError(f"max_running must be a positive int, got {max_running!r}")
+    if not len(workload):
+        raise ValueError(f"workload {workload.name!r} has no requests")
+    chosen = [tier_policy(p) for p in policies]
+    layout = preset(model, block_size=workload.hash_block_size)
+    cost = CostModel.named(model, gpu)
+    if gpu_blocks is None and gpu_tokens is None and gpu_gib is None:
+        gpu_tokens = 262_144
+    if cpu_blocks is None and cpu_tokens is None and cpu_gib is None:
+        cpu_tokens = 4 * (gpu_tokens if gpu_tokens is not None else
+                          capacity_blocks(layout, blocks=gpu_blocks, gib=gpu_gib, what="GPU")
+                          * layout.groups[0].block_size)
+    n_gpu = capacity_blocks(layout, blocks=gpu_blocks, tokens=gpu_tokens, gib=gpu_gib, what="GPU")
+    n_cpu = capacity_blocks(layout, blocks=cpu_blocks, tokens=cpu_tokens, gib=cpu_gib, what="CPU")
+    keys, n_keys = workload_keys(layout, workload)
+    conditions = {
+        "model": model, "gpu": gpu, "layout": layout.describe(),
+        "gpu_blocks": n_gpu, "cpu_blocks": n_cpu,
+        "gpu_gib": n_gpu * layout.cpu_block_bytes / GiB,
+        "cpu_gib": n_cpu * layout.cpu_block_bytes / GiB,
+        "block_tokens": layout.groups[0].block_size, "token_budget": token_budget,
+        "max_running": max_running, "integrity": integrity, "distinct_keys": n_keys,
+        "requests": len(workload), "cost_model": {
+            "mfu": cost.mfu, "hbm_efficiency": cost.hbm_efficiency,
+            "step_overhead_s": cost.step_overhead_s,
+            "h2d_bytes_per_s": cost.gpu.h2d_bytes_per_s,
+            "d2h_bytes_per_s": cost.gpu.d2h_bytes_per_s},
+    }
+    result = SimulationResult(workload.name, conditions)
+    for pol in chosen:
+        checker = IntegrityChecker(layout, n_gpu, n_cpu, integrity_backend) if integrity else None
+        loop = ServingLoop(workload, keys, layout, pol, cost, gpu_blocks=n_gpu, cpu_blocks=n_cpu,
+                           token_budget=token_budget, max_running=max_running,
+                           integrity=checker,
+                           progress=Progress(f"{pol.name:>20s}", enabled=progress))
+        row = loop.run().summary()
+        if checker is not None:
+            row["integrity_blocks_checked"] = checker.blocks_checked
+        result.rows.append(row)
+    if bound:
+        n_tokens = (n_gpu + n_cpu) * layout.groups[0].block_size
+        r = replay(workload, n_tokens, policy=BELADY)
+        result.bound = {"policy": "belady (cache-only replay, GPU + CPU capacity)",
+                        "capacity_tokens": r.capacity_tokens, "hit_rate": r.hit_rate}
+    return result

@@ -1,0 +1,65 @@
+"""Summary figures of a trace or workload (``kvtriton trace-stats FILE``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from kvtriton.sim.replay import max_hit_rate
+from kvtriton.sim.traces import load_trace
+from kvtriton.sim.workload import Workload
+
+__all__ = ["trace_stats"]
+
+_PERCENTILES = (50, 90, 99)
+
+
+def _summary(values: np.ndarray) -> dict:
+    if not len(values):
+        return {"mean": 0.0, "min": 0, **{f"p{q}": 0.0 for q in _PERCENTILES}, "max": 0}
+    pct = np.percentile(values, _PERCENTILES)
+    return {
+        "mean": float(values.mean()),
+        "min": int(values.min()),
+        **{f"p{q}": float(v) for q, v in zip(_PERCENTILES, pct, strict=True)},
+        "max": int(values.max()),
+    }
+
+
+def trace_stats(path_or_workload: str | Path | Workload, *,
+                hash_block_size: int | None = None) -> dict:
+    """Requests, sessions, models, token totals, prompt/output length percentiles (tokens),
+    distinct blocks, the reusable-token fraction with an infinite cache (``max_hit_rate``) and
+    the arrival span (seconds) of a workload, or of the trace at a path (loaded with
+    ``kvtriton.sim.traces.load_trace`` at ``hash_block_size``, default the trace's own)."""
+    if isinstance(path_or_workload, Workload):
+        if hash_block_size is not None and hash_block_size != path_or_workload.hash_block_size:
+            raise ValueError(f"hash_block_size={hash_block_size} given for a workload at "
+                             f"{path_or_workload.hash_block_size}")
+        w = path_or_workload
+    else:
+        w = load_trace(path_or_workload, hash_block_size=hash_block_size)
+    reqs = w.requests
+    prompt = np.array([r.prompt_len for r in reqs], dtype=np.int64)
+    output = np.array([r.output_len for r in reqs], dtype=np.int64)
+    arrivals = np.array([r.arrival_s for r in reqs], dtype=np.float64)
+    hashes = np.concatenate([r.hashes for r in reqs]) if reqs else np.empty(0, np.uint64)
+    unique_blocks = len(np.unique(hashes))
+    return {
+        "name": w.name,
+        "hash_block_size": w.hash_block_size,
+        "requests": len(reqs),
+        "sessions": len({r.session for r in reqs if r.session is not None}),
+        "models": sorted({r.model for r in reqs if r.model is not None}),
+        "closed_loop_requests": sum(r.after is not None for r in reqs),
+        "prompt_tokens": int(prompt.sum()),
+        "output_tokens": int(output.sum()),
+        "prompt_len": _summary(prompt),
+        "output_len": _summary(output),
+        "blocks": len(hashes),
+        "unique_blocks": unique_blocks,
+        "unique_block_tokens": unique_blocks * w.hash_block_size,
+        "reusable_token_fraction": max_hit_rate(w),
+        "arrival_span_s": float(arrivals.max() - arrivals.min()) if reqs else 0.0,
+    }

@@ -1,0 +1,457 @@
+"""Trace loaders: Mooncake JSONL and kv-cache-tester JSON(.gz), mapped onto a hash block size.
+
+Both formats give, per request, a list of block ids of the prompt at the trace's block size B
+(512 tokens for Mooncake, 64 for kv-cache-tester); equal ids mean equal prefix up to and
+including that block. A simulated ``hash_block_size`` b must divide B. Block id ``h`` at trace
+position i becomes B/b keys: an id-level chain value ``c_i = mix64(c_{i-1} ^ mix64(h + SALT))``
+started from the file's namespace, then ``mix64(c_i ^ SUB_j)`` for j = 0..B/b-1. Chaining makes
+equal keys mean equal prefixes even for a trace whose ids were not prefix-consistent; for the
+shipped traces (where they are) it is the mapping (h, j) of the MANIFEST. Only the prompt's full
+b-blocks are hashed (a trailing partial trace block gives the b-blocks it fully covers); prompt
+blocks past the trace's ids and every output block get hashes unique to the request, so a hit
+never reaches past the trace's own granularity.
+
+Ids are local to a file, and KV is only shareable within one model, so the namespace is the
+file's name plus the model (plus only the model for a kv-cache-tester file whose
+``hash_id_scope`` is ``"global"``).
+
+Bad input raises ``TraceError`` (a ``ValueError``) naming the file and the line (JSONL) or the
+request's index path (JSON) and the problem.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import math
+import zlib
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+
+from kvtriton.hashing import mix64
+from kvtriton.sim.workload import Workload, WorkloadRequest
+
+__all__ = [
+    "CC_AGENTIC_SAMPLE",
+    "KV_CACHE_TESTER_BLOCK_SIZE",
+    "MOONCAKE_BLOCK_SIZE",
+    "MOONCAKE_SYNTHETIC",
+    "TraceError",
+    "data_path",
+    "load_kv_cache_tester",
+    "load_mooncake",
+    "load_trace",
+    "map_block_ids",
+    "namespace",
+]
+
+MOONCAKE_BLOCK_SIZE = 512
+KV_CACHE_TESTER_BLOCK_SIZE = 64
+
+# The development traces shipped in kvtriton/sim/data/ (provenance and licence: MANIFEST.md).
+MOONCAKE_SYNTHETIC = "mooncake_synthetic_trace.jsonl"
+CC_AGENTIC_SAMPLE = "cc_agentic_sample"
+_DATA = Path(__file__).resolve().parent / "data"
+
+_ID_SALT = 0x7472_6163_655F_6964  # "trace_id"
+_SUB_SALT = 0x9E37_79B9_7F4A_7C15  # golden ratio, spreads sub-block indices
+_UNIQUE_SALT = 0x756E_6971_7565_5F68  # "unique_h"
+
+
+class TraceError(ValueError):
+    """A trace file that cannot be read as its format promises (file and line in the message)."""
+
+
+def data_path(name: str = "") -> Path:
+    """Path of a file or folder shipped in ``kvtriton/sim/data/`` (``MOONCAKE_SYNTHETIC``,
+    ``CC_AGENTIC_SAMPLE``, ``"MANIFEST.md"``); the folder itself for ``""``."""
+    p = _DATA / name
+    if not p.exists():
+        shipped = sorted(q.name for q in _DATA.iterdir())
+        raise FileNotFoundError(f"{name!r} is not among the shipped traces: {shipped}")
+    return p
+
+
+# ---- hashing -------------------------------------------------------------------------------
+
+
+def _mix64_array(x: np.ndarray) -> np.ndarray:
+    """``kvtriton.hashing.mix64`` on a uint64 array (wrapping arithmetic)."""
+    x = x.astype(np.uint64, copy=True)
+    x ^= x >> np.uint64(30)
+    x *= np.uint64(0xBF58476D1CE4E5B9)
+    x ^= x >> np.uint64(27)
+    x *= np.uint64(0x94D049BB133111EB)
+    x ^= x >> np.uint64(31)
+    return x
+
+
+def namespace(*parts: str) -> int:
+    """A 64-bit namespace for block ids from their scope (file name, model)."""
+    data = "\x00".join(parts).encode()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+class _IdChain:
+    """Id-level chain values, reusing those of the longest prefix shared with the previous
+    request of the same namespace (a conversation's turns share almost all of it)."""
+
+    def __init__(self) -> None:
+        self._last: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def values(self, ids: list[int], ns: int) -> np.ndarray:
+        arr = np.array(ids, dtype=np.uint64)
+        chain = np.empty(len(ids), dtype=np.uint64)
+        k = 0
+        if ns in self._last:
+            last_ids, last_chain = self._last[ns]
+            n = min(len(arr), len(last_ids))
+            diff = np.flatnonzero(arr[:n] != last_ids[:n])
+            k = int(diff[0]) if len(diff) else n
+            chain[:k] = last_chain[:k]
+        c = int(chain[k - 1]) if k else ns
+        for i in range(k, len(ids)):
+            c = mix64(c ^ mix64(ids[i] + _ID_SALT))
+            chain[i] = c
+        self._last[ns] = (arr, chain)
+        return chain
+
+
+def map_block_ids(
+    block_ids: Iterable[int],
+    prompt_len: int,
+    output_len: int,
+    *,
+    trace_block_size: int,
+    hash_block_size: int,
+    ns: int,
+    unique_salt: int,
+    chainer: _IdChain | None = None,
+) -> np.ndarray:
+    """uint64 chain hashes at ``hash_block_size`` of a request whose prompt has ``block_ids`` at
+    ``trace_block_size``: ``(prompt_len + output_len) // hash_block_size`` of them (see the
+    module docstring). ``unique_salt`` must differ between requests of one namespace; a
+    ``chainer`` shared by the requests of a file reuses the chain of a common prefix."""
+    if trace_block_size % hash_block_size:
+        raise ValueError(f"hash_block_size={hash_block_size} does not divide the trace block "
+                         f"size {trace_block_size}")
+    r = trace_block_size // hash_block_size
+    n_prompt = prompt_len // hash_block_size
+    n_total = (prompt_len + output_len) // hash_block_size
+    chain = (chainer or _IdChain()).values(list(block_ids), ns)
+    sub = _mix64_array(np.arange(1, r + 1, dtype=np.uint64) * np.uint64(_SUB_SALT))
+    keys = _mix64_array(chain[:, None] ^ sub[None, :]).ravel()[:n_prompt]
+    n_known = len(keys)
+    if n_known == n_total:
+        return keys
+    salt = np.uint64(mix64(ns ^ mix64(unique_salt ^ _UNIQUE_SALT)))
+    positions = np.arange(n_known, n_total, dtype=np.uint64)
+    unique = _mix64_array((positions + np.uint64(1)) * np.uint64(_SUB_SALT) ^ salt)
+    return np.concatenate([keys, unique])
+
+
+# ---- field checks --------------------------------------------------------------------------
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: object) -> bool:
+    return (isinstance(v, int | float) and not isinstance(v, bool)) and math.isfinite(v)
+
+
+class _Where:
+    """Formats error locations: ``path:line`` or ``path: requests[3].requests[1]``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def error(self, where: str, problem: str) -> TraceError:
+        sep = "" if where.startswith(":") else ": "
+        return TraceError(f"{self.path}{sep}{where}: {problem}")
+
+    def field(self, obj: dict, name: str, where: str, kind: str):
+        if name not in obj:
+            raise self.error(where, f"missing field {name!r}")
+        v = obj[name]
+        if kind == "count" and not (_is_int(v) and v >= 0):
+            raise self.error(where, f"field {name!r} must be an int >= 0, got {v!r}")
+        if kind == "positive" and not (_is_int(v) and v >= 1):
+            raise self.error(where, f"field {name!r} must be an int >= 1, got {v!r}")
+        if kind == "time" and not (_is_number(v) and v >= 0):
+            raise self.error(where, f"field {name!r} must be a finite number >= 0, got {v!r}")
+        if kind == "str" and not isinstance(v, str):
+            raise self.error(where, f"field {name!r} must be a string, got {v!r}")
+        if kind == "list" and not isinstance(v, list):
+            raise self.error(where, f"field {name!r} must be a list, got {type(v).__name__}")
+        return v
+
+    def block_ids(self, obj: dict, where: str, prompt_len: int, block_size: int) -> list[int]:
+        ids = self.field(obj, "hash_ids", where, "list")
+        for j, h in enumerate(ids):
+            if not (_is_int(h) and h >= 0):
+                raise self.error(where, f"hash_ids[{j}] must be an int >= 0, got {h!r}")
+        most = -(-prompt_len // block_size)
+        if len(ids) > most:
+            raise self.error(where, f"{len(ids)} hash_ids for a {prompt_len}-token prompt: at "
+                                    f"most ceil({prompt_len} / {block_size}) = {most}")
+        return ids
+
+
+def _check_hash_block_size(hash_block_size: int, trace_block_size: int, path: Path) -> None:
+    if not _is_int(hash_block_size) or hash_block_size <= 0:
+        raise ValueError(f"hash_block_size must be a positive int, got {hash_block_size!r}")
+    if trace_block_size % hash_block_size:
+        raise TraceError(f"{path}: hash_block_size={hash_block_size} does not divide the trace "
+                         f"block size {trace_block_size}")
+
+
+# ---- Mooncake JSONL ------------------------------------------------------------------------
+
+
+def load_mooncake(
+    path: str | Path,
+    *,
+    hash_block_size: int = MOONCAKE_BLOCK_SIZE,
+    trace_block_size: int = MOONCAKE_BLOCK_SIZE,
+    model: str | None = None,
+    name: str | None = None,
+) -> Workload:
+    """A Mooncake trace: one JSON object per line with ``timestamp`` (ms from start, never
+    decreasing), ``input_length``, ``output_length`` and ``hash_ids`` (``trace_block_size``-token
+    blocks, at most ``ceil(input_length / trace_block_size)`` of them).
+
+    Requests are ``<file stem>:<line>``, with no session (open loop). ``model`` (optional)
+    labels every request and joins the namespace.
+    """
+    path = Path(path)
+    _check_hash_block_size(hash_block_size, trace_block_size, path)
+    w = _Where(path)
+    ns = namespace(path.name, model or "")
+    stem = path.name.split(".")[0]
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise TraceError(f"{path}: cannot read: {e.strerror or e}") from None
+    if raw[:2] == b"\x1f\x8b":
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError, zlib.error) as e:
+            raise TraceError(f"{path}: bad gzip data: {e}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise TraceError(f"{path}: not UTF-8 text (byte {e.start}); is it a JSONL trace?") from None
+    requests: list[WorkloadRequest] = []
+    chainer = _IdChain()
+    last_ts = -math.inf
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        at = f":{lineno}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise w.error(at, f"bad JSON: {e.msg} (column {e.colno})") from None
+        if not isinstance(obj, dict):
+            raise w.error(at, f"expected a JSON object, got {type(obj).__name__}")
+        if "requests" in obj and "timestamp" not in obj:
+            raise w.error(at, "a kv-cache-tester JSON trace, not Mooncake JSONL "
+                              "(use load_kv_cache_tester or load_trace)")
+        ts = w.field(obj, "timestamp", at, "time")
+        prompt_len = w.field(obj, "input_length", at, "positive")
+        output_len = w.field(obj, "output_length", at, "count")
+        ids = w.block_ids(obj, at, prompt_len, trace_block_size)
+        if ts < last_ts:
+            raise w.error(at, f"timestamp {ts} is before the previous line's {last_ts}: "
+                              "timestamps must not decrease")
+        last_ts = ts
+        hashes = map_block_ids(ids, prompt_len, output_len, trace_block_size=trace_block_size,
+                               hash_block_size=hash_block_size, ns=ns, unique_salt=lineno,
+                               chainer=chainer)
+        requests.append(WorkloadRequest(f"{stem}:{lineno}", ts / 1000.0, prompt_len,
+                                        output_len, hashes, model=model))
+    if not requests:
+        raise TraceError(f"{path}: empty file (no requests)")
+    return Workload(requests, hash_block_size, name or path.name)
+
+
+# ---- kv-cache-tester JSON ------------------------------------------------------------------
+
+
+def _read_json(path: Path):
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise TraceError(f"{path}: cannot read: {e.strerror or e}") from None
+    if raw[:2] == b"\x1f\x8b":
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError, zlib.error) as e:
+            raise TraceError(f"{path}: bad gzip data: {e}") from None
+    if not raw.strip():
+        raise TraceError(f"{path}: empty file (no requests)")
+    try:
+        return json.loads(raw)
+    except UnicodeDecodeError as e:
+        raise TraceError(f"{path}: not UTF-8 text (byte {e.start}); is it a JSON trace?") from None
+    except json.JSONDecodeError as e:
+        hint = " (several JSON values: a Mooncake JSONL trace?)" if e.msg == "Extra data" else ""
+        raise TraceError(f"{path}:{e.lineno}: bad JSON: {e.msg} (column {e.colno}){hint}") from None
+
+
+def _tester_file(path: Path, hash_block_size: int, offset_s: float) -> list[WorkloadRequest]:
+    w = _Where(path)
+    doc = _read_json(path)
+    if not isinstance(doc, dict):
+        raise TraceError(f"{path}: expected a JSON object with 'requests', got "
+                         f"{type(doc).__name__} (a JSONL trace? use load_mooncake)")
+    top = "top level"
+    trace_block = w.field(doc, "block_size", top, "positive")
+    reqs = w.field(doc, "requests", top, "list")
+    scope = doc.get("hash_id_scope", "local")
+    if scope not in ("local", "global"):
+        raise w.error(top, f"hash_id_scope must be 'local' or 'global', got {scope!r}")
+    _check_hash_block_size(hash_block_size, trace_block, path)
+    stem = path.name.split(".")[0]
+    out: list[WorkloadRequest] = []
+    namespaces: dict[str, int] = {}
+    chainer = _IdChain()
+
+    def walk(items: list, prefix: str, index: str, base_s: float, session: str) -> None:
+        last_t = -math.inf
+        prev_id: str | None = None
+        for i, obj in enumerate(items):
+            where = f"{prefix}[{i}]"
+            rid = f"{stem}#{index}{i}"
+            if not isinstance(obj, dict):
+                raise w.error(where, f"expected a JSON object, got {type(obj).__name__}")
+            t = w.field(obj, "t", where, "time")
+            if t < last_t:
+                raise w.error(where, f"t={t} is before the previous request's t={last_t}: "
+                                     "times must not decrease")
+            last_t = t
+            kind = obj.get("type", "n")
+            if kind == "subagent":
+                sub = w.field(obj, "requests", where, "list")
+                agent = obj.get("agent_id")
+                label = agent if isinstance(agent, str) and agent else f"sub{i}"
+                walk(sub, f"{where}.requests", f"{index}{i}.", base_s + t, f"{session}/{label}")
+                continue
+            model = w.field(obj, "model", where, "str")
+            prompt_len = w.field(obj, "in", where, "positive")
+            output_len = w.field(obj, "out", where, "count")
+            ids = w.block_ids(obj, where, prompt_len, trace_block)
+            think = obj.get("think_time", 0.0)
+            if not (_is_number(think) and think >= 0):
+                raise w.error(where, f"field 'think_time' must be a finite number >= 0, "
+                                     f"got {think!r}")
+            ns = namespaces.get(model)
+            if ns is None:
+                ns = namespaces[model] = (namespace(path.name, model) if scope == "local"
+                                          else namespace("global", model))
+            hashes = map_block_ids(ids, prompt_len, output_len, trace_block_size=trace_block,
+                                   hash_block_size=hash_block_size, ns=ns,
+                                   unique_salt=namespace(path.name, rid), chainer=chainer)
+            out.append(WorkloadRequest(rid, offset_s + base_s + t, prompt_len, output_len,
+                                       hashes, session=session, after=prev_id,
+                                       think_s=float(think) if prev_id else 0.0, model=model))
+            prev_id = rid
+
+    walk(reqs, "requests", "", 0.0, stem)
+    if not out:
+        raise TraceError(f"{path}: no requests")
+    return out
+
+
+def _tester_paths(paths: str | Path | Iterable[str | Path]) -> list[Path]:
+    if isinstance(paths, str | Path):
+        paths = [paths]
+    out: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            found = sorted([*p.glob("*.json.gz"), *p.glob("*.json")])
+            if not found:
+                raise TraceError(f"{p}: no *.json or *.json.gz trace in this folder")
+            out.extend(found)
+        else:
+            out.append(p)
+    if not out:
+        raise TraceError("no trace files given")
+    return out
+
+
+def load_kv_cache_tester(
+    paths: str | Path | Iterable[str | Path],
+    *,
+    hash_block_size: int = KV_CACHE_TESTER_BLOCK_SIZE,
+    stagger_s: float = 0.0,
+    name: str | None = None,
+) -> Workload:
+    """kv-cache-tester conversations (one JSON or gzip'd JSON per file, or a folder of them).
+
+    Each top-level request is ``<file stem>#<i>``, in session ``<stem>``, closed loop after the
+    previous one with its ``think_time``. A ``subagent`` marker's nested requests (times relative
+    to the marker) become ``<stem>#<i>.<j>`` in session ``<stem>/<agent_id>``, chained among
+    themselves; the first starts at the marker's time. File k's times are shifted by
+    ``k * stagger_s`` seconds. Requests come out in arrival order.
+    """
+    if not (_is_number(stagger_s) and stagger_s >= 0):
+        raise ValueError(f"stagger_s must be a finite number >= 0, got {stagger_s!r}")
+    files = _tester_paths(paths)
+    requests: list[WorkloadRequest] = []
+    for k, p in enumerate(files):
+        requests.extend(_tester_file(p, hash_block_size, k * stagger_s))
+    requests.sort(key=lambda r: r.arrival_s)
+    if name is None:
+        name = files[0].parent.name if len(files) > 1 else files[0].name
+    return Workload(requests, hash_block_size, name)
+
+
+# ---- format detection ----------------------------------------------------------------------
+
+
+def load_trace(path: str | Path, *, hash_block_size: int | None = None) -> Workload:
+    """Load a trace by its format: a folder or a ``.json``/``.json.gz`` file is kv-cache-tester,
+    a ``.jsonl``/``.jsonl.gz`` file is Mooncake; other names are sniffed from the first byte of
+    content (``[`` or a JSON object holding ``requests``: kv-cache-tester). ``hash_block_size``
+    defaults to the trace's own block size."""
+    path = Path(path)
+    if not path.exists():
+        raise TraceError(f"{path}: no such file or folder")
+    suffixes = "".join(path.suffixes[-2:]).lower()
+    if path.is_dir() or suffixes.endswith((".json", ".json.gz")):
+        fmt = "tester"
+    elif suffixes.endswith((".jsonl", ".jsonl.gz")):
+        fmt = "mooncake"
+    else:
+        fmt = _sniff(path)
+    if fmt == "tester":
+        kw = {} if hash_block_size is None else {"hash_block_size": hash_block_size}
+        return load_kv_cache_tester(path, **kw)
+    return load_mooncake(path, hash_block_size=hash_block_size or MOONCAKE_BLOCK_SIZE)
+
+
+def _sniff(path: Path) -> str:
+    try:
+        head = path.read_bytes()[:1 << 16]
+    except OSError as e:
+        raise TraceError(f"{path}: cannot read: {e.strerror or e}") from None
+    if head[:2] == b"\x1f\x8b":
+        return "tester"
+    first = head.lstrip()[:1]
+    if not first:
+        raise TraceError(f"{path}: empty file (no requests)")
+    if first != b"{":
+        raise TraceError(f"{path}: not a Mooncake JSONL or kv-cache-tester JSON trace "
+                         f"(starts with {head.lstrip()[:16]!r})")
+    first_line = head.lstrip().split(b"\n", 1)[0]
+    try:
+        obj = json.loads(first_line)
+    except ValueError:
+        return "tester"  # a multi-line (or long) JSON document
+    return "tester" if isinstance(obj, dict) and "requests" in obj else "mooncake"
