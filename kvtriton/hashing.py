@@ -13,6 +13,7 @@ can live in flat tensors indexed by id.
 from __future__ import annotations
 
 import hashlib
+import numbers
 import struct
 from collections.abc import Iterable, Sequence
 
@@ -22,6 +23,10 @@ __all__ = ["HashIndex", "chain_hashes", "group_key", "group_keys", "mix64"]
 
 _MASK = (1 << 64) - 1
 _ROOT = 0x6B76_7472_6974_6F6E  # "kvtriton": the parent hash of a sequence's first block
+
+
+def _is_int(x: object) -> bool:
+    return type(x) is int or (isinstance(x, numbers.Integral) and not isinstance(x, bool))
 
 
 def _blake64(data: bytes) -> int:
@@ -49,9 +54,17 @@ def chain_hashes(
     """
     if hash_block_size <= 0:
         raise ValueError(f"hash_block_size must be positive, got {hash_block_size}")
-    tokens = np.ascontiguousarray(np.asarray(token_ids, dtype=np.int64))
-    if tokens.ndim != 1:
-        raise ValueError(f"token_ids must be 1-D, got shape {tokens.shape}")
+    raw = np.asarray(token_ids)
+    if raw.ndim != 1:
+        raise ValueError(f"token_ids must be 1-D, got shape {raw.shape}")
+    if raw.size and raw.dtype.kind not in "iu":
+        # A cast would truncate 1.5 to 1 and hash it as token 1.
+        raise ValueError(f"token_ids must be integers, got dtype {raw.dtype}")
+    if parent is not None and not (_is_int(parent) and 0 <= parent <= _MASK):
+        raise ValueError(f"parent {parent!r} is not a 64-bit unsigned int")
+    if lora_id is not None and not (_is_int(lora_id) and -(1 << 63) <= lora_id < 1 << 63):
+        raise ValueError(f"lora_id {lora_id!r} is not a 64-bit signed int")
+    tokens = np.ascontiguousarray(raw, dtype=np.int64)
     n_full = len(tokens) // hash_block_size
     if extra_keys is not None and len(extra_keys) < n_full:
         raise ValueError(f"extra_keys has {len(extra_keys)} entries for {n_full} blocks")
@@ -60,7 +73,9 @@ def chain_hashes(
     out = []
     for i in range(n_full):
         body = tokens[i * hash_block_size:(i + 1) * hash_block_size].tobytes()
-        extra = b"" if extra_keys is None else _encode_extra(extra_keys[i])
+        # A block with no extra keys (None) hashes as if none were given, so a text-only prefix
+        # matches the blocks before a multimodal request's first image.
+        extra = b"" if extra_keys is None or extra_keys[i] is None else _encode_extra(extra_keys[i])
         prev = _blake64(struct.pack("<Q", prev) + lora + body + extra)
         out.append(prev)
     return out
@@ -110,8 +125,7 @@ class HashIndex:
         """The dense id of ``h``, assigning the next one if ``h`` is new."""
         hid = self._ids.get(h)
         if hid is None:
-            if not 0 <= h <= _MASK:
-                raise ValueError(f"hash {h!r} is not a 64-bit unsigned int")
+            self._check(h)
             hid = len(self._ids)
             if hid == len(self._hashes):
                 self._hashes = np.concatenate([self._hashes, np.zeros_like(self._hashes)])
@@ -119,9 +133,22 @@ class HashIndex:
             self._ids[h] = hid
         return hid
 
+    @staticmethod
+    def _check(h: object) -> None:
+        # A float would be stored truncated (1.5 -> 1) and break the round trip through hash_of.
+        if not (_is_int(h) and 0 <= h <= _MASK):
+            raise ValueError(f"hash {h!r} is not a 64-bit unsigned int")
+
     def intern_many(self, hashes: Iterable[int]) -> np.ndarray:
-        """Dense ids of ``hashes`` as an int64 array, interning new ones in order."""
-        return np.fromiter((self.intern(h) for h in hashes), dtype=np.int64)
+        """Dense ids of ``hashes`` as an int64 array, interning new ones in order.
+
+        Every new hash is checked first, so a bad one leaves the index unchanged.
+        """
+        hashes = list(hashes)
+        for h in hashes:
+            if h not in self._ids:
+                self._check(h)
+        return np.fromiter((self.intern(h) for h in hashes), dtype=np.int64, count=len(hashes))
 
     def get(self, h: int) -> int | None:
         """The id of ``h`` or ``None`` if it was never interned."""

@@ -112,6 +112,8 @@ def find_longest_hit(
         align_h = 1
     else:
         align_tok = layout.scheduler_block_size if align is None else align
+        if not isinstance(align_tok, int) or align_tok <= 0:
+            raise ValueError(f"align must be a positive int, got {align_tok!r}")
         if align_tok % hbs:
             raise ValueError(f"align={align_tok} is not a multiple of hash_block_size={hbs}")
         align_h = align_tok // hbs
@@ -131,7 +133,9 @@ def find_longest_hit(
         if gi not in full_cache:  # monotone in n: compute once up to the global limit
             full_cache[gi] = full_attention_hit(lookup, ks, r, limit, fine_grained)
         m = min(full_cache[gi], n)
-        return m - m % align_h
+        # Whole blocks only, unless fine-grained: an align below the block size must not let
+        # the fixpoint settle inside a block (a hit through an alias key).
+        return m - m % (align_h if fine_grained else _lcm(align_h, r))
 
     iterations = 0
     while True:

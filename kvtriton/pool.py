@@ -13,13 +13,14 @@ block named; bad input raises ``ValueError`` before anything is changed.
 from __future__ import annotations
 
 import logging
+import numbers
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from kvtriton.policies import EvictionPolicy, make_policy
 
-__all__ = ["AllBlocksCleared", "BlockPool", "BlockRemoved", "BlockStored", "NULL_BLOCK"]
+__all__ = ["NULL_BLOCK", "AllBlocksCleared", "BlockPool", "BlockRemoved", "BlockStored"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +72,8 @@ class BlockPool:
         enable_events: bool = False,
     ) -> None:
         if not isinstance(num_blocks, int) or num_blocks < 2:
-            raise ValueError(f"num_blocks must be an int >= 2 (block 0 is null), got {num_blocks!r}")
+            raise ValueError(
+                f"num_blocks must be an int >= 2 (block 0 is null), got {num_blocks!r}")
         self.num_blocks = num_blocks
         self.medium = medium
         self.enable_events = enable_events
@@ -237,6 +239,10 @@ class BlockPool:
         if self.ref_cnt[block_id] == 0:
             raise ValueError(f"cache_block: block {block_id} is free; cache it while referenced")
         aliases = tuple(a for a in dict.fromkeys(aliases) if a != key)
+        for k in (key, *aliases):
+            # A None key would leave the block looking unhashed while the map holds it.
+            if type(k) is not int and (not isinstance(k, numbers.Integral) or isinstance(k, bool)):
+                raise ValueError(f"cache_block: key {k!r} of block {block_id} is not an int")
         self._primary[block_id] = key
         self._aliases[block_id] = aliases
         for k in (key, *aliases):
