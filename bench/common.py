@@ -23,12 +23,18 @@ def _cpu_name() -> str:
 
 
 def _git_sha() -> str:
+    """HEAD's short sha, with ``+dirty`` when tracked code differs from it."""
+    here = Path(__file__).parent
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, cwd=Path(__file__).parent, timeout=10)
-        return out.stdout.strip() or "unknown"
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, cwd=here, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--",
+                                ".", ":!bench/results", ":!paper", ":!README.md"],
+                               capture_output=True, text=True, cwd=here.parent,
+                               timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+    return (sha + ("+dirty" if dirty else "")) if sha else "unknown"
 
 
 def machine_info() -> dict:

@@ -62,6 +62,8 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
                    help="simulated block size in tokens (divides the trace's block size)")
     g.add_argument("--limit", type=_positive_int, default=None,
                    help="keep only the first N requests (and the turns they lead to)")
+    g.add_argument("--time-scale", type=_positive_float, default=1.0,
+                   help="multiply arrival and think times (>1 lightens the load)")
     g.add_argument("--seed", type=int, default=0, help="generator seed")
     g.add_argument("--conversations", type=_positive_int, default=32,
                    help="agent: concurrent conversations")
@@ -94,7 +96,20 @@ def load_workload(args: argparse.Namespace):
         path = {"mooncake": MOONCAKE_SYNTHETIC, "cc-agentic": CC_AGENTIC_SAMPLE}.get(name)
         path = data_path(path) if path else Path(name)
         wl = load_trace(path, hash_block_size=args.block_size)
-    return limit_workload(wl, args.limit) if args.limit else wl
+    if args.limit:
+        wl = limit_workload(wl, args.limit)
+    return scale_times(wl, args.time_scale) if args.time_scale != 1.0 else wl
+
+
+def scale_times(wl, factor: float):
+    """``wl`` with every arrival and think time multiplied by ``factor``."""
+    from dataclasses import replace
+
+    from kvtriton.sim import Workload
+
+    reqs = [replace(r, arrival_s=r.arrival_s * factor, think_s=r.think_s * factor)
+            for r in wl.requests]
+    return Workload(reqs, wl.hash_block_size, f"{wl.name}x{factor:g}")
 
 
 def limit_workload(wl, n: int):

@@ -44,11 +44,22 @@ def full_attention_hit(lookup: Lookup, keys: Sequence[int], ratio: int, limit: i
     Only primary keys (every ``ratio``-th) are checked unless ``fine_grained``, when a trailing
     partial block can hit through an alias.
     """
+    return _full_walk(lookup, keys, ratio, limit, fine_grained)[0]
+
+
+def _full_walk(lookup: Lookup, keys: Sequence[int], ratio: int, limit: int,
+               fine_grained: bool) -> tuple[int, list[int]]:
+    """``full_attention_hit`` and the blocks it found, one per step of the walk."""
     step = 1 if fine_grained else ratio
     n = 0
-    while n + step <= limit and lookup(keys[n + step - 1]) is not None:
+    found = []
+    while n + step <= limit:
+        b = lookup(keys[n + step - 1])
+        if b is None:
+            break
+        found.append(b)
         n += step
-    return n
+    return n, found
 
 
 def sliding_window_hit(lookup: Lookup, keys: Sequence[int], ratio: int, window_blocks: int,
@@ -121,7 +132,7 @@ def find_longest_hit(
     limit = min(max(max_tokens, 0) // hbs, n_keys)
     n = limit - limit % align_h
     ratios = [g.block_size // hbs for g in layout.groups]
-    full_cache: dict[int, int] = {}
+    full_cache: dict[int, tuple[int, list[int]]] = {}
 
     def accept(gi: int, n: int) -> int:
         spec, r, ks = layout.groups[gi], ratios[gi], keys[gi]
@@ -131,8 +142,8 @@ def find_longest_hit(
             return mamba_hit(lookup, ks, r, n, _lcm(align_h, r))
         assert isinstance(spec, FullAttentionSpec)
         if gi not in full_cache:  # monotone in n: compute once up to the global limit
-            full_cache[gi] = full_attention_hit(lookup, ks, r, limit, fine_grained)
-        m = min(full_cache[gi], n)
+            full_cache[gi] = _full_walk(lookup, ks, r, limit, fine_grained)
+        m = min(full_cache[gi][0], n)
         # Whole blocks only, unless fine-grained: an align below the block size must not let
         # the fixpoint settle inside a block (a hit through an alias key).
         return m - m % (align_h if fine_grained else _lcm(align_h, r))
@@ -145,15 +156,21 @@ def find_longest_hit(
             n = min(n, accept(gi, n))
         if n == before or n == 0:
             break
-    return Hit(n * hbs, _hit_blocks(layout, lookup, keys, n, ratios), iterations)
+    return Hit(n * hbs, _hit_blocks(layout, lookup, keys, n, ratios, full_cache, fine_grained),
+               iterations)
 
 
-def _hit_blocks(layout: KVLayout, lookup: Lookup, keys, n: int, ratios) -> tuple[list[int], ...]:
+def _hit_blocks(layout: KVLayout, lookup: Lookup, keys, n: int, ratios, walks,
+                fine_grained: bool) -> tuple[list[int], ...]:
     out = []
     for gi, spec in enumerate(layout.groups):
         r, ks = ratios[gi], keys[gi]
         n_blocks = -(-n // r)
-        if isinstance(spec, MambaSpec):
+        if gi in walks:  # full attention: the walk already found them
+            found = walks[gi][1]
+            blocks = ([found[min((i + 1) * r, n) - 1] for i in range(n_blocks)] if fine_grained
+                      else found[:n_blocks])
+        elif isinstance(spec, MambaSpec):
             blocks = [NULL_BLOCK] * n_blocks
             if n_blocks:
                 blocks[-1] = lookup(ks[n - 1])

@@ -49,14 +49,20 @@ class EvictionPolicy(ABC):
         """Free blocks from the next victim on; starts past ``after`` when it is free."""
         ...
 
-    def on_evicted(self, block_id: int, key: int) -> None:
-        """The hashes of ``block_id`` (primary ``key``) are being dropped. Ghost lists use it."""
+    def pop_many(self, n: int) -> list[int]:
+        """The next ``n`` victims, in order (the caller checked that ``n`` are free)."""
+        pop = self.pop
+        return [pop() for _ in range(n)]
+
+    def on_evicted(self, block_id: int, key: int) -> None:  # noqa: B027 - optional hook
+        """The hashes of ``block_id`` (primary ``key``) are being dropped. Ghost lists use it.
+        Policies without ghost state need nothing here."""
 
 
 class _LinkedQueue:
     """Doubly-linked list over block ids in flat lists: O(1) push, remove and pop at both ends."""
 
-    __slots__ = ("_n", "_next", "_prev", "_in", "_len")
+    __slots__ = ("_in", "_len", "_n", "_next", "_prev")
 
     def __init__(self, num_blocks: int) -> None:
         s = num_blocks  # sentinel index
@@ -109,6 +115,22 @@ class _LinkedQueue:
         self.remove(b)
         return b
 
+    def popleft_many(self, n: int) -> list[int]:
+        """Unlink the first ``n`` blocks in one walk."""
+        if n > self._len:
+            raise IndexError(f"pop of {n} from a queue of {self._len}")
+        s, nxt, prv, inq = self._n, self._next, self._prev, self._in
+        out = []
+        b = nxt[s]
+        for _ in range(n):
+            out.append(b)
+            inq[b] = 0
+            b = nxt[b]
+        nxt[s] = b
+        prv[b] = s
+        self._len -= n
+        return out
+
     def first(self) -> int | None:
         b = self._next[self._n]
         return None if b == self._n else b
@@ -146,6 +168,9 @@ class LRUPolicy(EvictionPolicy):
 
     def pop(self) -> int:
         return self._q.popleft()
+
+    def pop_many(self, n: int) -> list[int]:
+        return self._q.popleft_many(n)
 
     def __len__(self) -> int:
         return len(self._q)

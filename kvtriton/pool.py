@@ -137,9 +137,9 @@ class BlockPool:
     def get_cached_block(self, key: int) -> int | None:
         """One block registered under ``key`` (the first registered), or ``None``."""
         entry = self._map.get(key)
-        if entry is None or isinstance(entry, int):
-            return entry
-        return next(iter(entry))
+        if type(entry) is dict:
+            return next(iter(entry))
+        return entry
 
     def cached_blocks(self, key: int) -> list[int]:
         entry = self._map.get(key)
@@ -161,6 +161,15 @@ class BlockPool:
     # ---- validation ------------------------------------------------------------------------
 
     def _check_ids(self, block_ids: Sequence[int], what: str) -> None:
+        if not block_ids:
+            return
+        # Fast path: plain ints within [1, n). The loop below finds the culprit for the message.
+        try:
+            if (min(block_ids) >= 1 and max(block_ids) < self.num_blocks
+                    and all(type(b) is int for b in block_ids)):
+                return
+        except TypeError:  # mixed types: the loop names the bad one
+            pass
         n = self.num_blocks
         for b in block_ids:
             if not isinstance(b, int) or isinstance(b, bool) or not 0 <= b < n:
@@ -176,13 +185,12 @@ class BlockPool:
             raise ValueError(f"get_new_blocks: n must be a non-negative int, got {n!r}")
         if n > len(self._policy):
             raise ValueError(f"get_new_blocks: asked for {n} blocks, {len(self._policy)} free")
-        out = []
-        for _ in range(n):
-            b = self._policy.pop()
-            if self._primary[b] is not None:
+        out = self._policy.pop_many(n)
+        primary, ref = self._primary, self.ref_cnt
+        for b in out:
+            if primary[b] is not None:
                 self._evict(b)
-            self.ref_cnt[b] = 1
-            out.append(b)
+            ref[b] = 1
         return out
 
     def touch(self, block_ids: Sequence[int]) -> None:
@@ -204,7 +212,10 @@ class BlockPool:
         block_ids = list(block_ids)
         self._check_ids(block_ids, "free_blocks")
         ref = self.ref_cnt
-        for b, times in Counter(block_ids).items():
+        # Distinct ids (the usual case) only need ref >= 1 each; repeats need their multiplicity.
+        counts = Counter(block_ids).items() if len(set(block_ids)) < len(block_ids) \
+            else ((b, 1) for b in block_ids)
+        for b, times in counts:
             if ref[b] < times:
                 raise ValueError(
                     f"free_blocks: block {b} freed {times}x with ref count {ref[b]} (double free)")
@@ -232,13 +243,14 @@ class BlockPool:
 
         The block must be unhashed and referenced (a free block would be evicted unseen).
         """
-        self._check_ids([block_id], "cache_block")
+        if type(block_id) is not int or not 0 < block_id < self.num_blocks:
+            self._check_ids([block_id], "cache_block")
         if self._primary[block_id] is not None:
             raise ValueError(f"cache_block: block {block_id} is already cached under "
                              f"{self._primary[block_id]:#x}")
         if self.ref_cnt[block_id] == 0:
             raise ValueError(f"cache_block: block {block_id} is free; cache it while referenced")
-        aliases = tuple(a for a in dict.fromkeys(aliases) if a != key)
+        aliases = tuple(a for a in dict.fromkeys(aliases) if a != key) if aliases else ()
         for k in (key, *aliases):
             # A None key would leave the block looking unhashed while the map holds it.
             if type(k) is not int and (not isinstance(k, numbers.Integral) or isinstance(k, bool)):
@@ -303,16 +315,15 @@ class BlockPool:
             logger.warning("reset_prefix_cache: %d blocks still referenced; not reset",
                            self.num_used_blocks)
             return False
-        for b in range(1, self.num_blocks):
-            if self._primary[b] is not None:
-                keys = self.block_keys(b)
-                self._primary[b] = None
-                self._aliases[b] = ()
-                for k in keys:
-                    for cb in self._on_evict:
-                        cb(k, b)
+        dropped = [(k, b) for b in range(1, self.num_blocks) for k in self.block_keys(b)]
+        # Listeners see the pool as it is after the reset, as they do for a single eviction.
         self._map.clear()
+        self._primary = [None] * self.num_blocks
+        self._aliases = [()] * self.num_blocks
         self._fill_free_queue()
+        for k, b in dropped:
+            for cb in self._on_evict:
+                cb(k, b)
         if self.enable_events:
             self._events.append(AllBlocksCleared(self.medium))
         return True

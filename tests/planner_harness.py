@@ -42,6 +42,7 @@ class Running:
     new: list[list[int]] = field(default_factory=list)  # block ids not yet sent to the planner
     cached: list[int] = field(default_factory=list)  # leading positions already hashed, per group
     resumed: bool = False
+    local: int = 0  # tokens of the GPU prefix hit at admission
 
 
 @dataclass
@@ -97,19 +98,29 @@ class Harness:
         return max(0, computed - spec.sliding_window + 1) // spec.block_size
 
     def blocks_needed(self, req: Request, num_tokens: int | None = None) -> int:
+        """GPU blocks ``req`` holds at ``num_tokens`` tokens (default: its current length)."""
         n = req.num_tokens if num_tokens is None else num_tokens
         return sum(-(-n // g.block_size) for g in self.layout.groups)
 
-    def admit(self, req: Request, accept: int | None = None) -> tuple[int, int]:
-        """Schedule a new (or resume a preempted) request: GPU hit, CPU hit (``accept`` caps
-        what the scheduler takes), allocation. Returns (gpu_hit_tokens, cpu_tokens_accepted)."""
-        rid = req.request_id
-        resumed = self.preempted.pop(rid, None) is not None
+    def gpu_hit(self, req: Request):
+        """The GPU prefix-cache hit of ``req`` (capped so its last token is recomputed)."""
         hbs = self.layout.hash_block_size
         keys = req.keys[:, :min(req.keys.shape[1], req.num_tokens // hbs)].tolist()
-        hit = find_longest_hit(self.layout, self.gpu, keys, req.num_tokens - 1)
+        return find_longest_hit(self.layout, self.gpu, keys, req.num_tokens - 1)
+
+    def admit(self, req: Request, accept: int | None = None,
+              ext: int | None = None) -> tuple[int, int]:
+        """Schedule a new (or resume a preempted) request: GPU hit, CPU hit (``accept`` caps
+        what the scheduler takes; ``ext`` skips the planner's lookup, for a caller that already
+        made it), allocation of the blocks holding the hit. Blocks for the tokens still to
+        compute are allocated by the steps that schedule them, as vLLM does. Returns
+        (gpu_hit_tokens, cpu_tokens_accepted)."""
+        rid = req.request_id
+        resumed = self.preempted.pop(rid, None) is not None
+        hit = self.gpu_hit(req)
         local = hit.num_tokens
-        ext, _ = self.planner.get_num_new_matched_tokens(req, local)
+        if ext is None:
+            ext, _ = self.planner.get_num_new_matched_tokens(req, local)
         if accept is not None:
             ext = min(ext, accept)
         computed = local + ext
@@ -117,7 +128,7 @@ class Harness:
         for g, spec in enumerate(self.layout.groups):
             held = hit.blocks[g]
             self.gpu.touch([b for b in held if b != NULL_BLOCK])
-            n_blocks = -(-req.num_tokens // spec.block_size)
+            n_blocks = max(len(held), -(-computed // spec.block_size))
             skip = self._skipped(g, computed)
             nulls = max(0, min(skip, n_blocks) - len(held))
             fresh = self.gpu.get_new_blocks(n_blocks - len(held) - nulls)
@@ -125,7 +136,8 @@ class Harness:
             cached.append(len(held))
         self.planner.update_state_after_alloc(req, tuple(tables), ext)
         req.num_computed_tokens = computed
-        run = Running(req, tables, [list(t) for t in tables], cached, resumed=resumed)
+        run = Running(req, tables, [list(t) for t in tables], cached, resumed=resumed,
+                      local=local)
         self.running[rid] = run
         self.order.append(rid)
         self._cache_full(run, upto=local)
@@ -159,7 +171,7 @@ class Harness:
     def grow_need(self, rid: str, n: int) -> int:
         """GPU blocks that scheduling ``n`` more tokens of ``rid`` would allocate."""
         run = self.running[rid]
-        total = max(run.req.num_tokens, run.req.num_computed_tokens + n)
+        total = run.req.num_computed_tokens + n
         return sum(max(0, -(-total // spec.block_size) - len(run.tables[g]))
                    for g, spec in enumerate(self.layout.groups))
 
@@ -180,15 +192,14 @@ class Harness:
         for rid, n in scheduled.items():
             run = self.running[rid]
             req = run.req
-            grow = req.num_computed_tokens + n - req.num_tokens
-            if grow > 0:  # decode: the sequence gets longer
-                req.num_tokens += grow
-                for g, spec in enumerate(self.layout.groups):
-                    need = -(-req.num_tokens // spec.block_size) - len(run.tables[g])
-                    if need > 0:
-                        blocks = self.gpu.get_new_blocks(need)
-                        run.tables[g] += blocks
-                        run.new[g] += blocks
+            total = req.num_computed_tokens + n
+            req.num_tokens = max(req.num_tokens, total)  # decode: the sequence gets longer
+            for g, spec in enumerate(self.layout.groups):
+                need = -(-total // spec.block_size) - len(run.tables[g])
+                if need > 0:
+                    blocks = self.gpu.get_new_blocks(need)
+                    run.tables[g] += blocks
+                    run.new[g] += blocks
             if any(run.new):
                 new_ids[rid] = tuple(run.new)
                 run.new = [[] for _ in range(self.G)]
@@ -244,7 +255,7 @@ class Harness:
 
     def _store_done(self, ev: int) -> None:
         st = self.stores.pop(ev)
-        for c, keys in zip(st.cpu, st.keys):
+        for c, keys in zip(st.cpu, st.keys, strict=True):
             self.registered[c] = keys
 
     def complete_loads(self, events, failed: bool = False) -> None:
@@ -255,8 +266,11 @@ class Harness:
             self.planner.update_connector_output(finished_loads=rids)
         for rid in rids:
             run = self.running.get(rid)
-            if run is not None and not self.planner.load_pending(rid):
-                self._cache_full(run, run.req.num_computed_tokens)
+            if run is None or self.planner.load_pending(rid):
+                continue
+            if failed:  # the loaded tokens are recomputed
+                run.req.num_computed_tokens = run.local
+            self._cache_full(run, run.req.num_computed_tokens)
 
     def complete(self, meta: PlannerMeta, stores: bool = True, loads: bool = True) -> None:
         if loads and meta.load.event >= 0:

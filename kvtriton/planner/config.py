@@ -23,6 +23,9 @@ class PlannerConfig:
     - ``max_restores_per_key``: a key re-stored this many times is not re-stored again, which
       bounds thrash when the running working set exceeds the CPU (None: unbounded). Thrash is
       counted either way.
+    - ``restore_share``: re-stores go ahead only while running requests' blocks hold less than
+      this share of the CPU pool, and only as many as fit under it; past it each re-store would
+      evict another running request's block (None: no bound).
     - ``scan_idle``: also scan running requests with no scheduled tokens this step (the
       reference connector skips them, so their evicted blocks wait).
     - ``lazy``: offload from the GPU free queue instead of eagerly (``lazy_target_blocks``
@@ -36,6 +39,7 @@ class PlannerConfig:
     cpu_free_order: Literal["tail_first", "head_first"] = "tail_first"
     max_restores_per_step: int | None = None
     max_restores_per_key: int | None = None
+    restore_share: float | None = None
     scan_idle: bool = False
     lazy: bool = False
     lazy_target_blocks: int | None = None
@@ -53,6 +57,8 @@ class PlannerConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 0):
                 raise ValueError(f"{name} must be None or a non-negative int, got {v!r}")
+        if self.restore_share is not None and not 0 <= self.restore_share <= 1:
+            raise ValueError(f"restore_share must be None or in [0, 1], got {self.restore_share!r}")
         if not isinstance(self.world_size, int) or self.world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {self.world_size!r}")
         if self.max_num_batched_tokens <= 0:

@@ -118,7 +118,8 @@ class OffloadPlanner:
         self._next_row = 0
         self._pending_hits: dict[str, tuple[tuple[list[int], ...], int, int]] = {}
         self._loads: dict[str, _Load] = {}
-        self._abandoned_loads: dict[str, _Load] = {}
+        # Loads abandoned by reset() but still in flight, oldest first per request.
+        self._abandoned_loads: dict[str, list[_Load]] = {}
         self._load_event_reqs: dict[int, list[str]] = {}
         self._jobs: dict[int, _Job] = {}
         self._abandoned_jobs: dict[int, _Job] = {}
@@ -382,8 +383,7 @@ class OffloadPlanner:
             return
         # Handoffs of this step already took their CPU blocks, so what is free is the budget.
         sel = self.selector.select(rows, np.asarray(ready, dtype=np.int64).reshape(len(rows), G),
-                                   self.cpu_pool.num_free_blocks,
-                                   self.config.max_restores_per_step)
+                                   self.cpu_pool.num_free_blocks, self._restore_budget())
         self.stats.scan.add(sel.outcomes)
         self.stats.restore_thrash += sel.thrash
         if not len(sel):
@@ -392,11 +392,22 @@ class OffloadPlanner:
         job.gpu += sel.gpu_blocks
         job.groups += sel.groups
         job.keys += sel.keys
+        seen = set(job.req_ids)
         for row in dict.fromkeys(sel.rows):
             rid = self._row_req[row]
-            if rid not in job.req_ids:
+            if rid not in seen:
                 job.req_ids.append(rid)
         self._allocate(job, start)
+
+    def _restore_budget(self) -> int | None:
+        """This step's re-store cap: the per-step bound, and the room running requests' blocks
+        have left under ``restore_share`` of the CPU pool."""
+        cap = self.config.max_restores_per_step
+        share = self.config.restore_share
+        if share is not None:
+            room = int(share * (self.cpu_pool.num_blocks - 1)) - self.selector.running_present
+            cap = max(0, room) if cap is None else min(cap, max(0, room))
+        return cap
 
     def _allocate(self, job: _Job, start: int) -> None:
         """CPU blocks for ``job``'s pairs from ``start`` on; pin their GPU sources."""
@@ -453,22 +464,26 @@ class OffloadPlanner:
         reports arrived. Reports that a real worker can legitimately send late or twice (an event
         already completed or abandoned by ``reset``, a load of a request already cleaned up) are
         logged and counted in ``stats.stale_reports``; an event id that was never issued raises
-        ``ValueError``. ``failed_*`` release the transfer's pins without caching anything.
+        ``ValueError``, before any report of the call is applied. ``failed_*`` release the
+        transfer's pins without caching anything.
         """
-        for rid in finished_loads:
-            self._finish_load(rid, failed=False)
-        for rid in failed_loads:
-            self._finish_load(rid, failed=True)
         if not isinstance(completed_stores, Mapping):
             counts: dict[int, int] = {}
             for ev in completed_stores:
                 counts[ev] = counts.get(ev, 0) + 1
             completed_stores = counts
-        for ev, count in completed_stores.items():
+        failed_stores = list(failed_stores)
+        for ev in [*completed_stores, *failed_stores]:
             if not isinstance(ev, int) or not 0 <= ev < self._next_store_event:
                 raise ValueError(f"store event {ev!r} was never issued")
+        for ev, count in completed_stores.items():
             if count <= 0:
                 raise ValueError(f"store event {ev}: report count must be positive, got {count}")
+        for rid in finished_loads:
+            self._finish_load(rid, failed=False)
+        for rid in failed_loads:
+            self._finish_load(rid, failed=True)
+        for ev, count in completed_stores.items():
             if ev not in self._jobs and ev not in self._abandoned_jobs:
                 self.stats.stale_reports += 1
                 logger.info("ignoring a report for store event %d, already completed", ev)
@@ -482,8 +497,6 @@ class OffloadPlanner:
                 self.stats.stale_reports += total - self.config.world_size
             self._complete_store(ev, failed=False)
         for ev in failed_stores:
-            if not isinstance(ev, int) or not 0 <= ev < self._next_store_event:
-                raise ValueError(f"store event {ev!r} was never issued")
             if ev in self._jobs or ev in self._abandoned_jobs:
                 self._reports.pop(ev, None)
                 self._complete_store(ev, failed=True)
@@ -491,15 +504,21 @@ class OffloadPlanner:
                 self.stats.stale_reports += 1
 
     def _finish_load(self, rid: str, failed: bool) -> None:
-        ld = self._loads.get(rid)
-        table = self._loads
-        if ld is None:
-            ld, table = self._abandoned_loads.get(rid), self._abandoned_loads
-        if ld is None or ld.event is None:
-            self.stats.stale_reports += 1
-            logger.info("ignoring a load report for request %r with no load in flight", rid)
-            return
-        del table[rid]
+        # A report names a request, not an event. Workers finish a request's loads in the order
+        # they were issued, and a load abandoned by reset() is older than any issued after it
+        # (the same request may be looked up again while it is in flight), so it goes first.
+        abandoned = self._abandoned_loads.get(rid)
+        if abandoned:
+            ld = abandoned.pop(0)
+            if not abandoned:
+                del self._abandoned_loads[rid]
+        else:
+            ld = self._loads.get(rid)
+            if ld is None or ld.event is None:
+                self.stats.stale_reports += 1
+                logger.info("ignoring a load report for request %r with no load in flight", rid)
+                return
+            del self._loads[rid]
         reqs = self._load_event_reqs.get(ld.event)
         if reqs is not None:
             reqs.remove(rid)
@@ -648,7 +667,7 @@ class OffloadPlanner:
                 self.cpu_pool.free_blocks(ld.cpu)
                 self.gpu_pool.free_blocks(ld.gpu)
             else:
-                self._abandoned_loads[rid] = ld
+                self._abandoned_loads.setdefault(rid, []).append(ld)
         self._loads.clear()
         for pending in self._pending_hits.values():
             self._unpin_hit(pending)

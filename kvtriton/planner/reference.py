@@ -39,6 +39,7 @@ class LoopSelector(StoreSelector):
         self._inflight_key: set[int] = set()
         self._restored: dict[int, int] = {}
         self.running_evictions = 0
+        self.running_present = 0
 
     # ---- tracking -------------------------------------------------------------------------
 
@@ -47,7 +48,10 @@ class LoopSelector(StoreSelector):
         self._rows[row] = _Row(keys)
         for ks in keys:
             for k in ks:
-                self._owners[k] = self._owners.get(k, 0) + 1
+                n = self._owners.get(k, 0)
+                self._owners[k] = n + 1
+                if not n and k in self._cpu:
+                    self.running_present += 1
 
     def release(self, row):
         state = self._rows.pop(row)
@@ -59,6 +63,7 @@ class LoopSelector(StoreSelector):
                 else:
                     del self._owners[k]
                     self._wanted.discard(k)
+                    self.running_present -= k in self._cpu
 
     def append_blocks(self, row, group, block_ids):
         self._rows[row].tables[group].extend(block_ids)
@@ -73,9 +78,13 @@ class LoopSelector(StoreSelector):
 
     def on_cpu_insert(self, key, block):
         self._wanted.discard(key)
+        if key in self._owners and len(self._cpu.cached_blocks(key)) == 1:  # newly present
+            self.running_present += 1
 
     def on_cpu_evict(self, key, block):
+        # Listeners run once `block` left the map: another block may still hold the key.
         if key in self._owners and key not in self._cpu:
+            self.running_present -= 1
             self.running_evictions += 1
             if self._restore:
                 self._wanted.add(key)
@@ -118,9 +127,12 @@ class LoopSelector(StoreSelector):
             for g, table in enumerate(state.tables):
                 cur = state.cursor[g]
                 stop = None
-                start = 0 if self._restore else cur
+                # Re-store candidates are every position below the cursor, even past `ready`
+                # (confirmed tokens can shrink, e.g. when output placeholders grow).
+                start, end = (0, max(cur, int(ready[i, g]))) if self._restore \
+                    else (cur, int(ready[i, g]))
                 keys = state.keys[g]
-                for pos in range(start, int(ready[i, g])):
+                for pos in range(start, end):
                     key = keys[pos]
                     is_restore = pos < cur
                     if is_restore and key not in self._wanted:

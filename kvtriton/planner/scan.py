@@ -75,10 +75,15 @@ class FusedSelector(StoreSelector):
         self._owner = np.full(keys, -1, dtype=np.int64)
         self._pos = np.zeros(keys, dtype=np.int64)
         self._group = np.zeros(keys, dtype=np.int64)
+        self._scratch = np.zeros(keys, dtype=np.int64)  # per-pass scratch, see _first_occurrence
+        self._flag = np.zeros(keys, dtype=bool)  # per-pass scratch, all False between passes
         self._extra_owners: dict[int, list[int]] = {}
         self._row_keys: dict[int, np.ndarray] = {}
-        self._wanted_list: list[int] = []
+        # Keys that became wanted, appended by callbacks (may repeat or lapse; compacted per scan).
+        self._wanted_buf = np.zeros(1024, dtype=np.int64)
+        self._n_wanted = 0
         self.running_evictions = 0
+        self.running_present = 0
 
     # ---- capacity -------------------------------------------------------------------------
 
@@ -94,6 +99,8 @@ class FusedSelector(StoreSelector):
         self._owner = _grow(self._owner, 0, n, -1)
         self._pos = _grow(self._pos, 0, n, 0)
         self._group = _grow(self._group, 0, n, 0)
+        self._scratch = _grow(self._scratch, 0, n, 0)
+        self._flag = _grow(self._flag, 0, n, False)
 
     def _ensure_rows(self, n: int) -> None:
         if n <= self._tbl.shape[1]:
@@ -131,7 +138,9 @@ class FusedSelector(StoreSelector):
         allk = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
         self._row_keys[row] = allk
         shared = allk[self._nown[allk] > 0]
-        self._owner[allk[self._nown[allk] == 0]] = row
+        first = allk[self._nown[allk] == 0]
+        self._owner[first] = row
+        self.running_present += int(self._present[first].sum())
         for k in shared.tolist():
             self._extra_owners.setdefault(k, []).append(row)
         self._nown[allk] += 1
@@ -143,6 +152,7 @@ class FusedSelector(StoreSelector):
         gone = self._nown[allk] == 0
         self._owner[allk[mine & gone]] = -1
         self._wanted[allk[gone]] = False
+        self.running_present -= int(self._present[allk[gone]].sum())
         extra = self._extra_owners
         for k in allk[mine & ~gone].tolist():  # hand ownership to another holder
             others = extra[k]
@@ -175,20 +185,24 @@ class FusedSelector(StoreSelector):
     def on_cpu_insert(self, key, block):
         if key >= len(self._present):
             self._ensure_keys(key + 1)
+        if not self._present[key] and self._nown[key] > 0:
+            self.running_present += 1
         self._present[key] = True
         self._wanted[key] = False
 
     def on_cpu_evict(self, key, block):
         if key >= len(self._present):
             self._ensure_keys(key + 1)
-        if key in self._cpu:  # another CPU block still holds it
+        if key in self._cpu:  # another CPU block still holds it (`block` already left the map)
             return
+        was_present = self._present[key]
         self._present[key] = False
         if self._nown[key] > 0:
+            self.running_present -= int(was_present)
             self.running_evictions += 1
             if self._restore:
                 self._wanted[key] = True
-                self._wanted_list.append(key)
+                self._push_wanted(key)
 
     def on_gpu_insert(self, key, block):
         if key >= len(self._present):
@@ -202,7 +216,8 @@ class FusedSelector(StoreSelector):
         if self._gpu_key[block] == key:
             self._gpu_key[block] = -1
         if key < len(self._gpu_of_key) and self._gpu_of_key[key] == block:
-            self._gpu_of_key[key] = self._gpu.get_cached_block(key) or -1
+            other = self._gpu.get_cached_block(key)
+            self._gpu_of_key[key] = -1 if other is None else other
 
     def set_in_flight(self, gpu_blocks, keys, value):
         if keys:
@@ -220,7 +235,7 @@ class FusedSelector(StoreSelector):
         for k in keys:
             if k < len(self._nown) and self._nown[k] > 0 and not self._present[k]:
                 self._wanted[k] = True
-                self._wanted_list.append(k)
+                self._push_wanted(k)
 
     def wanted_below_cursor(self, row, group):
         cur = int(self._cur[group, row])
@@ -229,13 +244,36 @@ class FusedSelector(StoreSelector):
 
     # ---- the scan -------------------------------------------------------------------------
 
+    def _first_occurrence(self, keys: np.ndarray) -> np.ndarray:
+        """Mask of the first occurrence of each key in ``keys``; O(n), no sort.
+
+        Writing positions in reverse leaves each key's scratch slot holding its first position.
+        """
+        at = np.arange(len(keys))
+        self._scratch[keys[::-1]] = at[::-1]
+        return self._scratch[keys] == at
+
+    def _push_wanted(self, key: int) -> None:
+        if self._n_wanted == len(self._wanted_buf):
+            self._wanted_buf = _grow(self._wanted_buf, 0, 2 * self._n_wanted, 0)
+        self._wanted_buf[self._n_wanted] = key
+        self._n_wanted += 1
+
+    def _compact_wanted(self) -> np.ndarray:
+        """The keys still wanted, once each; the buffer is rewritten to hold just them."""
+        w = self._wanted_buf[:self._n_wanted]
+        w = w[self._wanted[w]]
+        w = w[self._first_occurrence(w)]
+        self._n_wanted = len(w)
+        self._wanted_buf[:len(w)] = w
+        return w
+
     def _restore_candidates(self) -> tuple[np.ndarray, np.ndarray]:
         """(row, key) for every owner of every wanted key."""
-        w = np.unique(np.asarray(self._wanted_list, dtype=np.int64))
-        w = w[self._wanted[w]]
-        self._wanted_list = w.tolist()
+        w = self._compact_wanted()
         rows, keys = [self._owner[w]], [w]
-        for k in w[self._nown[w] > 1].tolist():
+        shared = w[self._nown[w] > 1]
+        for k in shared.tolist() if len(shared) else ():
             extra = self._extra_owners[k]
             rows.append(np.asarray(extra, dtype=np.int64))
             keys.append(np.full(len(extra), k, dtype=np.int64))
@@ -258,12 +296,12 @@ class FusedSelector(StoreSelector):
             groups.append(np.full(len(pos), g, dtype=np.int64))
             positions.append(pos)
             is_restore.append(np.zeros(len(pos), dtype=bool))
-        if self._restore and self._wanted_list:
+        if self._restore and self._n_wanted:
             rrow, rkey = self._restore_candidates()
             rrank = self._rank[rrow]
             rgroup = self._group[rkey]
             rpos = self._pos[rkey]
-            keep = (rrank >= 0) & (rpos < self._cur[rgroup, rrow])
+            keep = (rrank >= 0) & (rpos < self._cur.ravel()[rgroup * self._cur.shape[1] + rrow])
             ranks.append(rrank[keep])
             groups.append(rgroup[keep])
             positions.append(rpos[keep])
@@ -275,11 +313,12 @@ class FusedSelector(StoreSelector):
         self._rank[rows] = -1
         if len(rank) == 0:
             return sel
-        order = np.argsort((rank * G + grp) * self._tbl.shape[2] + pos, kind="stable")
+        order = np.argsort((rank * G + grp) * self._tbl.shape[2] + pos)  # keys are distinct
         rank, grp, pos, isr = rank[order], grp[order], pos[order], isr[order]
         row = rows[rank]
-        src = self._tbl[grp, row, pos]
-        key = self._keys[grp, row, pos]
+        flat = (grp * self._tbl.shape[1] + row) * self._tbl.shape[2] + pos
+        src = self._tbl.ravel()[flat]
+        key = self._keys.ravel()[flat]
         lost = (src == 0) & self._sliding[grp]
         if lost.any():
             src[lost] = np.maximum(self._gpu_of_key[key[lost]], 0)
@@ -293,9 +332,7 @@ class FusedSelector(StoreSelector):
         ok &= ~cached
 
         idx = np.flatnonzero(ok)
-        _, first_at = np.unique(key[idx], return_index=True)
-        is_first = np.zeros(len(idx), dtype=bool)
-        is_first[first_at] = True
+        is_first = self._first_occurrence(key[idx])
         firsts, dups = idx[is_first], idx[~is_first]
 
         f_restore = isr[firsts]
@@ -317,13 +354,10 @@ class FusedSelector(StoreSelector):
         deferred = ~capped & ~chosen
 
         chosen_idx = firsts[chosen]
-        key_chosen = np.zeros(0, dtype=bool)
-        if len(dups):
-            chosen_keys = np.sort(key[chosen_idx])
-            at = np.searchsorted(chosen_keys, key[dups])
-            at = np.minimum(at, max(len(chosen_keys) - 1, 0))
-            key_chosen = (chosen_keys[at] == key[dups]) if len(chosen_keys) else np.zeros(
-                len(dups), dtype=bool)
+        # Which duplicates repeat a selected key: flag the selected keys, read, clear.
+        self._flag[key[chosen_idx]] = True
+        key_chosen = self._flag[key[dups]]
+        self._flag[key[chosen_idx]] = False
 
         # Cursor: first deferred new position, or duplicate of an unselected key, else ready.
         stop_idx = np.concatenate([firsts[deferred], dups[~key_chosen]])
@@ -351,6 +385,8 @@ class FusedSelector(StoreSelector):
             sel.thrash = int((self._restored[rk] > 0).sum())
             self._restored[rk] += 1
         self._wanted[key[chosen_idx]] = False
+        if self._n_wanted:
+            self._compact_wanted()
         sel.rows = row[chosen_idx].tolist()
         sel.groups = grp[chosen_idx].tolist()
         sel.positions = pos[chosen_idx].tolist()

@@ -59,6 +59,8 @@ class StoreSelector(ABC):
 
     #: CPU evictions of keys owned by a running request (counted when they happen).
     running_evictions: int
+    #: Keys owned by a running request that the CPU holds now.
+    running_present: int
 
     @abstractmethod
     def admit(self, row: int, primary_keys: list[np.ndarray]) -> None:

@@ -27,8 +27,11 @@ class ScanOutcomes:
     restored: int = 0
 
     def add(self, other: ScanOutcomes) -> None:
-        for k, v in asdict(other).items():
-            setattr(self, k, getattr(self, k) + v)
+        for k in _OUTCOMES:
+            setattr(self, k, getattr(self, k) + getattr(other, k))
+
+
+_OUTCOMES = tuple(f.name for f in fields(ScanOutcomes))
 
 
 @dataclass(slots=True)

@@ -330,9 +330,11 @@ class ServingLoop:
                 else:
                     req.num_tokens += 1
 
-    def _cache_blocks(self, seq: _Seq) -> None:
+    def _cache_blocks(self, seq: _Seq, computed_here: bool = True) -> None:
         """Register newly full blocks in the GPU prefix cache; drop what a group no longer
-        needs (sliding-window pages left behind, Mamba states before the last one)."""
+        needs (sliding-window pages left behind, Mamba states before the last one).
+        ``computed_here``: False for blocks that came from a CPU load (not recomputed, and their
+        bytes already arrived)."""
         req, gpu = seq.req, self.gpu
         computed = req.num_computed_tokens
         for g, spec in enumerate(self.layout.groups):
@@ -342,10 +344,11 @@ class ServingLoop:
                 b = table[pos]
                 if b != NULL_BLOCK and gpu.block_hash(b) is None:
                     keys = req.keys[g, pos * r:(pos + 1) * r].tolist()
-                    self._note_computed(keys[-1], spec.block_size)
+                    if computed_here:
+                        self._note_computed(keys[-1], spec.block_size)
+                        if self.integrity is not None:
+                            self.integrity.fill(g, b, keys[-1])
                     gpu.cache_block(b, keys[-1], keys[:-1])
-                    if self.integrity is not None:
-                        self.integrity.fill(g, b, keys[-1])
                     if spec.kind == "mamba":
                         seq.handoffs.append(((pos + 1) * spec.block_size, b, g))
             seq.cached[g] = max(seq.cached[g], full)
@@ -408,7 +411,7 @@ class ServingLoop:
             seq = self._loading.pop(rid)
             seq.req.num_computed_tokens += seq.pending_ext
             seq.pending_ext = 0
-            self._cache_blocks(seq)
+            self._cache_blocks(seq, computed_here=False)
             self._running.append(seq)
 
     def _next_event_time(self) -> float:

@@ -19,6 +19,11 @@ class TierPolicy:
     description: str
 
 
+_TAIL = PlannerConfig(restore=True, cpu_free_order="tail_first")
+# Running requests' blocks may hold up to half of the CPU tier before re-stores stop: past that a
+# re-store mostly evicts another running request's block (see the thrash counts in the results).
+_BOUNDED = PlannerConfig(restore=True, cpu_free_order="tail_first", restore_share=0.5)
+
 TIER_POLICIES: dict[str, TierPolicy] = {
     p.name: p
     for p in (
@@ -27,13 +32,13 @@ TIER_POLICIES: dict[str, TierPolicy] = {
                    "seed 001: stored once per cursor, CPU blocks freed head first, LRU"),
         TierPolicy("restore", PlannerConfig(restore=True, cpu_free_order="head_first"), "lru",
                    "seed 000: re-store evicted blocks of running requests, head first, LRU"),
-        TierPolicy("restore_tail", PlannerConfig(restore=True, cpu_free_order="tail_first"),
-                   "lru", "re-store, CPU blocks freed tail first, LRU"),
-        TierPolicy("restore_tail_arc", PlannerConfig(restore=True, cpu_free_order="tail_first"),
-                   "arc", "re-store, tail first, ARC on the CPU tier"),
-        TierPolicy("restore_tail_s3fifo",
-                   PlannerConfig(restore=True, cpu_free_order="tail_first"), "s3fifo",
-                   "re-store, tail first, S3-FIFO on the CPU tier"),
+        TierPolicy("restore_tail", _TAIL, "lru", "re-store, CPU blocks freed tail first, LRU"),
+        TierPolicy("restore_tail_bounded", _BOUNDED, "lru",
+                   "re-store while running requests hold < 50% of the CPU tier, tail first, LRU"),
+        TierPolicy("restore_tail_bounded_arc", _BOUNDED, "arc",
+                   "bounded re-store, tail first, ARC on the CPU tier"),
+        TierPolicy("restore_tail_bounded_s3fifo", _BOUNDED, "s3fifo",
+                   "bounded re-store, tail first, S3-FIFO on the CPU tier"),
     )
 }
 

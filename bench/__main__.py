@@ -1,0 +1,80 @@
+"""The benchmark harness: ``python -m bench`` (``make bench``).
+
+Runs, on whatever this machine has: the kernel correctness check (Triton interpreter without
+CUDA), the kernel bandwidth benchmark (CUDA only), the planner scaling benchmark, and hit rate /
+recompute / modeled TTFT versus CPU capacity per policy on the agent generator plus the
+cache-only replays of the shipped traces. Every part writes JSON with the machine's description
+to ``bench/results/``; figures go to ``bench/results/*.png``. ``--quick`` (the default without
+CUDA) finishes in a few minutes on 2 cores; ``--full`` is the size for a GPU box.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from bench import bench_planner, bench_sim, kernel_check
+from bench.common import RESULTS_DIR
+
+
+def _figures() -> list[str]:
+    import json
+
+    from kvtriton.plots import plot_simulation, plot_sweep
+
+    out = []
+    sim = RESULTS_DIR / "sim_agent.json"
+    if sim.exists():
+        doc = json.loads(sim.read_text())
+        run = doc["runs"][-1]
+        out.append(str(plot_simulation(run, RESULTS_DIR / "sim_agent.png")))
+    for tag in ("mooncake", "agent", "cc_agentic"):
+        p = RESULTS_DIR / f"replay_{tag}.json"
+        if p.exists():
+            sweep = json.loads(p.read_text())["sweep"]
+            out.append(str(plot_sweep(sweep, RESULTS_DIR / f"replay_{tag}.png")))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    size = ap.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="CPU-sized (default without CUDA)")
+    size.add_argument("--full", action="store_true", help="GPU-box size (default with CUDA)")
+    ap.add_argument("--only", choices=("kernels", "planner", "sim"), default=None)
+    ap.add_argument("--quiet", action="store_true", help="no progress bars")
+    args = ap.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    quick = args.quick or (not args.full and not cuda)
+    t0 = time.perf_counter()
+    print(f"kvtriton benchmark harness ({'quick' if quick else 'full'} size, "
+          f"{'CUDA: ' + torch.cuda.get_device_name(0) if cuda else 'no CUDA device'})")
+    if args.only in (None, "kernels"):
+        print("\n== kernel correctness ==")
+        kernel_check.main()
+        print("\n== kernel bandwidth ==")
+        if cuda:
+            from bench import bench_kernels
+
+            bench_kernels.main(["--quick"] if quick else [])
+        else:
+            print("  skipped: no CUDA device on this machine (GB/s needs a GPU)")
+    if args.only in (None, "planner"):
+        print("\n== planner scaling ==")
+        bench_planner.main(["--quick"] if quick else [])
+    if args.only in (None, "sim"):
+        print("\n== simulation: hit rate, recompute, TTFT vs CPU capacity ==")
+        bench_sim.main((["--quick"] if quick else []) + (["--quiet"] if args.quiet else []))
+    figs = _figures()
+    print(f"\nresults (JSON) in {RESULTS_DIR}/")
+    for f in figs:
+        print(f"figure: {f}")
+    print(f"harness finished in {time.perf_counter() - t0:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,223 @@
+"""Random schedules: the fused scan and the loop reference agree, and no reference leaks.
+
+Each example drives harnesses built identically (same layout, pools and actions, so block ids line
+up) through admissions with shared prefixes and partial CPU acceptance, chunked prefill, decode,
+idle steps, confirmed-token jitter (output placeholders), random CPU evictions, delayed, reordered,
+partial (``world_size=2``) and failed completions, preemption with resumption, and finish. After
+every step the two planners must emit the same ``PlannerMeta``, hold the same cursors and report
+the same stats, and every pool reference must be accounted for (``Harness.check_invariants``).
+Once every request finished and every transfer completed, both pools must be all-free.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from planner_harness import ALIAS_TINY, HYBRID_TINY, LLAMA_TINY, Harness, tokens_for
+
+from kvtriton.planner import PlannerConfig
+
+LAYOUTS = {"tiny": LLAMA_TINY, "alias": ALIAS_TINY, "hybrid": HYBRID_TINY}
+MAX_RUNNING = 5
+STEPS = 60
+
+
+def _meta_tuple(meta):
+    s, ld = meta.store, meta.load
+    return ((s.event, s.gpu_blocks, s.cpu_blocks, s.groups),
+            (ld.event, ld.gpu_blocks, ld.cpu_blocks, ld.groups),
+            meta.load_event_to_reqs, meta.need_flush)
+
+
+def _cursors(h: Harness) -> dict:
+    out = {}
+    for rid in list(h.running) + list(h.preempted):
+        for g in range(h.G):
+            try:
+                out[rid, g] = h.planner.cursor(rid, g)
+            except ValueError:
+                out[rid, g] = None
+    return out
+
+
+def _running_present(h: Harness) -> int:
+    """Keys of admitted requests the CPU holds, recomputed from scratch (white box: the gauge
+    behind ``restore_share``)."""
+    p = h.planner
+    owned: set[int] = set()
+    for rid, state in p._stores.items():
+        if state.admitted:
+            for ks in p._primary_keys(p._requests[rid]):
+                owned.update(ks.tolist())
+    return sum(k in h.cpu for k in owned)
+
+
+class Lockstep:
+    """The same actions on every harness; observable results must agree."""
+
+    def __init__(self, layout, gpu_blocks: int, cpu_blocks: int,
+                 configs: list[PlannerConfig]) -> None:
+        self.hs = [Harness(layout, gpu_blocks, cpu_blocks, cfg, free_out_of_window=True)
+                   for cfg in configs]
+        self.h = self.hs[0]
+        self.n_req = 0
+        self.steps = 0
+
+    def all(self, fn):
+        results = [fn(h) for h in self.hs]
+        for r in results[1:]:
+            assert r == results[0], f"after step {self.steps}, harnesses disagree: {results}"
+        return results[0]
+
+    def compare(self) -> None:
+        self.all(_cursors)
+        self.all(lambda h: h.planner.stats.as_dict())
+        self.all(lambda h: h.planner.selector.running_present)
+        for h in self.hs:
+            h.check_invariants()
+            if not h.planner.config.lazy:
+                assert h.planner.selector.running_present == _running_present(h)
+
+    def step(self, scheduled: dict[str, int]) -> None:
+        metas = [h.step(dict(scheduled)) for h in self.hs]
+        for m in metas[1:]:
+            assert _meta_tuple(m) == _meta_tuple(metas[0]), f"step {self.steps}: metas differ"
+        self.steps += 1
+        self.compare()
+
+
+def _drive(data, lock: Lockstep) -> None:
+    h = lock.h
+    layout = h.layout
+    B = layout.scheduler_block_size
+    hbs = layout.hash_block_size
+    world = h.planner.config.world_size
+    draw = data.draw
+    for _ in range(STEPS):
+        # -- admissions and resumptions
+        if len(h.running) < MAX_RUNNING and draw(st.integers(0, 2)) > 0:
+            family = draw(st.integers(0, 3))
+            shared = draw(st.integers(0, 8)) * B + draw(st.sampled_from([0, 0, 5, hbs]))
+            own = draw(st.integers(1, 3 * B))
+            output = draw(st.integers(0, 2 * B))
+            lock.n_req += 1
+            rid = f"r{lock.n_req}"
+            toks = tokens_for(family, shared) + tokens_for(1000 + lock.n_req, own + output)
+            if draw(st.integers(0, 2)) == 0:
+                toks = tokens_for(family, shared + own + output)  # an exact repeat of the family
+            reqs = [hh.request(rid, toks, output) for hh in lock.hs]
+            need = h.blocks_needed(reqs[0], reqs[0].num_tokens + output)
+            if need + 8 <= h.gpu.num_free_blocks:
+                accept = draw(st.sampled_from([None, None, 0, hbs, B, 2 * B]))
+                for hh, req in zip(lock.hs, reqs, strict=True):
+                    hh.admit(req, accept)
+        if h.preempted and draw(st.integers(0, 2)) == 0:
+            rid = draw(st.sampled_from(sorted(h.preempted)))
+            req = h.preempted[rid]
+            if h.blocks_needed(req) + 8 <= h.gpu.num_free_blocks:
+                accept = draw(st.sampled_from([None, 0, B]))
+                lock.all(lambda hh, rid=rid, accept=accept: hh.resume(rid, accept))
+        # -- preemption, finish, confirmed-token jitter
+        if h.running and draw(st.integers(0, 7)) == 0:
+            rid = draw(st.sampled_from(sorted(h.running)))
+            if not h.planner.load_pending(rid):
+                lock.all(lambda hh, rid=rid: hh.preempt(rid))
+        live = sorted(h.running) + sorted(h.preempted)
+        if live and draw(st.integers(0, 5)) == 0:
+            rid = draw(st.sampled_from(live))
+            lock.all(lambda hh, rid=rid: hh.finish(rid))
+        if h.running and draw(st.integers(0, 9)) == 0:
+            rid = draw(st.sampled_from(sorted(h.running)))
+            ph = draw(st.integers(0, min(h.running[rid].req.num_computed_tokens, 2 * B)))
+            for hh in lock.hs:
+                hh.running[rid].req.num_output_placeholders = ph
+        # -- outside pressure on the CPU tier, and on the GPU prefix cache (so CPU hits happen)
+        for _ in range(draw(st.integers(0, 2))):
+            victims = h.free_cached_cpu_blocks()
+            if not victims:
+                break
+            b = victims[draw(st.integers(0, len(victims) - 1))]
+            lock.all(lambda hh, b=b: hh.cpu.evict_cached(b))
+        if draw(st.booleans()):
+            victims = [b for b in h.gpu.iter_free() if h.gpu.block_hash(b) is not None]
+            for b in victims[:draw(st.integers(0, len(victims)))]:
+                lock.all(lambda hh, b=b: hh.gpu.evict_cached(b))
+        # -- the step
+        scheduled, budget = {}, h.gpu.num_free_blocks - 4
+        for rid in sorted(h.running):
+            if h.planner.load_pending(rid):
+                continue
+            run = h.running[rid]
+            left = run.req.num_tokens - run.req.num_computed_tokens
+            mode = draw(st.integers(0, 3))
+            n = 0 if mode == 0 else (draw(st.integers(1, left)) if left > 0 else 1)
+            grow = h.grow_need(rid, n)
+            if grow > budget:
+                n = max(0, min(n, left))
+                grow = h.grow_need(rid, n)
+            if grow <= budget:
+                budget -= grow
+                scheduled[rid] = n
+        lock.step(scheduled)
+        # -- completions, delayed and reordered
+        for ev in sorted(h.loads):
+            c = draw(st.integers(0, 5))
+            if c >= 2:
+                lock.all(lambda hh, ev=ev, c=c: hh.complete_loads([ev], failed=c == 5))
+        events = sorted(h.stores)
+        if events:
+            events = draw(st.permutations(events))
+        for ev in events:
+            c = draw(st.integers(0, 9))
+            if c == 9:
+                lock.all(lambda hh, ev=ev: hh.complete_stores([], failed=[ev]))
+            elif c >= 4:
+                n = 1 if world > 1 and c < 6 else None
+                lock.all(lambda hh, ev=ev, n=n: hh.complete_stores([ev], reports=n))
+        lock.compare()
+    # -- drain: finish everything, complete everything, flush; then nothing is left referenced
+    for rid in sorted(h.running) + sorted(h.preempted):
+        lock.all(lambda hh, rid=rid: hh.finish(rid))
+    for _ in range(3):
+        lock.step({})
+        lock.all(lambda hh: hh.complete_all())
+        lock.compare()
+    for hh in lock.hs:
+        assert not hh.planner.has_pending_work()
+        assert hh.gpu.num_used_blocks == 0, "GPU blocks leaked"
+        assert hh.cpu.num_used_blocks == 0, "CPU blocks leaked (pins never released)"
+        for rid in [f"r{i}" for i in range(1, lock.n_req + 1)]:
+            assert not hh.planner.has_request(rid)
+
+
+@given(data=st.data(),
+       layout=st.sampled_from(sorted(LAYOUTS)),
+       gpu_blocks=st.sampled_from([40, 64, 128]),
+       cpu_blocks=st.integers(4, 40),
+       restore=st.booleans(),
+       per_step=st.sampled_from([None, None, 0, 1, 3]),
+       per_key=st.sampled_from([None, None, 0, 1, 2]),
+       order=st.sampled_from(["tail_first", "head_first"]),
+       scan_idle=st.booleans(),
+       share=st.sampled_from([None, None, 0.0, 0.5, 0.9]),
+       world=st.sampled_from([1, 1, 2]),
+       fine=st.booleans())
+def test_fused_scan_matches_loop_reference(data, layout, gpu_blocks, cpu_blocks, restore,
+                                           per_step, per_key, order, scan_idle, share, world,
+                                           fine):
+    common = dict(restore=restore, max_restores_per_step=per_step, max_restores_per_key=per_key,
+                  cpu_free_order=order, scan_idle=scan_idle, restore_share=share,
+                  world_size=world, fine_grained=fine and layout == "alias")
+    lock = Lockstep(LAYOUTS[layout], gpu_blocks, cpu_blocks,
+                    [PlannerConfig(scan="fused", **common), PlannerConfig(scan="loop", **common)])
+    _drive(data, lock)
+
+
+@pytest.mark.parametrize("layout", ["tiny", "alias"])
+@given(data=st.data(), gpu_blocks=st.sampled_from([40, 64]), cpu_blocks=st.integers(4, 40),
+       target=st.sampled_from([None, 2, 8, 32]))
+def test_lazy_mode_invariants(data, layout, gpu_blocks, cpu_blocks, target):
+    lock = Lockstep(LAYOUTS[layout], gpu_blocks, cpu_blocks,
+                    [PlannerConfig(lazy=True, lazy_target_blocks=target)])
+    _drive(data, lock)

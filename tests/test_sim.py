@@ -1,0 +1,178 @@
+"""The serving-loop simulator: hand-computed scenarios, integrity mode, the command line."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtriton.cli import main
+from kvtriton.hashing import chain_hashes
+from kvtriton.sim import Workload, WorkloadRequest, agent_workload, simulate
+from kvtriton.sim.integrity import IntegrityChecker, IntegrityError
+
+B = 16
+
+
+def _req(rid: str, prefix: int, prompt: int, output: int = 1, *, after: str | None = None,
+         arrival: float = 0.0) -> WorkloadRequest:
+    tokens = np.arange(prefix * 10_000, prefix * 10_000 + prompt + output)
+    hashes = np.array(chain_hashes(tokens, B), dtype=np.uint64)
+    return WorkloadRequest(rid, arrival, prompt, output, hashes, session="s", after=after)
+
+
+def _row(result, policy: str) -> dict:
+    return next(r for r in result.rows if r["policy"] == policy)
+
+
+def test_repeat_prompt_hits_the_gpu_prefix_cache():
+    # B repeats A's 64-token prompt after A finished: 3 blocks hit (the last token is always
+    # recomputed, so the 4th block is prefilled again, and counts as recomputed).
+    wl = Workload([_req("a", 1, 64), _req("b", 1, 64, after="a")], B)
+    res = simulate(wl, gpu_blocks=64, cpu_blocks=64, policies=["no_cpu"], bound=False)
+    row = _row(res, "no_cpu")
+    assert row["prompt_tokens"] == 128
+    assert row["gpu_hit_tokens"] == 48
+    assert row["cpu_hit_tokens"] == 0
+    assert row["prefill_tokens"] == 80
+    assert row["recomputed_tokens"] == 16
+    assert row["preemptions"] == 0
+    assert row["finished"] == 2
+
+
+def test_cpu_tier_serves_what_the_gpu_evicted():
+    # 6 GPU blocks. A (4 blocks) finishes and is flushed to the CPU; C (4 other blocks) evicts
+    # A's two tail blocks from the GPU (freed tail first, so they are the LRU head); B repeats A:
+    # blocks 0-1 hit the GPU, block 2 the CPU, block 3 holds the last token and is recomputed.
+    wl = Workload([_req("a", 1, 64), _req("c", 2, 64, after="a"), _req("b", 1, 64, after="c")],
+                  B)
+    res = simulate(wl, gpu_blocks=6, cpu_blocks=16, policies=["no_cpu", "restore_tail"],
+                   bound=False)
+    row = _row(res, "restore_tail")
+    assert (row["gpu_hit_tokens"], row["cpu_hit_tokens"]) == (32, 16)
+    assert row["stored_blocks"] == 8  # A's and C's four blocks each, by finish flushes
+    assert row["loaded_blocks"] == 1
+    assert row["recomputed_tokens"] == 16
+    base = _row(res, "no_cpu")
+    assert (base["gpu_hit_tokens"], base["cpu_hit_tokens"]) == (32, 0)
+    assert base["recomputed_tokens"] == 32
+
+
+def test_preemption_when_the_gpu_runs_out():
+    # Two 64-token prompts decoding 40 tokens each in 9 GPU blocks: together they need 2 x 7
+    # blocks by the end, so the newer one is preempted (recompute) and runs after the first.
+    wl = Workload([_req("a", 1, 64, 40), _req("b", 2, 64, 40)], B)
+    res = simulate(wl, gpu_blocks=9, cpu_blocks=32, policies=["no_cpu"], bound=False)
+    row = _row(res, "no_cpu")
+    assert row["finished"] == 2
+    assert row["preemptions"] >= 1
+    assert row["recomputed_tokens"] > 0
+
+
+def test_a_request_larger_than_the_gpu_is_rejected_not_fatal():
+    wl = Workload([_req("big", 1, 200), _req("small", 2, 32)], B)
+    res = simulate(wl, gpu_blocks=8, cpu_blocks=8, policies=["no_cpu"], bound=False)
+    row = _row(res, "no_cpu")
+    assert (row["rejected"], row["finished"]) == (1, 1)
+
+
+def test_restore_policies_are_reported_side_by_side():
+    wl = agent_workload(num_conversations=4, min_turns=3, max_turns=4, system_prompt_tokens=256,
+                        first_user_tokens=128, user_tokens=64, output_tokens=32, seed=2)
+    res = simulate(wl, gpu_tokens=2048, cpu_tokens=4096)
+    assert [r["policy"] for r in res.rows] == [
+        "no_cpu", "control", "restore", "restore_tail", "restore_tail_bounded",
+        "restore_tail_bounded_arc", "restore_tail_bounded_s3fifo"]
+    for r in res.rows:
+        assert r["finished"] == len(wl)
+        assert 0 <= r["token_hit_rate"] <= res.bound["hit_rate"] + 1e-9
+    assert _row(res, "no_cpu")["cpu_hit_tokens"] == 0
+    assert _row(res, "control")["restored_blocks"] == 0
+
+
+@settings(max_examples=6, deadline=None)
+@given(seed=st.integers(0, 10_000), gpu=st.sampled_from([768, 1024, 2048]),
+       cpu=st.sampled_from([256, 1024, 4096]))
+def test_integrity_mode_over_random_workloads(seed, gpu, cpu):
+    wl = agent_workload(num_conversations=3, min_turns=2, max_turns=4, system_prompt_tokens=128,
+                        first_user_tokens=96, user_tokens=48, output_tokens=24, seed=seed)
+    res = simulate(wl, gpu_tokens=gpu, cpu_tokens=cpu, integrity=True, bound=False,
+                   policies=["control", "restore_tail"])
+    for r in res.rows:
+        assert r["finished"] + r["rejected"] == len(wl)
+        assert r["integrity_blocks_checked"] == r["loaded_blocks"]
+
+
+def test_integrity_mode_catches_a_corrupted_load():
+    wl = Workload([_req("a", 1, 64), _req("c", 2, 64, after="a"), _req("b", 1, 64, after="c")],
+                  B)
+    original = IntegrityChecker.execute
+
+    def corrupting(self, meta):
+        original(self, meta)
+        for b in meta.load.gpu_blocks:  # flip a byte of every block just loaded
+            view, _ = self.engine.segments[0][0]
+            view[b, 0] ^= 0xFF
+
+    IntegrityChecker.execute = corrupting
+    try:
+        with pytest.raises(IntegrityError, match=r"step \d+: request 'b': GPU block \d+"):
+            simulate(wl, gpu_blocks=6, cpu_blocks=16, policies=["restore_tail"], integrity=True,
+                     bound=False)
+    finally:
+        IntegrityChecker.execute = original
+
+
+# ---- the command line ---------------------------------------------------------------------------
+
+def test_cli_simulate_writes_json_and_table(tmp_path, capsys):
+    out = tmp_path / "sim.json"
+    rc = main(["simulate", "--conversations", "3", "--turns", "2", "3", "--gpu-tokens", "4096",
+               "--cpu-tokens", "8192", "--policies", "control,restore_tail", "--json", str(out),
+               "--quiet"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "restore_tail" in text and "hit rate" in text
+    doc = json.loads(out.read_text())
+    assert [r["policy"] for r in doc["rows"]] == ["control", "restore_tail"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["simulate", "--gpu-tokens", "0"], "--gpu-tokens: '0' must be positive"),
+    (["simulate", "--gpu-tokens", "x"], "is not an integer"),
+    (["simulate", "--policies", "nope"], "unknown policy 'nope'"),
+    (["simulate", "--model", "gpt5"], "invalid choice"),
+    (["simulate", "--gpu-tokens", "8", "--gpu-gib", "1"], "give one of"),
+    (["simulate", "--workload", "/no/such/trace.jsonl"], "no such file"),
+    (["replay", "--policies", "fifo"], "fifo"),
+    (["trace-stats", "/no/such/file"], "no such file"),
+    ([], "required: command"),
+], ids=["zero", "not-int", "policy", "model", "two-units", "missing-file", "replay-policy",
+        "stats-missing", "no-command"])
+def test_cli_errors_are_one_line_and_exit_2(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("kvtriton: error:")
+    assert message in err
+
+
+@pytest.mark.parametrize("name, content, where", [
+    ("t.jsonl", "", "empty"),
+    ("t.jsonl", '{"timestamp": 0, "input_length": 10, "output_length": 1}\n', ":1:"),
+    ("t.jsonl", '{"timestamp": 5, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n'
+     '{"timestamp": 1, "input_length": 10, "output_length": 1, "hash_ids": [2]}\n', ":2:"),
+    ("t.jsonl", '{"timestamp": 0, "input_length": -3, "output_length": 1, "hash_ids": []}\n',
+     ":1:"),
+    ("t.jsonl", "not json at all\n", ":1: bad JSON"),
+    ("t.txt", "not json at all\n", "not a Mooncake"),
+], ids=["empty", "missing-field", "time-goes-back", "negative-length", "bad-json",
+        "wrong-format"])
+def test_cli_bad_trace_names_file_and_line(tmp_path, capsys, name, content, where):
+    path = tmp_path / name
+    path.write_text(content)
+    assert main(["trace-stats", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(path) in err and where in err
