@@ -67,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         bench_planner.main(["--quick"] if quick else [])
     if args.only in (None, "sim"):
         print("\n== simulation: hit rate, recompute, TTFT vs CPU capacity ==")
-        bench_sim.main((["--quick"] if quick else []) + (["--quiet"] if args.quiet else []))
+        bench_sim.main((["--quick"] if quick else ["--mooncake"])
+                       + (["--quiet"] if args.quiet else []))
     figs = _figures()
     print(f"\nresults (JSON) in {RESULTS_DIR}/")
     for f in figs:

@@ -269,6 +269,36 @@ def sim_section(v: dict) -> None:
     v["fig_sim"] = "![hit rate and TTFT vs CPU capacity](figures/sim_capacity.png)"
 
 
+def mooncake_sim_section(v: dict) -> None:
+    doc = _load("sim_mooncake")
+    if doc is None:
+        v["mooncake_sim"] = ("*Pending: the whole-trace Mooncake simulation "
+                             "(`python -m bench.bench_sim --mooncake`) has not been run.*")
+        return
+    st = doc["settings"]
+    c = doc["conditions"]
+    by = {r["policy"]: r for r in doc["rows"]}
+    policies = [p for p in POLICY_ORDER if p in by]
+    cols = ["policy", "hit rate", "CPU hit tokens", "recomputed tokens", "re-stored",
+            "preemptions", "TTFT p50 / p90 (s)", "planner ms/step", "wall (s)"]
+    rows = [[p, _pct(by[p]["token_hit_rate"]), f"{by[p]['cpu_hit_tokens']:,}",
+             f"{by[p]['recomputed_tokens']:,}", f"{by[p]['restored_blocks']:,}",
+             f"{by[p]['preemptions']:,}",
+             f"{by[p]['ttft_p50_s']:.1f} / {by[p]['ttft_p90_s']:.1f}",
+             f"{by[p]['planner_ms_per_step']:.3f}", f"{by[p]['wall_s']:.0f}"] for p in policies]
+    bound = doc.get("bound")
+    v["mooncake_sim"] = (
+        f"The whole shipped Mooncake trace ({doc['requests']:,} requests) through the serving "
+        f"loop with every policy took {doc['wall_s']:.0f} s of wall time on {_machine(doc)}. "
+        f"Settings: {st['block_size']}-token blocks, arrivals spread {st['time_scale']:g}x "
+        "(the trace was recorded on a cluster and saturates one modeled GPU), GPU "
+        f"{c['gpu_gib']:.0f} GiB and CPU {c['cpu_gib']:.0f} GiB of {c['model']} KV on a modeled "
+        f"{c['gpu']}."
+        + (f" Belady's MIN at the same total capacity (cache-only): {_pct(bound['hit_rate'])}."
+           if bound else "")
+        + "\n\n" + _table(cols, rows))
+
+
 def replay_section(v: dict) -> None:
     parts, tables = [], []
     for tag, label in (("mooncake", "Mooncake synthetic trace"), ("agent", "agent generator"),
@@ -356,6 +386,7 @@ def build() -> None:
     hole_section(v)
     planner_section(v)
     sim_section(v)
+    mooncake_sim_section(v)
     replay_section(v)
     kernel_section(v)
     template = (PAPER / "template.md").read_text()
