@@ -20,6 +20,14 @@ def _pyplot():
     return plt
 
 
+def _save(fig, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    return path
+
+
 def plot_simulation(result, path: str | Path) -> Path:
     """Two panels: token hit rate per policy (GPU and CPU parts, Belady bound as a line) and the
     TTFT distribution per policy (empirical CDF, log time)."""
@@ -49,12 +57,9 @@ def plot_simulation(result, path: str | Path) -> Path:
     ax2.set_ylabel("fraction of requests")
     ax2.set_title("TTFT distribution")
     ax2.legend(fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=130)
+    out = _save(fig, path)
     plt.close(fig)
-    return path
+    return out
 
 
 def plot_sweep(sweep, path: str | Path) -> Path:
@@ -72,9 +77,6 @@ def plot_sweep(sweep, path: str | Path) -> Path:
     ax.set_ylabel("prompt tokens hit (%)")
     ax.set_title(f"{d['name']}: hit rate vs capacity")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=130)
+    out = _save(fig, path)
     plt.close(fig)
-    return path
+    return out

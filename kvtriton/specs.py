@@ -56,8 +56,26 @@ class Segment:
     shape: tuple[int, ...]
 
 
+class _AttentionPages:
+    """What both attention kinds share: one K and one V page per layer per block."""
+
+    __slots__ = ()
+
+    @property
+    def page_shape(self) -> tuple[int, ...]:
+        """Per-layer, per-part page shape: ``[block_size, num_kv_heads, head_size]``."""
+        return (self.block_size, self.num_kv_heads, self.head_size)
+
+    @property
+    def page_bytes(self) -> int:
+        return math.prod(self.page_shape) * _dtype_size(self.dtype)
+
+    def segment_parts(self) -> list[tuple[str, int, tuple[int, ...], torch.dtype]]:
+        return [(p, self.page_bytes, self.page_shape, self.dtype) for p in ("k", "v")]
+
+
 @dataclass(frozen=True, slots=True)
-class FullAttentionSpec:
+class FullAttentionSpec(_AttentionPages):
     """Full (causal) attention: a hit at n tokens needs every block of [0, n)."""
 
     block_size: int
@@ -76,21 +94,10 @@ class FullAttentionSpec:
             num_layers=self.num_layers,
         )
 
-    @property
-    def page_shape(self) -> tuple[int, ...]:
-        """Per-layer, per-part page shape: ``[block_size, num_kv_heads, head_size]``."""
-        return (self.block_size, self.num_kv_heads, self.head_size)
-
-    @property
-    def page_bytes(self) -> int:
-        return math.prod(self.page_shape) * _dtype_size(self.dtype)
-
-    def segment_parts(self) -> list[tuple[str, int, tuple[int, ...], torch.dtype]]:
-        return [(p, self.page_bytes, self.page_shape, self.dtype) for p in ("k", "v")]
 
 
 @dataclass(frozen=True, slots=True)
-class SlidingWindowSpec:
+class SlidingWindowSpec(_AttentionPages):
     """Sliding-window attention: a hit at n needs the blocks covering tokens [n - w + 1, n)."""
 
     block_size: int
@@ -111,21 +118,12 @@ class SlidingWindowSpec:
             sliding_window=self.sliding_window,
         )
 
-    @property
-    def page_shape(self) -> tuple[int, ...]:
-        return (self.block_size, self.num_kv_heads, self.head_size)
-
-    @property
-    def page_bytes(self) -> int:
-        return math.prod(self.page_shape) * _dtype_size(self.dtype)
 
     @property
     def window_blocks(self) -> int:
         """Blocks a hit must find present: those covering the last ``sliding_window - 1`` tokens."""
         return math.ceil((self.sliding_window - 1) / self.block_size)
 
-    def segment_parts(self) -> list[tuple[str, int, tuple[int, ...], torch.dtype]]:
-        return [(p, self.page_bytes, self.page_shape, self.dtype) for p in ("k", "v")]
 
 
 @dataclass(frozen=True, slots=True)
