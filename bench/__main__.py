@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -37,6 +38,17 @@ def _figures() -> list[str]:
             sweep = json.loads(p.read_text())["sweep"]
             out.append(str(plot_sweep(sweep, RESULTS_DIR / f"replay_{tag}.png")))
     return out
+
+
+def _micro() -> None:
+    import pytest
+
+    out = RESULTS_DIR / "micro.json"
+    rc = pytest.main([str(Path(__file__).with_name("test_micro.py")), "-q",
+                      "-p", "no:cacheprovider", f"--benchmark-json={out}",
+                      "--benchmark-columns=min,median,max,rounds"])
+    if rc != 0:
+        raise SystemExit(f"micro-benchmarks failed (pytest exit code {rc})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.only in (None, "planner"):
         print("\n== planner scaling ==")
         bench_planner.main(["--quick"] if quick else [])
+        print("\n== micro-benchmarks (pytest-benchmark) ==")
+        _micro()
     if args.only in (None, "sim"):
         print("\n== simulation: hit rate, recompute, TTFT vs CPU capacity ==")
         bench_sim.main((["--quick"] if quick else ["--mooncake"])

@@ -106,6 +106,22 @@ def test_integrity_mode_over_random_workloads(seed, gpu, cpu):
         assert r["integrity_blocks_checked"] == r["loaded_blocks"]
 
 
+@pytest.mark.parametrize("model", ["nemotron-h-8b", "gemma3-12b"])
+def test_hybrid_models_store_and_load_every_group_with_integrity(model):
+    # Full attention + Mamba (states handed off at 256-token boundaries) and full attention +
+    # sliding window: CPU hits happen, land on the scheduler block, and every loaded block of
+    # every group holds the bytes of its key.
+    wl = agent_workload(num_conversations=4, min_turns=3, max_turns=5, system_prompt_tokens=512,
+                        first_user_tokens=256, user_tokens=128, output_tokens=64, seed=3)
+    res = simulate(wl, model=model, gpu_blocks=150, cpu_blocks=800, integrity=True,
+                   policies=["restore_tail"], bound=False)
+    row = res.rows[0]
+    sched = {"nemotron-h-8b": 256, "gemma3-12b": 16}[model]
+    assert row["cpu_hit_tokens"] > 0 and row["cpu_hit_tokens"] % sched == 0
+    assert row["integrity_blocks_checked"] == row["loaded_blocks"] > 0
+    assert (row["handoff_stored"] > 0) == (model == "nemotron-h-8b")
+
+
 def test_integrity_mode_catches_a_corrupted_load():
     wl = Workload([_req("a", 1, 64), _req("c", 2, 64, after="a"), _req("b", 1, 64, after="c")],
                   B)

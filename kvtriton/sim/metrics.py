@@ -57,6 +57,7 @@ class RunMetrics:
             "restored_blocks": p.get("scan_restored", 0),
             "restore_thrash": p.get("restore_thrash", 0),
             "loaded_blocks": p.get("blocks_loaded", 0),
+            "handoff_stored": p.get("handoff_stored", 0),
             "bytes_d2h": self.bytes_d2h,
             "bytes_h2d": self.bytes_h2d,
             "running_evictions": p.get("running_evictions", 0),
