@@ -114,8 +114,11 @@ def planner_section(v: dict) -> None:
         v["planner_table"] = v["fig_planner"] = ""
         v["abstract_planner"] = "the planner benchmark has not been run"
         return
-    rows = doc["rows"]
     c = doc["conditions"]
+    rows = [r for r in doc["rows"] if r.get("evict_fraction", c["evict_fraction"])
+            == c["evict_fraction"]]
+    calm = {r["variant"]: r for r in doc["rows"]
+            if r.get("evict_fraction") == 0.0 and r["requests"] == 128}
     names = {"loop_control": "loop, control", "loop_restore": "loop, re-store",
              "fused_control": "fused, control", "fused_restore": "fused, re-store"}
     sizes = sorted({r["requests"] for r in rows})
@@ -134,7 +137,12 @@ def planner_section(v: dict) -> None:
             else:
                 cells.append(f"{r['median_ms']:.3f}")
         table_rows.append(cells)
-    v["planner_table"] = _table(header, table_rows)
+    what = "selection / whole build_meta" if has_select else "build_meta"
+    v["planner_table"] = (
+        f"Planner cost per step, ms ({what}), {c['blocks_per_request']:,} blocks per request, "
+        f"{c['evict_fraction']:.0%} of the "
+        f"CPU-cached blocks evicted before each step ({_machine(doc)}):\n\n"
+        + _table(header, table_rows))
     anchor = doc.get("vllm_anchor_ms", {}).get("by_requests", {})
     t = doc["targets"]
     lines = [f"Machine: {_machine(doc)}. Conditions: {c['blocks_per_request']:,} blocks of "
@@ -145,6 +153,17 @@ def planner_section(v: dict) -> None:
         lines.append("Each cell is *selection / whole `build_meta`*: the scan that decides what "
                      "to store, then the same plus allocating CPU blocks and pinning GPU blocks "
                      "for every selected block.")
+    if "fused_restore" in calm and "loop_control" in calm and has_select:
+        lines.append(f"With nothing evicted between steps (nothing to re-store, only the cost of "
+                     f"looking), the fused re-store scan selects in "
+                     f"{calm['fused_restore']['select_median_ms']:.3f} ms at 128 requests, the "
+                     f"loop control in {calm['loop_control']['select_median_ms']:.3f} ms.")
+    if anchor and ("128" in anchor or 128 in anchor):
+        a = anchor.get("128", anchor.get(128))
+        lines.append(f"For scale, `anchors.md` reports vLLM 0.33.0's scheduler on the same "
+                     f"machine class at 128 requests: {a['control']} ms (control) and "
+                     f"{a['restore_loop']} ms (seed-000 re-scan).")
+    bullets = []
     for key, label in (("fused_vs_loop_restore_speedup_at_128",
                         "fused re-store versus loop re-store at 128 requests"),
                        ("fused_restore_over_loop_control_at_128",
@@ -152,15 +171,10 @@ def planner_section(v: dict) -> None:
                        ("fused_restore_ms_at_128", "fused re-store at 128 requests")):
         if key in t:
             x = t[key]
-            lines.append(f"- Target {label}: {x['value']:.3g} (target {x['target']}), "
+            bullets.append(f"- Target {label}: {x['value']:.3g} (target {x['target']}), "
                          f"{'met' if x['met'] else '**missed**'}"
                          + (f"; measured on {x['measure']}" if "measure" in x else "") + ".")
-    if anchor and ("128" in anchor or 128 in anchor):
-        a = anchor.get("128", anchor.get(128))
-        lines.append(f"For scale, `anchors.md` reports vLLM 0.33.0's scheduler on the same "
-                     f"machine class at 128 requests: {a['control']} ms (control) and "
-                     f"{a['restore_loop']} ms (seed-000 re-scan).")
-    v["planner_text"] = "\n".join(lines)
+    v["planner_text"] = "\n\n".join(lines) + "\n\n" + "\n".join(bullets)
     f = by.get(("fused_restore", 128))
     lr = by.get(("loop_restore", 128))
     key = "select_median_ms" if has_select else "median_ms"
@@ -216,7 +230,10 @@ def sim_section(v: dict) -> None:
                     + [f"{_pct(by[p]['token_hit_rate'])} / {by[p]['ttft_p90_s']:.2f}s"
                        for p in policies]
                     + [_pct(run["bound"]["hit_rate"]) if run.get("bound") else "-"])
-    v["sim_table"] = ("Each cell: token hit rate / modeled TTFT p90.\n\n" + _table(header, rows))
+    v["sim_table"] = (f"Agent workload (`{doc['workload']}`, {doc['requests']:,} requests), GPU "
+                      f"{doc['gpu_tokens']:,} tokens, {runs[0]['conditions']['model']} on a "
+                      f"modeled {runs[0]['conditions']['gpu']}. Each cell: token hit rate / "
+                      "modeled TTFT p90.\n\n" + _table(header, rows))
     mid = runs[len(runs) // 2]
     by = {r["policy"]: r for r in mid["rows"]}
     detail_cols = ["policy", "hit rate", "CPU hit tokens", "recomputed tokens", "stored",
@@ -248,21 +265,24 @@ def sim_section(v: dict) -> None:
                             if ctrl else ""))
     v["sim_best"] = best
     plt = _plt()
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    fig, (ax1, ax3, ax2) = plt.subplots(1, 3, figsize=(14, 3.8))
     caps = [run["cpu_tokens"] for run in runs]
     for p in policies:
         rates = [next(r for r in run["rows"] if r["policy"] == p) for run in runs]
         ax1.plot(caps, [100 * r["token_hit_rate"] for r in rates], marker="o", label=p)
+        ax3.plot(caps, [r["recomputed_tokens"] for r in rates], marker="o", label=p)
         ax2.plot(caps, [r["ttft_p90_s"] for r in rates], marker="o", label=p)
     if all(run.get("bound") for run in runs):
         ax1.plot(caps, [100 * run["bound"]["hit_rate"] for run in runs], "k--",
                  label="Belady bound (cache-only)")
-    for ax in (ax1, ax2):
+    for ax in (ax1, ax3, ax2):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("CPU capacity (tokens)")
     ax1.set_ylabel("token hit rate (%)")
+    ax3.set_ylabel("recomputed prompt tokens")
+    ax3.set_yscale("log")
     ax2.set_ylabel("modeled TTFT p90 (s)")
-    ax1.legend(fontsize=7)
+    ax1.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(FIGURES / "sim_capacity.png", dpi=140)
     plt.close(fig)
