@@ -5,7 +5,8 @@ CUDA), the kernel bandwidth benchmark (CUDA only), the planner scaling benchmark
 recompute / modeled TTFT versus CPU capacity per policy on the agent generator plus the
 cache-only replays of the shipped traces. Every part writes JSON with the machine's description
 to ``bench/results/``; figures go to ``bench/results/*.png``. ``--quick`` (the default without
-CUDA) finishes in a few minutes on 2 cores; ``--full`` is the size for a GPU box.
+CUDA) finishes in a few minutes on 2 cores; ``--full`` is the size for a GPU box and adds the
+whole-trace Mooncake simulation and the 100,000-step soak.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     size = ap.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="CPU-sized (default without CUDA)")
     size.add_argument("--full", action="store_true", help="GPU-box size (default with CUDA)")
-    ap.add_argument("--only", choices=("kernels", "planner", "sim"), default=None)
+    ap.add_argument("--only", choices=("kernels", "planner", "sim", "soak"), default=None)
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
@@ -83,6 +84,11 @@ def main(argv: list[str] | None = None) -> int:
         print("\n== simulation: hit rate, recompute, TTFT vs CPU capacity ==")
         bench_sim.main((["--quick"] if quick else ["--mooncake"])
                        + (["--quiet"] if args.quiet else []))
+    if args.only == "soak" or (args.only is None and not quick):
+        print("\n== soak: 100,000 steps, memory and pool counts ==")
+        from bench import bench_soak
+
+        bench_soak.main([])
     figs = _figures()
     print(f"\nresults (JSON) in {RESULTS_DIR}/")
     for f in figs:

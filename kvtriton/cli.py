@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -46,6 +47,33 @@ def _positive_float(text: str) -> float:
     return v
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
+    return v
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (v >= 0 and math.isfinite(v)):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number >= 0")
+    return v
+
+
+def _gib(text: str) -> float:
+    v = _positive_float(text)
+    if v * (1 << 30) >= 1 << 63:  # bytes a 64-bit size can hold
+        raise argparse.ArgumentTypeError(f"{text!r} GiB is too large")
+    return v
+
+
 def _csv(text: str) -> list[str]:
     items = [t.strip() for t in text.split(",") if t.strip()]
     if not items:
@@ -64,14 +92,15 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
                    help="keep only the first N requests (and the turns they lead to)")
     g.add_argument("--time-scale", type=_positive_float, default=1.0,
                    help="multiply arrival and think times (>1 lightens the load)")
-    g.add_argument("--seed", type=int, default=0, help="generator seed")
+    g.add_argument("--seed", type=_non_negative_int, default=0, help="generator seed")
     g.add_argument("--conversations", type=_positive_int, default=32,
                    help="agent: concurrent conversations")
     g.add_argument("--turns", type=_positive_int, nargs=2, default=(10, 50), metavar=("MIN", "MAX"),
                    help="agent: turns per conversation")
     g.add_argument("--system-prompt", type=_positive_int, default=2048,
                    help="agent: shared system prompt tokens")
-    g.add_argument("--think-s", type=float, default=8.0, help="agent: mean think time, seconds")
+    g.add_argument("--think-s", type=_non_negative_float, default=8.0,
+                   help="agent: mean think time, seconds")
 
 
 def load_workload(args: argparse.Namespace):
@@ -88,6 +117,8 @@ def load_workload(args: argparse.Namespace):
     name = args.workload
     if name == "agent":
         lo, hi = args.turns
+        if lo > hi:
+            raise _UsageError(f"--turns {lo} {hi}: MIN must not exceed MAX")
         cfg = AgentConfig(num_conversations=args.conversations, min_turns=lo, max_turns=hi,
                           system_prompt_tokens=args.system_prompt, think_s_mean=args.think_s,
                           hash_block_size=args.block_size, seed=args.seed)
@@ -137,15 +168,40 @@ def _capacity(args, prefix: str) -> dict:
     return out
 
 
+def _check_output(flag: str, path: str | None) -> None:
+    """Fail before a long run, not after it, when an output path cannot be written."""
+    if path is None:
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise _UsageError(f"{flag} {path}: is a folder, expected a file path")
+    folder = p.parent
+    while not folder.exists():
+        folder = folder.parent
+    if not folder.is_dir() or not os.access(folder, os.W_OK):
+        raise _UsageError(f"{flag} {path}: cannot write there ({folder} is not a writable folder)")
+
+
 def _write_json(path: str, doc: dict) -> None:
     p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps(doc, indent=2) + "\n")
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(json.dumps(doc, indent=2) + "\n")
+    except OSError as e:
+        raise _UsageError(f"--json {path}: cannot write: {e.strerror or e}") from None
 
 
 def _cmd_simulate(args) -> int:
     from kvtriton.sim import simulate
+    from kvtriton.specs import preset
 
+    layout = preset(args.model, block_size=args.block_size)
+    if layout.hash_block_size != args.block_size:
+        sizes = ", ".join(str(g.block_size) for g in layout.groups)
+        raise _UsageError(f"--block-size {args.block_size} does not fit --model {args.model}: "
+                          f"its group block sizes ({sizes} tokens) must all be multiples of it")
+    _check_output("--json", args.json)
+    _check_output("--plot", args.plot)
     wl = load_workload(args)
     kw = {**_capacity(args, "gpu"), **_capacity(args, "cpu")}
     res = simulate(wl, model=args.model, gpu=args.gpu, policies=args.policies,
@@ -174,6 +230,8 @@ def _cmd_replay(args) -> int:
     from kvtriton.sim import capacity_sweep
     from kvtriton.sim.progress import Progress
 
+    _check_output("--json", args.json)
+    _check_output("--plot", args.plot)
     wl = load_workload(args)
     caps = args.capacities
     n_runs = len(args.policies) * (len(caps) if caps else 6)
@@ -202,6 +260,7 @@ def _cmd_replay(args) -> int:
 def _cmd_trace_stats(args) -> int:
     from kvtriton.sim import trace_stats
 
+    _check_output("--json", args.json)
     stats = trace_stats(args.file, hash_block_size=args.block_size)
     if args.json:
         _write_json(args.json, stats)
@@ -230,7 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     for tier in ("gpu", "cpu"):
         s.add_argument(f"--{tier}-tokens", type=_positive_int, default=None,
                        help=f"{tier.upper()} capacity in tokens")
-        s.add_argument(f"--{tier}-gib", type=_positive_float, default=None,
+        s.add_argument(f"--{tier}-gib", type=_gib, default=None,
                        help=f"{tier.upper()} capacity in GiB of KV")
         s.add_argument(f"--{tier}-blocks", type=_positive_int, default=None,
                        help=f"{tier.upper()} capacity in blocks")
@@ -285,6 +344,11 @@ def main(argv: list[str] | None = None) -> int:
         # TraceError is a ValueError; its message already names the file and line.
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         print(f"kvtriton: error: {msg}", file=sys.stderr)
+        return 2
+    except MemoryError:
+        # A size far beyond this machine (a capacity, a request length in a trace): a bad input.
+        print("kvtriton: error: out of memory: a capacity or a request length is too large for "
+              "this machine", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("kvtriton: interrupted", file=sys.stderr)

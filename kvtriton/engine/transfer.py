@@ -172,15 +172,19 @@ class TransferEngine:
             if job.kind == "load":
                 self._last_load = job.done
             self._in_flight.append(job)
-        except ValueError:
-            raise
         except Exception:
-            # A failed transfer must not be reported as done: its blocks hold no valid data.
-            log.exception("%s event %d failed", job.kind, job.event_id)
-            if job.kind == "store":
-                self._failed_stores.append(job.event_id)
-            else:
-                self._failed_loads.extend(job.req_ids)
+            # The pairs were validated before: whatever the backend raises (a launch error, a
+            # CUDA error, a ValueError of its own) is this transfer's failure, reported by
+            # poll_failures; raising would leave the planner waiting for it forever. A failed
+            # transfer must not be reported as done: its blocks hold no valid data.
+            self._fail(job)
+
+    def _fail(self, job: _InFlight) -> None:
+        log.exception("%s event %d failed", job.kind, job.event_id)
+        if job.kind == "store":
+            self._failed_stores.append(job.event_id)
+        else:
+            self._failed_loads.extend(job.req_ids)
 
     def _finish(self, job: _InFlight) -> None:
         if job.kind == "store":
@@ -245,7 +249,14 @@ class TransferEngine:
         """Completed store event ids and finished load request ids since the last poll."""
         still = []
         for job in self._in_flight:
-            if job.done.query():
+            try:
+                done = job.done.query()
+            except Exception:
+                # A copy that faulted on the device surfaces here (CUDA errors are asynchronous):
+                # the transfer failed; raising would report the jobs before it twice.
+                self._fail(job)
+                continue
+            if done:
                 self._finish(job)
             else:
                 still.append(job)

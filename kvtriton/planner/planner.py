@@ -5,8 +5,11 @@ A scheduler calls it in the order vLLM calls a KV connector:
 1. ``get_num_new_matched_tokens(req, num_computed)`` for a waiting request: the CPU hit past the
    local prefix (only from a scheduler-block-aligned start, capped so the last token is
    recomputed); hit blocks stay pinned until allocation; the hit is asynchronous.
-2. ``update_state_after_alloc(req, block_ids, num_external_tokens)``: the leading accepted CPU
-   blocks of each group become a load into the request's GPU blocks; the rest are unpinned.
+2. ``update_state_after_alloc(req, block_ids, num_external_tokens)``: the CPU blocks of a hit of
+   ``num_external_tokens`` become a load into the request's GPU blocks; the rest are unpinned. A
+   scheduler may accept less than the hit; with a sliding-window or Mamba group that shorter hit
+   needs other blocks (its own window, its own state), which must be in the CPU, else
+   ``ValueError``.
 3. ``build_meta(step)``: one store and one load transfer for the workers.
 4. ``update_connector_output(...)``: completions. A store counts once all ``world_size`` workers
    reported it; its blocks are then registered in the CPU pool under every key of their GPU block
@@ -110,6 +113,7 @@ class OffloadPlanner:
         hbs = layout.hash_block_size
         self._ratio = [g.block_size // hbs for g in layout.groups]
         self._positional = [g.kind != "mamba" for g in layout.groups]
+        self._all_full = all(g.kind == "full" for g in layout.groups)
         self._align = hbs if cfg.fine_grained else layout.scheduler_block_size
         self._requests: dict[str, Request] = {}
         self._stores: dict[str, _StoreState] = {}
@@ -256,6 +260,18 @@ class OffloadPlanner:
             self._unpin_hit(pending)
             raise ValueError(f"request {rid!r}: num_external_tokens={num_external_tokens} is not "
                              f"a hash-block multiple <= the hit of {hit_tokens}")
+        if num_external_tokens < hit_tokens and not self._all_full:
+            # A shorter hit needs other blocks: the window before its end, the state at its end.
+            hbs = self.layout.hash_block_size
+            skip = num_computed // hbs
+            keys = req.keys[:, skip:skip + num_external_tokens // hbs].tolist()
+            short = find_longest_hit(self.layout, self.cpu_pool, keys, num_external_tokens)
+            if short.num_tokens != num_external_tokens:
+                self._unpin_hit(pending)
+                raise ValueError(f"request {rid!r}: the CPU tier cannot supply exactly "
+                                 f"{num_external_tokens} of its {hit_tokens}-token hit (a "
+                                 "sliding-window or Mamba group has no blocks ending there)")
+            hit_blocks = short.blocks
         gpu, cpu, groups = [], [], []
         for g, spec in enumerate(self.layout.groups):
             take = -(-num_external_tokens // spec.block_size)
@@ -528,6 +544,8 @@ class OffloadPlanner:
         self.gpu_pool.free_blocks(ld.gpu)
         if failed:
             self.stats.failed_transfers += 1
+            logger.warning("load of request %r failed on a worker: %d blocks released, the "
+                           "scheduler recomputes them", rid, len(ld.gpu))
         else:
             self.stats.blocks_loaded += len(ld.gpu)
 
@@ -542,6 +560,9 @@ class OffloadPlanner:
             else range(len(job.gpu))
         if failed or abandoned:
             self.stats.failed_transfers += failed
+            if failed:
+                logger.warning("store event %d failed on a worker: %d blocks released, nothing "
+                               "cached", ev, len(job.gpu))
             if failed and not abandoned:
                 self.selector.want(job.keys)
         else:

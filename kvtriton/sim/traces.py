@@ -195,6 +195,8 @@ class _Where:
         for j, h in enumerate(ids):
             if not (_is_int(h) and h >= 0):
                 raise self.error(where, f"hash_ids[{j}] must be an int >= 0, got {h!r}")
+            if h >> 64:
+                raise self.error(where, f"hash_ids[{j}]={h} does not fit in 64 bits")
         most = -(-prompt_len // block_size)
         if len(ids) > most:
             raise self.error(where, f"{len(ids)} hash_ids for a {prompt_len}-token prompt: at "
@@ -257,6 +259,8 @@ def load_mooncake(
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise w.error(at, f"bad JSON: {e.msg} (column {e.colno})") from None
+        except RecursionError:
+            raise w.error(at, "bad JSON: nested too deeply") from None
         if not isinstance(obj, dict):
             raise w.error(at, f"expected a JSON object, got {type(obj).__name__}")
         if "requests" in obj and "timestamp" not in obj:
@@ -302,6 +306,8 @@ def _read_json(path: Path):
     except json.JSONDecodeError as e:
         hint = " (several JSON values: a Mooncake JSONL trace?)" if e.msg == "Extra data" else ""
         raise TraceError(f"{path}:{e.lineno}: bad JSON: {e.msg} (column {e.colno}){hint}") from None
+    except RecursionError:
+        raise TraceError(f"{path}: bad JSON: nested too deeply") from None
 
 
 def _tester_file(path: Path, hash_block_size: int, offset_s: float) -> list[WorkloadRequest]:
@@ -362,7 +368,10 @@ def _tester_file(path: Path, hash_block_size: int, offset_s: float) -> list[Work
                                        think_s=float(think) if prev_id else 0.0, model=model))
             prev_id = rid
 
-    walk(reqs, "requests", "", 0.0, stem)
+    try:
+        walk(reqs, "requests", "", 0.0, stem)
+    except RecursionError:
+        raise TraceError(f"{path}: subagent requests nested too deeply") from None
     if not out:
         raise TraceError(f"{path}: no requests")
     return out
@@ -452,6 +461,6 @@ def _sniff(path: Path) -> str:
     first_line = head.lstrip().split(b"\n", 1)[0]
     try:
         obj = json.loads(first_line)
-    except ValueError:
-        return "tester"  # a multi-line (or long) JSON document
+    except (ValueError, RecursionError):
+        return "tester"  # a multi-line (or long) JSON document: its loader says what is wrong
     return "tester" if isinstance(obj, dict) and "requests" in obj else "mooncake"

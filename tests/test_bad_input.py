@@ -1,0 +1,232 @@
+"""Bad input wherever a user reaches the command line: one clear line on stderr, exit code 2.
+
+``tests/test_sim.py`` covers the basic CLI errors and a few bad Mooncake files, and
+``tests/test_traces.py`` the loaders' own messages; this file adds what a user can still type or
+feed: kv-cache-tester files that are malformed, truncated, corrupt or nested without end, through
+every subcommand that reads a trace; block sizes that do not divide the trace's or do not fit the
+model; out-of-range and malformed arguments; sizes too large for the machine; folders without
+traces; and output paths that cannot be written (refused before the run, not after it).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+
+from kvtriton.cli import main
+from kvtriton.sim import data_path
+
+MOONCAKE = str(data_path("mooncake_synthetic_trace.jsonl"))
+CC = str(data_path("cc_agentic_sample"))
+SMALL = ["--conversations", "1", "--turns", "1", "1", "--system-prompt", "64", "--quiet"]
+
+
+def run(argv, capsys) -> str:
+    """Run the CLI; it must fail with exit code 2 and exactly one line on stderr."""
+    assert main(argv) == 2, f"exit code for {argv}"
+    captured = capsys.readouterr()
+    err = captured.err
+    assert err.count("\n") == 1 and err.startswith("kvtriton: error: "), err
+    assert "Traceback" not in err
+    return err
+
+
+def req(t=0.0, n_in=100, out=5, ids=(1, 2), model="m", **extra):
+    return {"t": t, "type": "n", "model": model, "in": n_in, "out": out,
+            "hash_ids": list(ids), **extra}
+
+
+def conv_doc(requests, block_size=64, **extra):
+    return {"id": "conv", "block_size": block_size, "requests": requests, **extra}
+
+
+# ---- kv-cache-tester traces through the CLI ------------------------------------------------------
+
+TESTER_BAD = {
+    "missing-model": (conv_doc([req(), {k: v for k, v in req(t=1).items() if k != "model"}]),
+                      "requests[1]: missing field 'model'"),
+    "negative-in": (conv_doc([req(n_in=-4)]), "requests[0]: field 'in' must be an int >= 1"),
+    "negative-out": (conv_doc([req(out=-1)]), "requests[0]: field 'out' must be an int >= 0"),
+    "string-time": (conv_doc([req(t="soon")]), "requests[0]: field 't' must be a finite"),
+    "time-goes-back": (conv_doc([req(t=5), req(t=2)]), "requests[1]: t=2 is before"),
+    "nested-time-goes-back": (
+        conv_doc([req(), {"t": 1, "type": "subagent", "requests": [req(t=3), req(t=1)]}]),
+        "requests[1].requests[1]: t=1 is before"),
+    "subagent-not-a-list": (conv_doc([{"t": 0, "type": "subagent", "requests": "x"}]),
+                            "requests[0]: field 'requests' must be a list"),
+    "request-not-an-object": (conv_doc([req(), 7]), "requests[1]: expected a JSON object"),
+    "huge-hash-id": (conv_doc([req(ids=(2 ** 70,))]), "does not fit in 64 bits"),
+    "no-block-size": ({"requests": [req()]}, "top level: missing field 'block_size'"),
+    "zero-block-size": (conv_doc([req()], block_size=0), "'block_size' must be an int >= 1"),
+    "no-requests": (conv_doc([]), "no requests"),
+    "top-level-list": ([req()], "expected a JSON object with 'requests', got list"),
+}
+
+
+@pytest.mark.parametrize("command", ["trace-stats", "simulate", "replay"])
+@pytest.mark.parametrize("case", list(TESTER_BAD))
+def test_malformed_tester_trace(tmp_path, capsys, case, command):
+    doc, message = TESTER_BAD[case]
+    path = tmp_path / "conv.json.gz"
+    path.write_bytes(gzip.compress(json.dumps(doc).encode()))
+    argv = ["trace-stats", str(path)] if command == "trace-stats" else [
+        command, "--workload", str(path), "--quiet"]
+    err = run(argv, capsys)
+    assert f"error: {path}" in err and message in err
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("c.json.gz", gzip.compress(json.dumps(conv_doc([req()])).encode())[:-6], "bad gzip data"),
+    ("c.json.gz", b"\x1f\x8b\x08\x00garbage", "bad gzip data"),
+    ("c.json.gz", gzip.compress(b""), "empty file"),
+    ("c.json", b"", "empty file"),
+    ("c.json", b'{\n  "block_size": 64,\n  "requests": [,]\n}', "c.json:3: bad JSON"),
+    ("c.json", b"\x80\x81 not text", "not UTF-8"),
+    ("c.json", (json.dumps(req()) + "\n" + json.dumps(req()) + "\n").encode(),
+     "a Mooncake JSONL trace?"),
+    ("c.json", b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+    ("c.data", b'{"requests": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested too deeply"),
+    ("t.jsonl", b'{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": '
+     + b"[" * 100_000 + b"]" * 100_000 + b"}\n", "t.jsonl:1: bad JSON: nested too deeply"),
+    ("t.jsonl", b'{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1]}\n'
+     b'{"timestamp": 1, "input_length": 600, "output_length": 1, '
+     b'"hash_ids": [99999999999999999999999]}\n', "t.jsonl:2: hash_ids[0]=9999"),
+    ("t.jsonl", b'{"timestamp": NaN, "input_length": 10, "output_length": 1, "hash_ids": []}\n',
+     "t.jsonl:1: field 'timestamp' must be a finite number"),
+    ("t.jsonl", b'{"timestamp": 0, "input_length": 10.5, "output_length": 1, "hash_ids": []}\n',
+     "t.jsonl:1: field 'input_length' must be an int >= 1"),
+    ("t.jsonl.gz", gzip.compress(b'{"timestamp": 0}\n'), "t.jsonl.gz:1: missing field"),
+], ids=["truncated-gzip", "corrupt-gzip", "empty-gzip", "empty", "bad-json-line", "binary",
+        "jsonl-in-json", "nested-array", "nested-sniffed", "nested-jsonl-line", "huge-id",
+        "nan-time", "float-length", "gzip-jsonl-missing-field"])
+def test_unreadable_trace_files(tmp_path, capsys, name, content, message):
+    path = tmp_path / name
+    path.write_bytes(content)
+    err = run(["trace-stats", str(path)], capsys)
+    assert str(path) in err and message in err
+
+
+def test_subagents_nested_without_end(tmp_path, capsys):
+    depth = 2000  # deeper than the interpreter's recursion limit
+    marker = '{"t": 0, "type": "subagent", "requests": ['
+    nested = marker * depth + json.dumps(req()) + "]}" * depth
+    path = tmp_path / "deep.json"
+    path.write_text('{"block_size": 64, "requests": [' + nested + "]}")
+    err = run(["trace-stats", str(path)], capsys)
+    assert str(path) in err and "nested too deeply" in err
+
+
+def test_folders_without_traces(tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    others = tmp_path / "others"
+    others.mkdir()
+    (others / "notes.txt").write_text("not a trace")
+    for folder in (empty, others):
+        for argv in (["trace-stats", str(folder)], ["simulate", "--workload", str(folder)],
+                     ["replay", "--workload", str(folder)]):
+            err = run(argv, capsys)
+            assert f"{folder}: no *.json or *.json.gz trace in this folder" in err
+
+
+def test_a_bad_file_in_a_folder_is_named(tmp_path, capsys):
+    (tmp_path / "a.json").write_text(json.dumps(conv_doc([req()])))
+    (tmp_path / "b.json").write_text(json.dumps(conv_doc([req(), req(t=-1)])))
+    err = run(["trace-stats", str(tmp_path)], capsys)
+    assert f"{tmp_path / 'b.json'}: requests[1]: field 't'" in err
+
+
+# ---- arguments -----------------------------------------------------------------------------------
+
+ARG_ERRORS = {
+    "block-size-vs-mooncake": (["replay", "--workload", "mooncake", "--block-size", "48"],
+                               "hash_block_size=48 does not divide the trace block size 512"),
+    "block-size-vs-tester": (["simulate", "--workload", "cc-agentic", "--block-size", "48",
+                              "--quiet"], "does not divide the trace block size 64"),
+    "block-size-vs-stats": (["trace-stats", MOONCAKE, "--block-size", "96"],
+                            "hash_block_size=96 does not divide the trace block size 512"),
+    "block-size-bigger": (["trace-stats", CC, "--block-size", "128"],
+                          "hash_block_size=128 does not divide the trace block size 64"),
+    "block-size-zero": (["simulate", "--block-size", "0"], "--block-size: '0' must be positive"),
+    "block-size-negative": (["replay", "--block-size", "-16"], "--block-size: '-16' must be"),
+    "block-size-vs-model": (["simulate", "--model", "nemotron-h-8b", "--block-size", "48", *SMALL],
+                            "--block-size 48 does not fit --model nemotron-h-8b"),
+    "turns-reversed": (["simulate", "--turns", "5", "3"], "--turns 5 3: MIN must not exceed MAX"),
+    "turns-zero": (["simulate", "--turns", "0", "3"], "--turns: '0' must be positive"),
+    "turns-one-value": (["simulate", "--turns", "5"], "--turns: expected 2 arguments"),
+    "think-negative": (["simulate", "--think-s", "-1"], "--think-s: '-1' must be a finite"),
+    "think-nan": (["simulate", "--think-s", "nan"], "--think-s: 'nan' must be a finite"),
+    "think-word": (["replay", "--think-s", "long"], "--think-s: 'long' is not a number"),
+    "seed-negative": (["simulate", "--seed", "-1"], "--seed: '-1' must be >= 0"),
+    "time-scale-zero": (["simulate", "--time-scale", "0"], "--time-scale: '0' must be a positive"),
+    "time-scale-negative": (["replay", "--time-scale", "-2"], "--time-scale: '-2' must be"),
+    "time-scale-inf": (["simulate", "--time-scale", "inf"], "--time-scale: 'inf' must be"),
+    "capacities-word": (["replay", "--capacities", "lots"], "--capacities: 'lots' is not an int"),
+    "capacities-mixed": (["replay", "--capacities", "1024,x"], "--capacities: 'x' is not an int"),
+    "capacities-negative": (["replay", "--capacities", "1024,-5"], "'-5' must be positive"),
+    "capacities-empty": (["replay", "--capacities", " , "], "expected a comma-separated list"),
+    "capacities-float": (["replay", "--capacities", "10.5"], "'10.5' is not an integer"),
+    "limit-zero": (["simulate", "--limit", "0"], "--limit: '0' must be positive"),
+    "conversations-zero": (["simulate", "--conversations", "0"], "'0' must be positive"),
+    "token-budget-zero": (["simulate", "--token-budget", "0"], "--token-budget: '0'"),
+    "max-running-negative": (["simulate", "--max-running", "-1"], "--max-running: '-1'"),
+    "unknown-model": (["simulate", "--model", "llama-9000"], "--model: invalid choice"),
+    "unknown-gpu": (["simulate", "--gpu", "Z80"], "--gpu: invalid choice"),
+    "unknown-backend": (["simulate", "--integrity-backend", "cuda"], "invalid choice: 'cuda'"),
+    "unknown-command": (["simulte"], "invalid choice: 'simulte'"),
+    "unknown-flag": (["replay", "--capacity", "10"], "unrecognized arguments: --capacity"),
+    "empty-policies": (["simulate", "--policies", ","], "expected a comma-separated list"),
+    "gpu-below-a-block": (["simulate", "--gpu-tokens", "8", *SMALL],
+                          "GPU must be at least one block, got 8 -> 0 blocks"),
+    "cpu-gib-below-a-block": (["simulate", "--cpu-gib", "1e-9", *SMALL],
+                              "CPU must be at least one block"),
+    "gib-overflow": (["simulate", "--gpu-gib", "1e300"], "--gpu-gib: '1e300' GiB is too large"),
+    "gib-zero": (["simulate", "--cpu-gib", "0"], "--cpu-gib: '0' must be a positive"),
+    "cpu-two-units": (["simulate", "--cpu-tokens", "64", "--cpu-blocks", "4"], "give one of"),
+    "blocks-beyond-memory": (["simulate", "--gpu-blocks", "1e15", "--no-bound", *SMALL],
+                             "out of memory"),
+    "stats-missing-file": (["trace-stats"], "the following arguments are required: file"),
+    "workload-name-typo": (["replay", "--workload", "moooncake"], "moooncake: no such file"),
+}
+
+
+@pytest.mark.parametrize("case", list(ARG_ERRORS))
+def test_bad_arguments(capsys, case):
+    argv, message = ARG_ERRORS[case]
+    err = run(argv, capsys)
+    assert message in err
+
+
+def test_trace_request_too_long_for_memory(tmp_path, capsys):
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps({"timestamp": 0, "input_length": 512, "output_length": 10**15,
+                                "hash_ids": [1]}) + "\n")
+    err = run(["simulate", "--workload", str(path), "--quiet", "--no-bound"], capsys)
+    assert "out of memory" in err
+
+
+@pytest.mark.parametrize("command", ["simulate", "replay", "trace-stats"])
+def test_unwritable_output_is_refused_before_the_run(tmp_path, capsys, command):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    out = blocker / "result.json"
+    argv = {"simulate": ["simulate", *SMALL], "replay": ["replay", "--workload", MOONCAKE,
+                                                         "--quiet"],
+            "trace-stats": ["trace-stats", MOONCAKE]}[command]
+    err = run([*argv, "--json", str(out)], capsys)
+    assert f"--json {out}: cannot write there" in err
+    assert capsys.readouterr().out == ""  # nothing ran
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    err = run([*argv, "--json", str(folder)], capsys)
+    assert "is a folder" in err
+
+
+def test_plot_path_is_checked_too(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    err = run(["replay", "--workload", MOONCAKE, "--quiet", "--plot", str(blocker / "x.png")],
+              capsys)
+    assert "--plot" in err and "cannot write there" in err
