@@ -191,6 +191,16 @@ def _write_json(path: str, doc: dict) -> None:
         raise _UsageError(f"--json {path}: cannot write: {e.strerror or e}") from None
 
 
+def _write_outputs(args, doc: dict, plot) -> None:
+    """``--json`` and ``--plot`` of a subcommand, each reported with its path."""
+    if args.json:
+        _write_json(args.json, doc)
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot(args.plot)
+        print(f"wrote {args.plot}")
+
+
 def _cmd_simulate(args) -> int:
     from kvtriton.sim import simulate
     from kvtriton.specs import preset
@@ -215,14 +225,9 @@ def _cmd_simulate(args) -> int:
     print(res.table())
     if res.bound is not None:
         print(f"bound: {res.bound['policy']}: {res.bound['hit_rate']:.1%}")
-    if args.json:
-        _write_json(args.json, res.to_dict())
-        print(f"wrote {args.json}")
-    if args.plot:
-        from kvtriton.plots import plot_simulation
+    from kvtriton.plots import plot_simulation
 
-        plot_simulation(res, args.plot)
-        print(f"wrote {args.plot}")
+    _write_outputs(args, res.to_dict(), lambda path: plot_simulation(res, path))
     return 0
 
 
@@ -246,14 +251,9 @@ def _cmd_replay(args) -> int:
     print(f"{wl.name}: {res.requests} requests, {res.prompt_tokens:,} prompt tokens, "
           f"{res.hash_block_size}-token blocks")
     print(res.table())
-    if args.json:
-        _write_json(args.json, res.to_dict())
-        print(f"wrote {args.json}")
-    if args.plot:
-        from kvtriton.plots import plot_sweep
+    from kvtriton.plots import plot_sweep
 
-        plot_sweep(res, args.plot)
-        print(f"wrote {args.plot}")
+    _write_outputs(args, res.to_dict(), lambda path: plot_sweep(res, path))
     return 0
 
 
