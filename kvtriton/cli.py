@@ -27,44 +27,31 @@ class _Parser(argparse.ArgumentParser):
         raise _UsageError(message)
 
 
-def _positive_int(text: str) -> int:
-    try:
-        v = int(float(text)) if "e" in text.lower() else int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
-    return v
+def _number(kind: type, allow_zero: bool):
+    """An argparse type: a finite ``kind`` above 0 (or at least 0), named in its error."""
+    noun = "an integer" if kind is int else "a number"
+    if kind is int:
+        rule = "must be >= 0" if allow_zero else "must be positive"
+    else:
+        rule = "must be a finite number >= 0" if allow_zero else "must be a positive finite number"
+
+    def parse(text: str):
+        try:
+            # "1e6" is a fine way to write an integer count on a command line.
+            v = int(float(text)) if kind is int and "e" in text.lower() else kind(text)
+        except (ValueError, OverflowError):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {noun}") from None
+        if not math.isfinite(v) or v < 0 or (v == 0 and not allow_zero):
+            raise argparse.ArgumentTypeError(f"{text!r} {rule}")
+        return v
+
+    return parse
 
 
-def _positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not v > 0 or v == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r} must be a positive finite number")
-    return v
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
-    return v
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not (v >= 0 and math.isfinite(v)):
-        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number >= 0")
-    return v
+_positive_int = _number(int, allow_zero=False)
+_positive_float = _number(float, allow_zero=False)
+_non_negative_int = _number(int, allow_zero=True)
+_non_negative_float = _number(float, allow_zero=True)
 
 
 def _gib(text: str) -> float:

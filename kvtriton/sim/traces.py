@@ -215,6 +215,20 @@ def _check_hash_block_size(hash_block_size: int, trace_block_size: int, path: Pa
 # ---- Mooncake JSONL ------------------------------------------------------------------------
 
 
+def _read_bytes(path: Path) -> bytes:
+    """A trace file's bytes, gunzipped when it starts with the gzip magic."""
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise TraceError(f"{path}: cannot read: {e.strerror or e}") from None
+    if raw[:2] == b"\x1f\x8b":
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError, zlib.error) as e:
+            raise TraceError(f"{path}: bad gzip data: {e}") from None
+    return raw
+
+
 def load_mooncake(
     path: str | Path,
     *,
@@ -235,15 +249,7 @@ def load_mooncake(
     w = _Where(path)
     ns = namespace(path.name, model or "")
     stem = path.name.split(".")[0]
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise TraceError(f"{path}: cannot read: {e.strerror or e}") from None
-    if raw[:2] == b"\x1f\x8b":
-        try:
-            raw = gzip.decompress(raw)
-        except (OSError, EOFError, zlib.error) as e:
-            raise TraceError(f"{path}: bad gzip data: {e}") from None
+    raw = _read_bytes(path)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -288,15 +294,7 @@ def load_mooncake(
 
 
 def _read_json(path: Path):
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise TraceError(f"{path}: cannot read: {e.strerror or e}") from None
-    if raw[:2] == b"\x1f\x8b":
-        try:
-            raw = gzip.decompress(raw)
-        except (OSError, EOFError, zlib.error) as e:
-            raise TraceError(f"{path}: bad gzip data: {e}") from None
+    raw = _read_bytes(path)
     if not raw.strip():
         raise TraceError(f"{path}: empty file (no requests)")
     try:
