@@ -11,9 +11,8 @@ Run: ``python -m bench.hole_demo``.
 from __future__ import annotations
 
 from bench.common import write_result
-from kvtriton.hashing import HashIndex, chain_hashes
+from kvtriton.hashing import HashIndex, chain_hashes, request_keys
 from kvtriton.planner import OffloadPlanner, PlannerConfig, Request, StepOutput
-from kvtriton.planner.records import request_keys
 from kvtriton.pool import BlockPool
 from kvtriton.specs import FullAttentionSpec, KVLayout
 

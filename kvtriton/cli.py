@@ -226,7 +226,7 @@ def _cmd_replay(args) -> int:
     _check_output("--plot", args.plot)
     wl = load_workload(args)
     caps = args.capacities
-    n_runs = len(args.policies) * (len(caps) if caps else 6)
+    n_runs = len(args.evictions) * (len(caps) if caps else 6)
     bar = Progress("replay", enabled=not args.quiet)
     done = [0]
 
@@ -234,7 +234,7 @@ def _cmd_replay(args) -> int:
         done[0] += 1
         bar(done[0], n_runs)
 
-    res = capacity_sweep(wl, caps, args.policies, progress=tick)
+    res = capacity_sweep(wl, caps, args.evictions, progress=tick)
     print(f"{wl.name}: {res.requests} requests, {res.prompt_tokens:,} prompt tokens, "
           f"{res.hash_block_size}-token blocks")
     print(res.table())
@@ -261,7 +261,7 @@ def _cmd_trace_stats(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from kvtriton.sim.cost import GPUS
-    from kvtriton.sim.replay import DEFAULT_POLICIES as REPLAY_POLICIES
+    from kvtriton.sim.replay import DEFAULT_EVICTIONS
     from kvtriton.sim.setups import DEFAULT_POLICIES, TIER_POLICIES
     from kvtriton.specs import PRESETS
 
@@ -293,11 +293,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--quiet", action="store_true", help="no progress bar")
     s.set_defaults(func=_cmd_simulate)
 
-    r = sub.add_parser("replay", help="cache-only replay: hit rate vs capacity per policy")
+    r = sub.add_parser("replay", help="cache-only replay: hit rate vs capacity per eviction rule")
     _add_workload_args(r)
     r.add_argument("--capacities", type=lambda t: [_positive_int(x) for x in _csv(t)],
                    default=None, help="comma-separated capacities in tokens (default: a sweep)")
-    r.add_argument("--policies", type=_csv, default=list(REPLAY_POLICIES),
+    r.add_argument("--evictions", type=_csv, default=list(DEFAULT_EVICTIONS),
                    help="comma-separated, from: lru, arc, s3fifo, belady")
     r.add_argument("--json", metavar="PATH")
     r.add_argument("--plot", metavar="PATH", help="PNG: hit rate vs capacity")

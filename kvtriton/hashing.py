@@ -16,10 +16,23 @@ import hashlib
 import numbers
 import struct
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-__all__ = ["HashIndex", "chain_hashes", "group_key", "group_keys", "mix64"]
+if TYPE_CHECKING:
+    from kvtriton.specs import KVLayout
+
+__all__ = [
+    "HashIndex",
+    "chain_hashes",
+    "group_key",
+    "group_keys",
+    "group_keys_array",
+    "mix64",
+    "mix64_array",
+    "request_keys",
+]
 
 _MASK = (1 << 64) - 1
 _ROOT = 0x6B76_7472_6974_6F6E  # "kvtriton": the parent hash of a sequence's first block
@@ -89,13 +102,43 @@ def mix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
+def mix64_array(x: np.ndarray) -> np.ndarray:
+    """``mix64`` of every element of a uint64 array (wrapping arithmetic, a new array)."""
+    x = np.asarray(x, dtype=np.uint64).copy()
+    x ^= x >> np.uint64(30)
+    x *= np.uint64(0xBF58476D1CE4E5B9)
+    x ^= x >> np.uint64(27)
+    x *= np.uint64(0x94D049BB133111EB)
+    x ^= x >> np.uint64(31)
+    return x
+
+
+_GROUP_SALT = 0x9E3779B97F4A7C15
+
+
 def group_key(h: int, group: int) -> int:
     """The key group ``group`` stores a block under, for the chain hash ``h`` at its end."""
-    return mix64(h ^ (0x9E3779B97F4A7C15 * (group + 1)))
+    return mix64(h ^ (_GROUP_SALT * (group + 1)))
 
 
 def group_keys(hashes: Iterable[int], group: int) -> list[int]:
     return [group_key(h, group) for h in hashes]
+
+
+def group_keys_array(hashes: np.ndarray, group: int) -> np.ndarray:
+    """``group_key(h, group)`` for every ``h`` of a uint64 array."""
+    salt = np.uint64((_GROUP_SALT * (group + 1)) & _MASK)
+    return mix64_array(np.asarray(hashes, dtype=np.uint64) ^ salt)
+
+
+def request_keys(layout: KVLayout, index: HashIndex, block_hashes: Iterable[int]) -> np.ndarray:
+    """Dense key ids ``[num_groups, len(block_hashes)]`` (int64) of a token sequence's chain
+    hashes, one row per group of ``layout``, interned in ``index``."""
+    hashes = [int(h) for h in block_hashes]
+    out = np.empty((layout.num_groups, len(hashes)), dtype=np.int64)
+    for g in range(layout.num_groups):
+        out[g] = index.intern_many(group_key(h, g) for h in hashes)
+    return out
 
 
 class HashIndex:

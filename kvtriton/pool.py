@@ -6,7 +6,7 @@ never freed, never cached; tables use it for pages a group does not need.
 
 A block with ref count 0 sits in the free queue and keeps its hashes until it is handed out
 again, so it can still be hit ("evictable cached"). Which free block is handed out next is the
-eviction policy's choice (``kvtriton.policies``; LRU by default). Every operation costs O(1) per
+eviction queue's choice (``kvtriton.eviction``; LRU by default). Every operation costs O(1) per
 block named; bad input raises ``ValueError`` before anything is changed.
 """
 
@@ -18,7 +18,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from kvtriton.policies import EvictionPolicy, make_policy
+from kvtriton.eviction import EvictionQueue, make_eviction_queue
 
 __all__ = ["NULL_BLOCK", "AllBlocksCleared", "BlockPool", "BlockRemoved", "BlockStored"]
 
@@ -67,7 +67,7 @@ class BlockPool:
         self,
         num_blocks: int,
         *,
-        policy: str | EvictionPolicy = "lru",
+        eviction: str | EvictionQueue = "lru",
         medium: str = "GPU",
         enable_events: bool = False,
     ) -> None:
@@ -83,7 +83,7 @@ class BlockPool:
         self._aliases: list[tuple[int, ...]] = [()] * num_blocks
         # key -> block id, or key -> {block id: None} when several blocks share the key.
         self._map: dict[int, int | dict[int, None]] = {}
-        self._policy = make_policy(policy) if isinstance(policy, str) else policy
+        self._eviction = make_eviction_queue(eviction) if isinstance(eviction, str) else eviction
         self._fill_free_queue()
         self._events: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
         self._on_insert: list[KeyCallback] = []
@@ -91,9 +91,9 @@ class BlockPool:
 
     def _fill_free_queue(self) -> None:
         # Unhashed blocks enter at the head, so pushing in descending order hands out 1, 2, ...
-        self._policy.reset(self.num_blocks)
+        self._eviction.reset(self.num_blocks)
         for b in range(self.num_blocks - 1, 0, -1):
-            self._policy.push(b, None)
+            self._eviction.push(b, None)
 
     # ---- listeners and introspection -------------------------------------------------------
 
@@ -105,25 +105,26 @@ class BlockPool:
             self._on_evict.append(on_evict)
 
     @property
-    def policy(self) -> EvictionPolicy:
-        return self._policy
+    def eviction(self) -> EvictionQueue:
+        """The free queue: which free block is handed out (and so evicted) next."""
+        return self._eviction
 
     @property
     def num_free_blocks(self) -> int:
         """Blocks that ``get_new_blocks`` can hand out now (free, cached or not)."""
-        return len(self._policy)
+        return len(self._eviction)
 
     @property
     def num_used_blocks(self) -> int:
         """Non-null blocks with a reference."""
-        return self.num_blocks - 1 - len(self._policy)
+        return self.num_blocks - 1 - len(self._eviction)
 
     @property
     def num_cached_keys(self) -> int:
         return len(self._map)
 
     def is_free(self, block_id: int) -> bool:
-        return block_id in self._policy
+        return block_id in self._eviction
 
     def block_hash(self, block_id: int) -> int | None:
         """The primary key of ``block_id`` or ``None``."""
@@ -152,7 +153,7 @@ class BlockPool:
 
     def iter_free(self, after: int | None = None) -> Iterator[int]:
         """Free blocks in eviction order (next victim first), optionally after ``after``."""
-        return self._policy.iter_blocks(after)
+        return self._eviction.iter_blocks(after)
 
     def take_events(self) -> list[BlockStored | BlockRemoved | AllBlocksCleared]:
         events, self._events = self._events, []
@@ -183,9 +184,9 @@ class BlockPool:
         """Hand out ``n`` blocks with ref count 1, evicting the hashes they still carried."""
         if not isinstance(n, int) or n < 0:
             raise ValueError(f"get_new_blocks: n must be a non-negative int, got {n!r}")
-        if n > len(self._policy):
-            raise ValueError(f"get_new_blocks: asked for {n} blocks, {len(self._policy)} free")
-        out = self._policy.pop_many(n)
+        if n > len(self._eviction):
+            raise ValueError(f"get_new_blocks: asked for {n} blocks, {len(self._eviction)} free")
+        out = self._eviction.pop_many(n)
         primary, ref = self._primary, self.ref_cnt
         for b in out:
             if primary[b] is not None:
@@ -196,10 +197,10 @@ class BlockPool:
     def touch(self, block_ids: Sequence[int]) -> None:
         """Take one more reference on each block; a free block leaves the free queue (a hit)."""
         self._check_ids(block_ids, "touch")
-        policy, ref = self._policy, self.ref_cnt
+        queue, ref = self._eviction, self.ref_cnt
         for b in block_ids:
             if ref[b] == 0:
-                policy.remove(b)
+                queue.remove(b)
             ref[b] += 1
 
     def free_blocks(self, block_ids: Sequence[int]) -> None:
@@ -219,11 +220,11 @@ class BlockPool:
             if ref[b] < times:
                 raise ValueError(
                     f"free_blocks: block {b} freed {times}x with ref count {ref[b]} (double free)")
-        policy, primary = self._policy, self._primary
+        queue, primary = self._eviction, self._primary
         for b in block_ids:
             ref[b] -= 1
             if ref[b] == 0:
-                policy.push(b, primary[b])
+                queue.push(b, primary[b])
 
     # ---- hashing ---------------------------------------------------------------------------
 
@@ -285,7 +286,7 @@ class BlockPool:
 
     def _evict(self, b: int) -> None:
         keys = self.block_keys(b)
-        self._policy.on_evicted(b, keys[0])
+        self._eviction.on_evicted(b, keys[0])
         self._primary[b] = None
         self._aliases[b] = ()
         for k in keys:
@@ -304,9 +305,9 @@ class BlockPool:
         self._check_ids([block_id], "evict_cached")
         if self.ref_cnt[block_id] or self._primary[block_id] is None:
             return False
-        self._policy.remove(block_id)
+        self._eviction.remove(block_id)
         self._evict(block_id)
-        self._policy.push(block_id, None)
+        self._eviction.push(block_id, None)
         return True
 
     def reset_prefix_cache(self) -> bool:
@@ -332,11 +333,11 @@ class BlockPool:
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if any pool invariant is broken (O(num_blocks))."""
-        assert self.ref_cnt[NULL_BLOCK] == 0 and NULL_BLOCK not in self._policy
+        assert self.ref_cnt[NULL_BLOCK] == 0 and NULL_BLOCK not in self._eviction
         assert self._primary[NULL_BLOCK] is None
         for b in range(1, self.num_blocks):
             assert self.ref_cnt[b] >= 0, f"block {b} ref count {self.ref_cnt[b]}"
-            assert (b in self._policy) == (self.ref_cnt[b] == 0), f"block {b} queue membership"
+            assert (b in self._eviction) == (self.ref_cnt[b] == 0), f"block {b} queue membership"
             for k in self.block_keys(b):
                 assert b in self.cached_blocks(k), f"block {b} key {k:#x} missing from map"
         n_map = 0
@@ -346,7 +347,8 @@ class BlockPool:
                 assert k in self.block_keys(b), f"map key {k:#x} -> block {b} not on block"
                 n_map += 1
         assert n_map == sum(len(self.block_keys(b)) for b in range(self.num_blocks))
-        assert len(self._policy) == sum(1 for b in range(1, self.num_blocks) if not self.ref_cnt[b])
+        free = sum(1 for b in range(1, self.num_blocks) if not self.ref_cnt[b])
+        assert len(self._eviction) == free
 
 
 def cached_prefix_blocks(pool: BlockPool, keys: Iterable[int]) -> list[int]:

@@ -15,10 +15,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvtriton.hashing import HashIndex, chain_hashes
+from kvtriton.hashing import HashIndex, chain_hashes, request_keys
 from kvtriton.lookup import find_longest_hit
 from kvtriton.planner import OffloadPlanner, PlannerConfig, PlannerMeta, Request, StepOutput
-from kvtriton.planner.records import request_keys
 from kvtriton.pool import NULL_BLOCK, BlockPool
 from kvtriton.specs import FullAttentionSpec, KVLayout, SlidingWindowSpec
 

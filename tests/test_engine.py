@@ -10,7 +10,7 @@ import torch
 from kvtriton import TransferEngine
 from kvtriton.engine import allocate_kv_caches, segment_views
 from kvtriton.kernels.reference import load_blocks_loop, store_blocks_loop
-from kvtriton.planner.records import PlannerMeta, Transfer
+from kvtriton.records import PlannerMeta, Transfer
 from kvtriton.specs import FullAttentionSpec, KVLayout, MambaSpec, SlidingWindowSpec
 
 SENTINEL = 0x5A

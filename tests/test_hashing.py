@@ -5,7 +5,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvtriton.hashing import HashIndex, chain_hashes, group_key, group_keys, mix64
+from kvtriton.hashing import (
+    HashIndex,
+    chain_hashes,
+    group_key,
+    group_keys,
+    group_keys_array,
+    mix64,
+    mix64_array,
+    request_keys,
+)
 
 MASK = (1 << 64) - 1
 TOKENS = list(range(100, 164))  # 64 tokens: 4 blocks of 16
@@ -216,3 +225,29 @@ def test_hash_of_unassigned_slot_within_capacity_is_out_of_range():
 def test_hash_index_bad_capacity(cap):
     with pytest.raises(ValueError, match=f"initial_capacity must be positive, got {cap}"):
         HashIndex(cap)
+
+
+def test_mix64_array_matches_scalar():
+    xs = [0, 1, 2**63, 2**64 - 1, 0x1234_5678_9ABC_DEF0]
+    got = mix64_array(np.array(xs, dtype=np.uint64))
+    assert [int(v) for v in got] == [mix64(x) for x in xs]
+
+
+@pytest.mark.parametrize("group", [0, 1, 7])
+def test_group_keys_array_matches_scalar(group):
+    hs = [0, 5, 2**63 + 11, 2**64 - 1] + [mix64(i) for i in range(50)]
+    got = group_keys_array(np.array(hs, dtype=np.uint64), group)
+    assert [int(v) for v in got] == group_keys(hs, group)
+
+
+def test_request_keys_interns_one_row_per_group():
+    from kvtriton.specs import FullAttentionSpec, KVLayout, SlidingWindowSpec
+
+    layout = KVLayout([FullAttentionSpec(16, 1, 8, 1),
+                       SlidingWindowSpec(16, 1, 8, 1, sliding_window=32)])
+    idx = HashIndex()
+    hs = chain_hashes(list(range(64)), 16)
+    keys = request_keys(layout, idx, hs)
+    assert keys.shape == (2, 4) and keys.dtype == np.int64
+    for g in range(2):
+        assert [idx.hash_of(int(k)) for k in keys[g]] == group_keys(hs, g)

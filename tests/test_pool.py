@@ -310,9 +310,9 @@ def test_bad_num_blocks(num_blocks):
         BlockPool(num_blocks)
 
 
-def test_unknown_policy():
-    with pytest.raises(ValueError, match="unknown eviction policy 'mru'"):
-        BlockPool(4, policy="mru")
+def test_unknown_eviction():
+    with pytest.raises(ValueError, match="unknown eviction 'mru'"):
+        BlockPool(4, eviction="mru")
 
 
 # ---- stateful model ---------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """Cache-only replay: LRU and Belady against brute force on small random traces, the bound
-over every policy, and the Mooncake paper's capacity claim on the shipped trace."""
+over every eviction rule, and the Mooncake paper's capacity claim on the shipped trace."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from kvtriton.sim.replay import capacity_sweep, default_capacities, max_hit_rate
 from kvtriton.sim.traces import MOONCAKE_SYNTHETIC, data_path, load_mooncake
 from kvtriton.sim.workload import Workload, WorkloadRequest
 
-POLICIES = ["lru", "arc", "s3fifo"]
+EVICTIONS = ["lru", "arc", "s3fifo"]
 
 
 def make_workload(specs, b: int = 1) -> Workload:
@@ -115,29 +115,29 @@ def optimal(w: Workload, capacity: int) -> int:
 @given(specs=SPECS, capacity=st.integers(1, 12))
 def test_lru_matches_brute_force(specs, capacity):
     w = make_workload(specs)
-    assert replay(w, capacity_blocks=capacity, policy="lru").hit_tokens == brute_lru(w, capacity)
+    assert replay(w, capacity_blocks=capacity, eviction="lru").hit_tokens == brute_lru(w, capacity)
 
 
 @given(specs=SPECS, capacity=st.integers(1, 12))
-def test_belady_matches_naive_and_bounds_every_policy(specs, capacity):
+def test_belady_matches_naive_and_bounds_every_eviction_rule(specs, capacity):
     w = make_workload(specs)
-    bound = replay(w, capacity_blocks=capacity, policy="belady").hit_tokens
+    bound = replay(w, capacity_blocks=capacity, eviction="belady").hit_tokens
     assert bound == naive_belady(w, capacity)
-    for p in POLICIES:
-        assert replay(w, capacity_blocks=capacity, policy=p).hit_tokens <= bound, p
+    for p in EVICTIONS:
+        assert replay(w, capacity_blocks=capacity, eviction=p).hit_tokens <= bound, p
     assert bound <= max_hit_rate(w) * sum(r.prompt_len for r in w) + 1e-9
 
 
 @given(specs=TINY_SPECS, capacity=st.integers(1, 4))
 def test_belady_is_optimal(specs, capacity):
     w = make_workload(specs)
-    assert replay(w, capacity_blocks=capacity, policy="belady").hit_tokens == optimal(w, capacity)
+    assert replay(w, capacity_blocks=capacity, eviction="belady").hit_tokens == optimal(w, capacity)
 
 
 @given(specs=SPECS)
 def test_lru_is_monotone_in_capacity(specs):
     w = make_workload(specs)
-    hits = [replay(w, capacity_blocks=c, policy="lru").hit_tokens for c in range(1, 16)]
+    hits = [replay(w, capacity_blocks=c, eviction="lru").hit_tokens for c in range(1, 16)]
     assert hits == sorted(hits)
 
 
@@ -146,8 +146,8 @@ def test_enough_capacity_reaches_the_maximum(specs, b):
     w = make_workload(specs, b)
     total = sum(len(r.hashes) for r in w)
     prompt = sum(r.prompt_len for r in w)
-    for p in [*POLICIES, "belady"]:
-        r = replay(w, capacity_tokens=total * b, policy=p)
+    for p in [*EVICTIONS, "belady"]:
+        r = replay(w, capacity_tokens=total * b, eviction=p)
         assert r.hit_tokens == pytest.approx(max_hit_rate(w) * prompt), p
 
 
@@ -157,37 +157,37 @@ def test_hand_computed_lru():
     specs = [(0, 0, 2, 0), (0, 2, 1, 0), (0, 0, 2, 0), (0, 2, 0, 0)]
     w = make_workload(specs)
     assert [list(map(int, r.hashes)) for r in w] == [[1, 2], [1, 2, 3], [4, 5], [1, 2]]
-    r = replay(w, capacity_blocks=3, policy="lru")
+    r = replay(w, capacity_blocks=3, eviction="lru")
     assert (r.hit_tokens, r.prompt_tokens) == (3, 9)
     assert r.hit_rate == pytest.approx(3 / 9)
     # Belady evicts 3 (never used again), then 2 (a tie with 1 at r3: the deeper goes): 2 + 1.
-    assert replay(w, capacity_blocks=3, policy="belady").hit_tokens == 3
+    assert replay(w, capacity_blocks=3, eviction="belady").hit_tokens == 3
 
 
 def test_hand_computed_belady_beats_lru():
     # capacity 2: [1], [2], [3], [1]. LRU evicts 1 for 3; Belady evicts 2 (never used again).
     w = make_workload([(0, 0, 1, 0)] * 3 + [(0, 1, 0, 0)])
     assert [int(r.hashes[0]) for r in w] == [1, 2, 3, 1]
-    assert replay(w, capacity_blocks=2, policy="lru").hit_tokens == 0
-    assert replay(w, capacity_blocks=2, policy="belady").hit_tokens == 1
+    assert replay(w, capacity_blocks=2, eviction="lru").hit_tokens == 0
+    assert replay(w, capacity_blocks=2, eviction="belady").hit_tokens == 1
 
 
 def test_output_blocks_are_stored_but_never_hit_in_their_own_request():
     # r0: prompt [1], output [2]; r1: prompt [1, 2] -> hits 2 blocks of 4 tokens.
     w = make_workload([(0, 0, 1, 1), (0, 2, 0, 0)], b=4)
-    assert replay(w, capacity_blocks=8, policy="lru").hit_tokens == 8
+    assert replay(w, capacity_blocks=8, eviction="lru").hit_tokens == 8
 
 
 def test_requests_longer_than_the_tier():
     w = make_workload([(0, 0, 6, 0), (0, 6, 0, 0)])
-    assert replay(w, capacity_blocks=4, policy="lru").hit_tokens == 4
-    assert replay(w, capacity_blocks=4, policy="belady").hit_tokens == 4
+    assert replay(w, capacity_blocks=4, eviction="lru").hit_tokens == 4
+    assert replay(w, capacity_blocks=4, eviction="belady").hit_tokens == 4
 
 
 def test_bad_arguments():
     w = make_workload([(0, 0, 2, 0)], b=4)
-    with pytest.raises(ValueError, match="unknown replay policy"):
-        replay(w, 8, policy="mru")
+    with pytest.raises(ValueError, match="unknown replay eviction"):
+        replay(w, 8, eviction="mru")
     with pytest.raises(ValueError, match="capacity_tokens"):
         replay(w, 3)
     with pytest.raises(ValueError, match="exactly one"):
@@ -221,7 +221,7 @@ def test_mooncake_capacity_claim(mooncake):
     # under half of the maximum hit rate.
     best = max_hit_rate(mooncake)
     assert best == pytest.approx(0.66, abs=0.02)
-    lru = replay(mooncake, 3_000_000, policy="lru")
+    lru = replay(mooncake, 3_000_000, eviction="lru")
     assert lru.capacity_blocks == 3_000_000 // 512
     assert 0.25 * best < lru.hit_rate < 0.5 * best
-    assert replay(mooncake, 3_000_000, policy="belady").hit_rate > lru.hit_rate
+    assert replay(mooncake, 3_000_000, eviction="belady").hit_rate > lru.hit_rate

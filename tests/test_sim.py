@@ -163,10 +163,10 @@ def test_cli_simulate_writes_json_and_table(tmp_path, capsys):
     (["simulate", "--model", "gpt5"], "invalid choice"),
     (["simulate", "--gpu-tokens", "8", "--gpu-gib", "1"], "give one of"),
     (["simulate", "--workload", "/no/such/trace.jsonl"], "no such file"),
-    (["replay", "--policies", "fifo"], "fifo"),
+    (["replay", "--evictions", "fifo"], "fifo"),
     (["trace-stats", "/no/such/file"], "no such file"),
     ([], "required: command"),
-], ids=["zero", "not-int", "policy", "model", "two-units", "missing-file", "replay-policy",
+], ids=["zero", "not-int", "policy", "model", "two-units", "missing-file", "replay-eviction",
         "stats-missing", "no-command"])
 def test_cli_errors_are_one_line_and_exit_2(argv, message, capsys):
     assert main(argv) == 2

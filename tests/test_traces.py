@@ -8,15 +8,12 @@ import gzip
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from kvtriton.hashing import mix64
 from kvtriton.sim.traces import (
     CC_AGENTIC_SAMPLE,
     MOONCAKE_SYNTHETIC,
     TraceError,
-    _mix64_array,
     data_path,
     load_kv_cache_tester,
     load_mooncake,
@@ -63,12 +60,6 @@ def test_shipped_files_and_manifest():
     assert "Apache-2.0" in manifest and "kvcache-ai/Mooncake" in manifest
     with pytest.raises(FileNotFoundError, match="not among the shipped"):
         data_path("nope.jsonl")
-
-
-def test_mix64_array_matches_scalar():
-    xs = [0, 1, 2**63, 2**64 - 1, 0x1234_5678_9ABC_DEF0]
-    got = _mix64_array(np.array(xs, dtype=np.uint64))
-    assert [int(v) for v in got] == [mix64(x) for x in xs]
 
 
 # ---- Mooncake -------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from kvtriton.engine.descriptors import ATTN_LAYOUTS, build_copy_table, segment_
 from kvtriton.engine.host_memory import allocate_host_pool
 from kvtriton.kernels.copy_blocks import DEFAULT_SM_BUDGET, copy_blocks, validate_pairs
 from kvtriton.kernels.reference import load_blocks_ref, store_blocks_ref
-from kvtriton.planner.records import PlannerMeta, Transfer
+from kvtriton.records import PlannerMeta, Transfer
 from kvtriton.specs import KVLayout
 
 __all__ = ["BACKENDS", "TransferEngine"]

@@ -1,9 +1,12 @@
-"""The scheduler side of the CPU tier: ``OffloadPlanner`` and its records."""
+"""The scheduler side of the CPU tier: ``OffloadPlanner``, its configuration and statistics.
+
+The records it exchanges with workers live in ``kvtriton.records`` and are re-exported here.
+"""
 
 from kvtriton.planner.config import PlannerConfig
 from kvtriton.planner.planner import OffloadPlanner
-from kvtriton.planner.records import PlannerMeta, Request, StepOutput, Transfer, request_keys
 from kvtriton.planner.stats import PlannerStats, ScanOutcomes
+from kvtriton.records import PlannerMeta, Request, StepOutput, Transfer
 
 __all__ = [
     "OffloadPlanner",
@@ -14,5 +17,4 @@ __all__ = [
     "ScanOutcomes",
     "StepOutput",
     "Transfer",
-    "request_keys",
 ]

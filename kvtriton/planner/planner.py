@@ -32,11 +32,11 @@ import numpy as np
 
 from kvtriton.lookup import find_longest_hit
 from kvtriton.planner.config import PlannerConfig
-from kvtriton.planner.records import PlannerMeta, Request, StepOutput, Transfer
 from kvtriton.planner.reference import LoopSelector
 from kvtriton.planner.scan import FusedSelector
 from kvtriton.planner.stats import PlannerStats
 from kvtriton.pool import NULL_BLOCK, BlockPool
+from kvtriton.records import PlannerMeta, Request, StepOutput, Transfer
 from kvtriton.specs import KVLayout
 
 __all__ = ["OffloadPlanner"]

@@ -1,37 +1,19 @@
 """Dense key ids for a whole workload at once.
 
-Every request's chain hashes become per-group keys (``kvtriton.hashing.group_key``, vectorized
-here) and the keys of the whole workload are interned together with one ``np.unique``, so a
-simulation indexes every array by small dense ints and pays the interning once.
+Every request's chain hashes become per-group keys (``kvtriton.hashing.group_keys_array``) and
+the keys of the whole workload are interned together with one ``np.unique``, so a simulation
+indexes every array by small dense ints and pays the interning once.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from kvtriton.hashing import group_keys_array
 from kvtriton.sim.workload import Workload
 from kvtriton.specs import KVLayout
 
-__all__ = ["group_keys_array", "workload_keys"]
-
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
-
-
-def _mix64(x: np.ndarray) -> np.ndarray:
-    x = x ^ (x >> np.uint64(30))
-    x = x * _M1
-    x = x ^ (x >> np.uint64(27))
-    x = x * _M2
-    return x ^ (x >> np.uint64(31))
-
-
-def group_keys_array(hashes: np.ndarray, group: int) -> np.ndarray:
-    """``group_key(h, group)`` for every ``h`` of a uint64 array."""
-    with np.errstate(over="ignore"):
-        salt = _GOLDEN * np.uint64(group + 1)
-        return _mix64(np.asarray(hashes, dtype=np.uint64) ^ salt)
+__all__ = ["workload_keys"]
 
 
 def workload_keys(layout: KVLayout, workload: Workload) -> tuple[list[np.ndarray], int]:

@@ -84,7 +84,7 @@ class ServingLoop:
         self.gpu = BlockPool(gpu_blocks + 1)
         self.planner: OffloadPlanner | None = None
         if policy.planner is not None:
-            cpu = BlockPool(cpu_blocks + 1, policy=policy.cpu_eviction, medium="CPU")
+            cpu = BlockPool(cpu_blocks + 1, eviction=policy.cpu_eviction, medium="CPU")
             self.planner = OffloadPlanner(layout, self.gpu, cpu, policy.planner)
         self.integrity = integrity
         if integrity is not None:

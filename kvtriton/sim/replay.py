@@ -5,13 +5,13 @@ The setting of the Mooncake paper's capacity curve. A tier holds ``capacity_bloc
 
 1. hit: the longest run of the prompt's full blocks present in the tier, from block 0;
 2. the request's blocks (prompt then output, its first ``capacity_blocks`` when it has more)
-   are touched if present and inserted if not, evicting by the policy among blocks that are not
-   the request's own; then freed tail first, so a chain's head is the last to go.
+   are touched if present and inserted if not, evicting by the eviction rule among blocks that
+   are not the request's own; then freed tail first, so a chain's head is the last to go.
 
-Hit rate = hit tokens / prompt tokens. Policies from ``kvtriton.policies.POLICIES`` run through a
-real ``BlockPool``; ``"belady"`` is the offline bound: evict the cached block whose next use is
-farthest (a block never used again first, the deeper of a tie first). With chain hashes a block
-is used whenever a deeper block of its chain is, so that tie rule keeps Belady's cache
+Hit rate = hit tokens / prompt tokens. The rules of ``kvtriton.eviction.EVICTION_QUEUES`` run
+through a real ``BlockPool``; ``"belady"`` is the offline bound: evict the cached block whose next
+use is farthest (a block never used again first, the deeper of a tie first). With chain hashes a
+block is used whenever a deeper block of its chain is, so that tie rule keeps Belady's cache
 prefix-closed and every block it keeps is reachable; it is then optimal for this setting, and
 the tests check it against an exhaustive search on small traces. ``max_hit_rate`` is the hit
 rate of an infinite cache.
@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from kvtriton.policies import POLICIES
+from kvtriton.eviction import EVICTION_QUEUES
 from kvtriton.pool import BlockPool
 from kvtriton.sim.workload import Workload
 
@@ -44,14 +44,14 @@ __all__ = [
 ]
 
 BELADY = "belady"
-DEFAULT_POLICIES = ("lru", "arc", "s3fifo", BELADY)
+DEFAULT_EVICTIONS = ("lru", "arc", "s3fifo", BELADY)
 
 
 @dataclass(slots=True)
 class ReplayResult:
     """One replay: ``hit_tokens`` of ``prompt_tokens`` at ``capacity_blocks`` blocks."""
 
-    policy: str
+    eviction: str
     capacity_blocks: int
     capacity_tokens: int
     requests: int
@@ -66,10 +66,10 @@ class ReplayResult:
 
 @dataclass(slots=True)
 class SweepResult:
-    """Hit rate per policy per capacity, plus the infinite-cache maximum.
+    """Hit rate per eviction rule per capacity, plus the infinite-cache maximum.
 
     ``capacities_tokens`` as asked; ``capacities_blocks`` what ran (tokens rounded down to whole
-    blocks). ``hit_rate[policy][i]`` is at capacity i; ``wall_s`` likewise, in seconds.
+    blocks). ``hit_rate[eviction][i]`` is at capacity i; ``wall_s`` likewise, in seconds.
     """
 
     name: str
@@ -87,12 +87,12 @@ class SweepResult:
         return asdict(self)
 
     def table(self) -> str:
-        """A text table: one row per capacity, one column per policy, hit rates in percent."""
-        policies = list(self.hit_rate)
-        head = f"{'capacity (tokens)':>18} " + " ".join(f"{p:>8}" for p in policies)
+        """A text table: a row per capacity, a column per eviction rule, hit rates in percent."""
+        evictions = list(self.hit_rate)
+        head = f"{'capacity (tokens)':>18} " + " ".join(f"{p:>8}" for p in evictions)
         lines = [head]
         for i, cap in enumerate(self.capacities_tokens):
-            row = " ".join(f"{100 * self.hit_rate[p][i]:7.2f}%" for p in policies)
+            row = " ".join(f"{100 * self.hit_rate[p][i]:7.2f}%" for p in evictions)
             lines.append(f"{cap:>18,} {row}")
         lines.append(f"{'infinite':>18} {100 * self.max_hit_rate:7.2f}% (max hit rate)")
         return "\n".join(lines)
@@ -134,8 +134,8 @@ def _prepare(workload: Workload | _Prepared) -> _Prepared:
     return workload if isinstance(workload, _Prepared) else _Prepared(workload)
 
 
-def _hits_pool(prep: _Prepared, capacity: int, policy: str) -> int:
-    pool = BlockPool(capacity + 1, policy=policy)
+def _hits_pool(prep: _Prepared, capacity: int, eviction: str) -> int:
+    pool = BlockPool(capacity + 1, eviction=eviction)
     get, touch, free = pool.get_cached_block, pool.touch, pool.free_blocks
     new, cache = pool.get_new_blocks, pool.cache_block
     hits = 0
@@ -230,10 +230,10 @@ def _hits_infinite(prep: _Prepared) -> int:
     return hits
 
 
-def _check_policy(policy: str) -> None:
-    if policy != BELADY and policy not in POLICIES:
-        raise ValueError(f"unknown replay policy {policy!r}; known: "
-                         f"{sorted([*POLICIES, BELADY])}")
+def _check_eviction(eviction: str) -> None:
+    if eviction != BELADY and eviction not in EVICTION_QUEUES:
+        raise ValueError(f"unknown replay eviction {eviction!r}; known: "
+                         f"{sorted([*EVICTION_QUEUES, BELADY])}")
 
 
 def _capacity_blocks(b: int, capacity_tokens: int | None, capacity_blocks: int | None) -> int:
@@ -254,28 +254,29 @@ def replay(
     capacity_tokens: int | None = None,
     *,
     capacity_blocks: int | None = None,
-    policy: str = "lru",
+    eviction: str = "lru",
 ) -> ReplayResult:
     """Replay ``workload`` through one tier of ``capacity_tokens`` (rounded down to whole
-    blocks) or ``capacity_blocks`` with ``policy`` (a ``POLICIES`` name or ``"belady"``)."""
-    _check_policy(policy)
+    blocks) or ``capacity_blocks``, evicting by ``eviction`` (an ``EVICTION_QUEUES`` name or
+    ``"belady"``)."""
+    _check_eviction(eviction)
     prep = _prepare(workload)
     cap = _capacity_blocks(prep.b, capacity_tokens, capacity_blocks)
     t0 = time.perf_counter()
-    hits = _hits_belady(prep, cap) if policy == BELADY else _hits_pool(prep, cap, policy)
-    return ReplayResult(policy, cap, cap * prep.b, len(prep.keys), prep.prompt_tokens,
+    hits = _hits_belady(prep, cap) if eviction == BELADY else _hits_pool(prep, cap, eviction)
+    return ReplayResult(eviction, cap, cap * prep.b, len(prep.keys), prep.prompt_tokens,
                         hits * prep.b, time.perf_counter() - t0)
 
 
 def max_hit_rate(workload: Workload) -> float:
-    """Hit rate of an infinite cache: the prompt tokens any policy could at best reuse."""
+    """Hit rate of an infinite cache: the prompt tokens any eviction rule could at best reuse."""
     prep = _prepare(workload)
     return _hits_infinite(prep) * prep.b / prep.prompt_tokens if prep.prompt_tokens else 0.0
 
 
 def default_capacities(workload: Workload, n: int = 6) -> list[int]:
     """``n`` capacities in tokens, geometric from 1/32 of the workload's distinct-block footprint
-    up to the whole of it (where every policy reaches the maximum)."""
+    up to the whole of it (where every eviction rule reaches the maximum)."""
     prep = _prepare(workload)
     top = max(1, prep.num_keys) * prep.b
     caps = np.geomspace(max(prep.b, top / 32), top, n)
@@ -285,14 +286,14 @@ def default_capacities(workload: Workload, n: int = 6) -> list[int]:
 def capacity_sweep(
     workload: Workload,
     capacities_tokens: Sequence[int] | None = None,
-    policies: Sequence[str] = DEFAULT_POLICIES,
+    evictions: Sequence[str] = DEFAULT_EVICTIONS,
     *,
     progress: Callable[[ReplayResult], None] | None = None,
 ) -> SweepResult:
-    """Hit rate of every policy at every capacity (tokens; ``default_capacities`` if None), and
-    the infinite-cache maximum. ``progress`` sees each ``ReplayResult`` as it finishes."""
-    for p in policies:
-        _check_policy(p)
+    """Hit rate of every eviction rule at every capacity (tokens; ``default_capacities`` if None),
+    and the infinite-cache maximum. ``progress`` sees each ``ReplayResult`` as it finishes."""
+    for p in evictions:
+        _check_eviction(p)
     prep = _prepare(workload)
     if capacities_tokens is None:
         capacities_tokens = default_capacities(workload)
@@ -301,7 +302,7 @@ def capacity_sweep(
     out = SweepResult(prep.name, prep.b, len(prep.keys), prep.prompt_tokens,
                       list(capacities_tokens), caps,
                       best / prep.prompt_tokens if prep.prompt_tokens else 0.0)
-    for p in policies:
+    for p in evictions:
         out.hit_rate[p], out.hit_tokens[p], out.wall_s[p] = [], [], []
         for cap in caps:
             t0 = time.perf_counter()

@@ -129,7 +129,7 @@ def simulate(
         result.rows.append(row)
     if bound:
         n_tokens = (n_gpu + n_cpu) * layout.groups[0].block_size
-        r = replay(workload, n_tokens, policy=BELADY)
+        r = replay(workload, n_tokens, eviction=BELADY)
         result.bound = {"policy": "belady (cache-only replay, GPU + CPU capacity)",
                         "capacity_tokens": r.capacity_tokens, "hit_rate": r.hit_rate}
     return result

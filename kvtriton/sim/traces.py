@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvtriton.hashing import mix64
+from kvtriton.hashing import mix64, mix64_array
 from kvtriton.sim.workload import Workload, WorkloadRequest
 
 __all__ = [
@@ -76,17 +76,6 @@ def data_path(name: str = "") -> Path:
 
 
 # ---- hashing -------------------------------------------------------------------------------
-
-
-def _mix64_array(x: np.ndarray) -> np.ndarray:
-    """``kvtriton.hashing.mix64`` on a uint64 array (wrapping arithmetic)."""
-    x = x.astype(np.uint64, copy=True)
-    x ^= x >> np.uint64(30)
-    x *= np.uint64(0xBF58476D1CE4E5B9)
-    x ^= x >> np.uint64(27)
-    x *= np.uint64(0x94D049BB133111EB)
-    x ^= x >> np.uint64(31)
-    return x
 
 
 def namespace(*parts: str) -> int:
@@ -142,14 +131,14 @@ def map_block_ids(
     n_prompt = prompt_len // hash_block_size
     n_total = (prompt_len + output_len) // hash_block_size
     chain = (chainer or _IdChain()).values(list(block_ids), ns)
-    sub = _mix64_array(np.arange(1, r + 1, dtype=np.uint64) * np.uint64(_SUB_SALT))
-    keys = _mix64_array(chain[:, None] ^ sub[None, :]).ravel()[:n_prompt]
+    sub = mix64_array(np.arange(1, r + 1, dtype=np.uint64) * np.uint64(_SUB_SALT))
+    keys = mix64_array(chain[:, None] ^ sub[None, :]).ravel()[:n_prompt]
     n_known = len(keys)
     if n_known == n_total:
         return keys
     salt = np.uint64(mix64(ns ^ mix64(unique_salt ^ _UNIQUE_SALT)))
     positions = np.arange(n_known, n_total, dtype=np.uint64)
-    unique = _mix64_array((positions + np.uint64(1)) * np.uint64(_SUB_SALT) ^ salt)
+    unique = mix64_array((positions + np.uint64(1)) * np.uint64(_SUB_SALT) ^ salt)
     return np.concatenate([keys, unique])
 
 

@@ -1,8 +1,10 @@
-"""Plain records the planner exchanges with a scheduler, a worker and the simulator.
+"""Records a scheduler-side planner and a worker-side engine exchange; both roles import this
+module, and it imports neither.
 
 Keys are dense ids from a shared ``HashIndex`` (``kvtriton.hashing``): both block pools and the
-planner's tensors are indexed by them. ``Request.keys[g, j]`` is group g's key for the hash
-boundary after token ``(j + 1) * hash_block_size``.
+planner's arrays are indexed by them. ``Request.keys[g, j]`` is group g's key for the hash
+boundary after token ``(j + 1) * hash_block_size``. The glossary of these words is in
+``docs/glossary.md``.
 """
 
 from __future__ import annotations
@@ -11,20 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvtriton.hashing import HashIndex, group_key
-from kvtriton.specs import KVLayout
-
-__all__ = ["PlannerMeta", "Request", "StepOutput", "Transfer", "request_keys"]
-
-
-def request_keys(layout: KVLayout, index: HashIndex, block_hashes) -> np.ndarray:
-    """Dense key ids ``[num_groups, len(block_hashes)]`` (int64) of a token sequence's chain
-    hashes, one row per group of ``layout``."""
-    hashes = [int(h) for h in block_hashes]
-    out = np.empty((layout.num_groups, len(hashes)), dtype=np.int64)
-    for g in range(layout.num_groups):
-        out[g] = index.intern_many(group_key(h, g) for h in hashes)
-    return out
+__all__ = ["PlannerMeta", "Request", "StepOutput", "Transfer"]
 
 
 @dataclass(slots=True, eq=False)

@@ -1,4 +1,4 @@
-"""ARC and S3-FIFO free-block policies: the pool protocol, their own rules, and a differential
+"""ARC and S3-FIFO free-block queues: the pool protocol, their own rules, and a differential
 check against plain-list references of the same rules."""
 
 from __future__ import annotations
@@ -9,16 +9,22 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvtriton.policies import POLICIES, ARCPolicy, EvictionPolicy, S3FIFOPolicy, make_policy
+from kvtriton.eviction import (
+    EVICTION_QUEUES,
+    ARCQueue,
+    EvictionQueue,
+    S3FIFOQueue,
+    make_eviction_queue,
+)
 from kvtriton.pool import BlockPool
 
 NEW_POLICIES = ["arc", "s3fifo"]
 ALL_POLICIES = ["lru", "arc", "s3fifo"]
 
 
-def cached_pool(policy, num_blocks: int, keys: list[int]) -> tuple[BlockPool, list[int]]:
+def cached_pool(eviction, num_blocks: int, keys: list[int]) -> tuple[BlockPool, list[int]]:
     """A pool whose first ``len(keys)`` blocks are cached under ``keys`` and freed in order."""
-    pool = BlockPool(num_blocks, policy=policy)
+    pool = BlockPool(num_blocks, eviction=eviction)
     blocks = pool.get_new_blocks(len(keys))
     for b, k in zip(blocks, keys, strict=True):
         pool.cache_block(b, k)
@@ -43,22 +49,22 @@ def store(pool: BlockPool, key: int) -> int:
     return b
 
 
-def drain_order(policy: EvictionPolicy) -> list[int]:
-    p = copy.deepcopy(policy)
+def drain_order(queue: EvictionQueue) -> list[int]:
+    p = copy.deepcopy(queue)
     return [p.pop() for _ in range(len(p))]
 
 
-# ---- protocol, every policy ---------------------------------------------------------------
+# ---- protocol, every queue ---------------------------------------------------------------
 
 
 def test_registered():
-    assert POLICIES["arc"] is ARCPolicy and POLICIES["s3fifo"] is S3FIFOPolicy
-    assert isinstance(make_policy("arc"), ARCPolicy)
+    assert EVICTION_QUEUES["arc"] is ARCQueue and EVICTION_QUEUES["s3fifo"] is S3FIFOQueue
+    assert isinstance(make_eviction_queue("arc"), ARCQueue)
 
 
 @pytest.mark.parametrize("name", ALL_POLICIES)
 def test_fresh_pool_hands_out_blocks_in_order(name):
-    pool = BlockPool(6, policy=name)
+    pool = BlockPool(6, eviction=name)
     assert pool.get_new_blocks(5) == [1, 2, 3, 4, 5]
     with pytest.raises(ValueError):
         pool.get_new_blocks(1)
@@ -66,7 +72,7 @@ def test_fresh_pool_hands_out_blocks_in_order(name):
 
 @pytest.mark.parametrize("name", ALL_POLICIES)
 def test_unhashed_blocks_go_before_any_cached_one(name):
-    pool = BlockPool(5, policy=name)
+    pool = BlockPool(5, eviction=name)
     blocks = pool.get_new_blocks(4)
     pool.cache_block(blocks[0], 100)
     pool.cache_block(blocks[2], 102)
@@ -87,7 +93,7 @@ def test_remove_is_a_hit_and_keeps_the_key(name):
 
 @pytest.mark.parametrize("name", ALL_POLICIES)
 def test_pop_on_empty_raises(name):
-    p = make_policy(name)
+    p = make_eviction_queue(name)
     p.reset(3)
     assert len(p) == 0
     with pytest.raises(IndexError):
@@ -101,7 +107,7 @@ def test_iter_blocks_is_the_eviction_order(name):
         hit(pool, k)
     store(pool, 200)  # evicts one block, whose key enters a ghost list
     order = list(pool.iter_free())
-    assert order == drain_order(pool.policy)
+    assert order == drain_order(pool.eviction)
     assert sorted(order) == list(range(1, 12))
     assert list(pool.iter_free(order[4])) == order[5:]
     held = pool.get_new_blocks(1)  # a block that is not free: iteration starts at the head
@@ -123,7 +129,7 @@ def test_evict_cached_makes_the_block_first(name):
 def test_arc_keeps_a_block_used_twice_over_newer_one_timers():
     # LRU would evict key 1 first (freed earliest); ARC keeps it in T2 while T1 is over p = 0.
     for name, first_victim_key in (("lru", 1), ("arc", 2)):
-        pool = BlockPool(4, policy=name)
+        pool = BlockPool(4, eviction=name)
         store(pool, 1)
         hit(pool, 1)
         store(pool, 2)
@@ -135,7 +141,7 @@ def test_arc_keeps_a_block_used_twice_over_newer_one_timers():
 
 def test_arc_ghost_hit_in_b1_grows_p_and_enters_t2():
     pool, _ = cached_pool("arc", 3, [1, 2])
-    arc: ARCPolicy = pool.policy
+    arc: ARCQueue = pool.eviction
     store(pool, 3)  # evicts key 1 from T1 into B1
     assert 1 not in pool and arc.ghost_sizes == (1, 0)
     assert arc.p == 0
@@ -147,7 +153,7 @@ def test_arc_ghost_hit_in_b1_grows_p_and_enters_t2():
 
 def test_arc_ghost_hit_in_b2_shrinks_p():
     pool, _ = cached_pool("arc", 3, [1, 2])
-    arc: ARCPolicy = pool.policy
+    arc: ARCQueue = pool.eviction
     arc.p = 2
     hit(pool, 1)
     hit(pool, 2)  # both in T2
@@ -158,10 +164,10 @@ def test_arc_ghost_hit_in_b2_shrinks_p():
 
 
 def test_arc_ghost_lists_are_bounded_by_the_pool_size():
-    pool = BlockPool(4, policy="arc")  # 3 usable blocks
+    pool = BlockPool(4, eviction="arc")  # 3 usable blocks
     for k in range(50):
         store(pool, k)
-    b1, b2 = pool.policy.ghost_sizes
+    b1, b2 = pool.eviction.ghost_sizes
     assert b1 <= 3 and b2 <= 3
 
 
@@ -169,13 +175,13 @@ def test_arc_ghost_lists_are_bounded_by_the_pool_size():
 
 
 def test_s3fifo_hit_block_survives_a_scan():
-    pool = BlockPool(11, policy="s3fifo")  # 10 usable, S target 1
+    pool = BlockPool(11, eviction="s3fifo")  # 10 usable, S target 1
     store(pool, 1)
     hit(pool, 1)  # promoted to M
     for k in range(100, 140):  # one-time blocks stream through S
         store(pool, k)
     assert 1 in pool
-    lru = BlockPool(11, policy="lru")
+    lru = BlockPool(11, eviction="lru")
     store(lru, 1)
     hit(lru, 1)
     for k in range(100, 140):
@@ -184,16 +190,16 @@ def test_s3fifo_hit_block_survives_a_scan():
 
 
 def test_s3fifo_ghost_key_returns_to_main():
-    pool = BlockPool(4, policy="s3fifo")  # 3 usable, S target 1
+    pool = BlockPool(4, eviction="s3fifo")  # 3 usable, S target 1
     for k in (1, 2, 3, 4):
         store(pool, k)  # key 1 evicted from S into the ghost
     assert 1 not in pool
     b = store(pool, 1)
-    assert b in pool.policy._main
+    assert b in pool.eviction._main
 
 
 def test_s3fifo_main_reinsertion_gives_a_second_chance():
-    pool = BlockPool(5, policy="s3fifo")  # 4 usable, S target 1
+    pool = BlockPool(5, eviction="s3fifo")  # 4 usable, S target 1
     for k in (1, 2, 3):
         store(pool, k)
         hit(pool, k)  # all in M, freq 0
@@ -201,19 +207,19 @@ def test_s3fifo_main_reinsertion_gives_a_second_chance():
     order = list(pool.iter_free())
     keys = [pool.block_hash(b) for b in order]
     assert keys == [None, 2, 3, 1]
-    assert order == drain_order(pool.policy)
+    assert order == drain_order(pool.eviction)
 
 
 def test_s3fifo_rejects_bad_fraction():
     with pytest.raises(ValueError, match="small_fraction"):
-        S3FIFOPolicy(small_fraction=1.5)
+        S3FIFOQueue(small_fraction=1.5)
 
 
 # ---- differential check against plain-list references ---------------------------------------
 
 
-class RefARC(EvictionPolicy):
-    """ARCPolicy's rules on plain lists, O(n) per operation."""
+class RefARC(EvictionQueue):
+    """ARCQueue's rules on plain lists, O(n) per operation."""
 
     name = "ref-arc"
 
@@ -282,8 +288,8 @@ class RefARC(EvictionPolicy):
         return iter(order[order.index(after) + 1:] if after in order else order)
 
 
-class RefS3FIFO(EvictionPolicy):
-    """S3FIFOPolicy's rules on plain lists, O(n) per operation."""
+class RefS3FIFO(EvictionQueue):
+    """S3FIFOQueue's rules on plain lists, O(n) per operation."""
 
     name = "ref-s3fifo"
 
@@ -395,17 +401,17 @@ def run_ops(pool: BlockPool, ops) -> list:
 @pytest.mark.parametrize(("name", "ref"), [("arc", RefARC), ("s3fifo", RefS3FIFO)])
 @given(ops=OPS, num_blocks=st.integers(2, 12))
 def test_matches_plain_list_reference(name, ref, ops, num_blocks):
-    pool = BlockPool(num_blocks, policy=name)
-    ref_pool = BlockPool(num_blocks, policy=ref())
+    pool = BlockPool(num_blocks, eviction=name)
+    ref_pool = BlockPool(num_blocks, eviction=ref())
     assert run_ops(pool, ops) == run_ops(ref_pool, ops)
     pool.check_invariants()
-    assert list(pool.iter_free()) == drain_order(pool.policy)
+    assert list(pool.iter_free()) == drain_order(pool.eviction)
 
 
 @pytest.mark.parametrize("name", NEW_POLICIES)
 @given(ops=OPS, num_blocks=st.integers(2, 12))
 def test_pool_invariants_hold(name, ops, num_blocks):
-    pool = BlockPool(num_blocks, policy=name)
+    pool = BlockPool(num_blocks, eviction=name)
     run_ops(pool, ops)
     pool.check_invariants()
     free = list(pool.iter_free())

@@ -1,9 +1,9 @@
-"""Eviction policies: which free block a ``BlockPool`` hands out next.
+"""Eviction queues: which free block a ``BlockPool`` hands out next.
 
-A policy holds the pool's *free* blocks (ref count 0). The pool tells it when a block becomes
+A queue holds the pool's *free* blocks (ref count 0). The pool tells it when a block becomes
 free (``push``, with the block's primary key or ``None`` if unhashed), when a free block is taken
 back by a hit (``remove``), and when a victim's hashes are dropped (``on_evicted``); ``pop`` picks
-the victim. Unhashed blocks hold nothing worth keeping, so every policy hands them out first.
+the victim. Unhashed blocks hold nothing worth keeping, so every queue hands them out first.
 """
 
 from __future__ import annotations
@@ -12,10 +12,17 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Iterator
 
-__all__ = ["POLICIES", "ARCPolicy", "EvictionPolicy", "LRUPolicy", "S3FIFOPolicy", "make_policy"]
+__all__ = [
+    "EVICTION_QUEUES",
+    "ARCQueue",
+    "EvictionQueue",
+    "LRUQueue",
+    "S3FIFOQueue",
+    "make_eviction_queue",
+]
 
 
-class EvictionPolicy(ABC):
+class EvictionQueue(ABC):
     """Interface of a free-block queue; see the module docstring for the protocol."""
 
     name = "base"
@@ -149,7 +156,7 @@ class _LinkedQueue:
         return self._next[b]
 
 
-class LRUPolicy(EvictionPolicy):
+class LRUQueue(EvictionQueue):
     """Least recently freed first: vLLM's free queue. Unhashed blocks go to the head."""
 
     name = "lru"
@@ -199,7 +206,7 @@ def _remember(ghost: OrderedDict[int, None], key: int, limit: int) -> None:
         ghost.popitem(last=False)
 
 
-class ARCPolicy(EvictionPolicy):
+class ARCQueue(EvictionQueue):
     """Adaptive replacement (Megiddo & Modha, FAST'03) over the free blocks.
 
     T1 holds free blocks whose content has been used by one holder since it was cached; T2 those
@@ -309,7 +316,7 @@ class ARCPolicy(EvictionPolicy):
         return len(self._b1), len(self._b2)
 
 
-class S3FIFOPolicy(EvictionPolicy):
+class S3FIFOQueue(EvictionQueue):
     """S3-FIFO (Yang et al., SOSP'23) over the free blocks: a small FIFO S, a main FIFO M, and a
     ghost FIFO G of keys evicted from S.
 
@@ -415,16 +422,16 @@ class S3FIFOPolicy(EvictionPolicy):
         return self._order()
 
 
-POLICIES: dict[str, type[EvictionPolicy]] = {
-    "lru": LRUPolicy,
-    "arc": ARCPolicy,
-    "s3fifo": S3FIFOPolicy,
+EVICTION_QUEUES: dict[str, type[EvictionQueue]] = {
+    "lru": LRUQueue,
+    "arc": ARCQueue,
+    "s3fifo": S3FIFOQueue,
 }
 
 
-def make_policy(name: str) -> EvictionPolicy:
-    """A fresh policy by name (``lru`` and any registered in ``POLICIES``)."""
+def make_eviction_queue(name: str) -> EvictionQueue:
+    """A fresh eviction queue by name (``lru`` and any registered in ``EVICTION_QUEUES``)."""
     try:
-        return POLICIES[name]()
+        return EVICTION_QUEUES[name]()
     except KeyError:
-        raise ValueError(f"unknown eviction policy {name!r}; known: {sorted(POLICIES)}") from None
+        raise ValueError(f"unknown eviction {name!r}; known: {sorted(EVICTION_QUEUES)}") from None
