@@ -45,7 +45,7 @@ def _micro() -> None:
     import pytest
 
     out = RESULTS_DIR / "micro.json"
-    rc = pytest.main([str(Path(__file__).with_name("test_micro.py")), "-q",
+    rc = pytest.main([str(Path(__file__).with_name("micro.py")), "-q",
                       "-p", "no:cacheprovider", f"--benchmark-json={out}",
                       "--benchmark-columns=min,median,max,rounds"])
     if rc != 0:

@@ -13,7 +13,7 @@ each direction (D2H store, H2D load) is timed for:
 
 Device time comes from CUDA events after a warm-up of every shape of a scenario; GB/s from the
 explicit bytes moved (pairs x the group's bytes per block); host time per launch is the wall time
-of the submitting call. Results (median, p10, p90) and the issue's targets go to
+of the submitting call. Results (median, p10, p90) and the targets go to
 ``bench/results/bench_kernels.json``.
 
     python -m bench.bench_kernels            # full size, needs CUDA
@@ -279,7 +279,7 @@ def _find(results, **key) -> dict | None:
 
 
 def evaluate_targets(results: list[dict], evaluate: bool) -> dict:
-    """Each target of the issue: the worst ratio over the sizes it covers, and whether it held."""
+    """Each bandwidth target: the worst ratio over the sizes it covers, and whether it held."""
     out = {}
     ratios: dict[str, list[float]] = {k: [] for k in TARGETS}
     for r in results:

@@ -1,4 +1,4 @@
-"""Seed 000's scenario, run for real: the mid-chain hole and what re-store does about it.
+"""The re-store design's scenario, run for real: the mid-chain hole and what re-store does about it.
 
 A running request stores its 10 blocks; the CPU then evicts its 3rd block. With the cursor-only
 control the hole stays, and a new request with the same prefix hits only the blocks before it;

@@ -13,12 +13,13 @@ can live in flat tensors indexed by id.
 from __future__ import annotations
 
 import hashlib
-import numbers
 import struct
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from kvtriton.validation import is_int
 
 if TYPE_CHECKING:
     from kvtriton.specs import KVLayout
@@ -36,10 +37,6 @@ __all__ = [
 
 _MASK = (1 << 64) - 1
 _ROOT = 0x6B76_7472_6974_6F6E  # "kvtriton": the parent hash of a sequence's first block
-
-
-def _is_int(x: object) -> bool:
-    return type(x) is int or (isinstance(x, numbers.Integral) and not isinstance(x, bool))
 
 
 def _blake64(data: bytes) -> int:
@@ -73,9 +70,9 @@ def chain_hashes(
     if raw.size and raw.dtype.kind not in "iu":
         # A cast would truncate 1.5 to 1 and hash it as token 1.
         raise ValueError(f"token_ids must be integers, got dtype {raw.dtype}")
-    if parent is not None and not (_is_int(parent) and 0 <= parent <= _MASK):
+    if parent is not None and not (is_int(parent) and 0 <= parent <= _MASK):
         raise ValueError(f"parent {parent!r} is not a 64-bit unsigned int")
-    if lora_id is not None and not (_is_int(lora_id) and -(1 << 63) <= lora_id < 1 << 63):
+    if lora_id is not None and not (is_int(lora_id) and -(1 << 63) <= lora_id < 1 << 63):
         raise ValueError(f"lora_id {lora_id!r} is not a 64-bit signed int")
     tokens = np.ascontiguousarray(raw, dtype=np.int64)
     n_full = len(tokens) // hash_block_size
@@ -179,7 +176,7 @@ class HashIndex:
     @staticmethod
     def _check(h: object) -> None:
         # A float would be stored truncated (1.5 -> 1) and break the round trip through hash_of.
-        if not (_is_int(h) and 0 <= h <= _MASK):
+        if not (is_int(h) and 0 <= h <= _MASK):
             raise ValueError(f"hash {h!r} is not a 64-bit unsigned int")
 
     def intern_many(self, hashes: Iterable[int]) -> np.ndarray:

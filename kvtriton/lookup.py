@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from math import lcm
 
 from kvtriton.pool import NULL_BLOCK, BlockPool
 from kvtriton.specs import FullAttentionSpec, KVLayout, MambaSpec, SlidingWindowSpec
@@ -93,11 +94,6 @@ def mamba_hit(lookup: Lookup, keys: Sequence[int], ratio: int, limit: int, align
     return 0
 
 
-def _lcm(a: int, b: int) -> int:
-    from math import lcm
-    return lcm(a, b)
-
-
 def find_longest_hit(
     layout: KVLayout,
     pool: BlockPool | Lookup,
@@ -137,16 +133,16 @@ def find_longest_hit(
     def accept(gi: int, n: int) -> int:
         spec, r, ks = layout.groups[gi], ratios[gi], keys[gi]
         if isinstance(spec, SlidingWindowSpec):
-            return sliding_window_hit(lookup, ks, r, spec.window_blocks, n, _lcm(align_h, r))
+            return sliding_window_hit(lookup, ks, r, spec.window_blocks, n, lcm(align_h, r))
         if isinstance(spec, MambaSpec):
-            return mamba_hit(lookup, ks, r, n, _lcm(align_h, r))
+            return mamba_hit(lookup, ks, r, n, lcm(align_h, r))
         assert isinstance(spec, FullAttentionSpec)
         if gi not in full_cache:  # monotone in n: compute once up to the global limit
             full_cache[gi] = _full_walk(lookup, ks, r, limit, fine_grained)
         m = min(full_cache[gi][0], n)
         # Whole blocks only, unless fine-grained: an align below the block size must not let
         # the fixpoint settle inside a block (a hit through an alias key).
-        return m - m % (align_h if fine_grained else _lcm(align_h, r))
+        return m - m % (align_h if fine_grained else lcm(align_h, r))
 
     iterations = 0
     while True:

@@ -1,4 +1,6 @@
-"""Figures for the command line and the paper (matplotlib, the ``plot`` extra)."""
+"""Every figure kvtriton draws, for the command line, the harness and the paper (matplotlib, the
+``plot`` extra). Each function takes a result (an object or its JSON dict) and a path, writes one
+PNG and returns the path."""
 
 from __future__ import annotations
 
@@ -6,7 +8,19 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["plot_simulation", "plot_sweep"]
+__all__ = [
+    "PLANNER_VARIANTS",
+    "plot_capacity",
+    "plot_hole",
+    "plot_kernels",
+    "plot_planner",
+    "plot_simulation",
+    "plot_sweep",
+]
+
+# Planner benchmark variants in the order the paper's table and figure show them.
+PLANNER_VARIANTS = {"loop_control": "loop, control", "loop_restore": "loop, re-store",
+                    "fused_control": "fused, control", "fused_restore": "fused, re-store"}
 
 
 def _pyplot():
@@ -20,11 +34,14 @@ def _pyplot():
     return plt
 
 
-def _save(fig, path: str | Path) -> Path:
+def _save(fig, path: str | Path, dpi: int = 130) -> Path:
+    """Write ``fig`` to ``path`` (parents created) and close it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fig.savefig(path, dpi=130)
+    fig.savefig(path, dpi=dpi)
+    fig.clf()
+    _pyplot().close(fig)
     return path
 
 
@@ -57,9 +74,7 @@ def plot_simulation(result, path: str | Path) -> Path:
     ax2.set_ylabel("fraction of requests")
     ax2.set_title("TTFT distribution")
     ax2.legend(fontsize=8)
-    out = _save(fig, path)
-    plt.close(fig)
-    return out
+    return _save(fig, path)
 
 
 def plot_sweep(sweep, path: str | Path) -> Path:
@@ -77,6 +92,107 @@ def plot_sweep(sweep, path: str | Path) -> Path:
     ax.set_ylabel("prompt tokens hit (%)")
     ax.set_title(f"{d['name']}: hit rate vs capacity")
     ax.legend(fontsize=8)
-    out = _save(fig, path)
-    plt.close(fig)
-    return out
+    return _save(fig, path)
+
+
+def plot_hole(doc: dict, path: str | Path) -> Path:
+    """CPU presence of one request's blocks (stored, after an eviction, one step later), for
+    the cursor-only control and for re-store (``bench/results/hole_demo.json``)."""
+    plt = _pyplot()
+    by = {r["restore"]: r for r in doc["rows"]}
+    n = doc["blocks"]
+    fig, axes = plt.subplots(2, 1, figsize=(7, 2.6))
+    for ax, restore in zip(axes, (False, True), strict=True):
+        phases = by[restore]["phases"]
+        rows = [("stored", phases["stored"]["present"]),
+                ("evicted", phases["evicted"]["present"]),
+                ("next step", phases["next_step"]["present"])]
+        for y, (_, present) in enumerate(rows):
+            for x, p in enumerate(present):
+                ax.add_patch(plt.Rectangle((x, -y), 0.9, 0.8,
+                                           color="#55a868" if p else "#dddddd"))
+        ax.set_xlim(-0.1, n)
+        ax.set_ylim(-len(rows) + 0.8, 0.9)
+        ax.set_yticks([-y + 0.4 for y in range(len(rows))], [r[0] for r in rows], fontsize=8)
+        ax.set_xticks([x + 0.45 for x in range(n)], [str(x + 1) for x in range(n)], fontsize=7)
+        hit = by[restore]["probe_hit_blocks"]
+        ax.set_title(f"{'re-store' if restore else 'control (cursor)'}: next lookup hits "
+                     f"{hit} of {n} blocks", fontsize=9)
+        for spine in ax.spines.values():
+            spine.set_visible(False)
+    return _save(fig, path, dpi=140)
+
+
+def plot_planner(doc: dict, path: str | Path) -> Path:
+    """Selection time per step versus running requests, one line per planner variant, with
+    vLLM's measured control and re-scan for scale (``bench/results/planner.json``)."""
+    plt = _pyplot()
+    c = doc["conditions"]
+    rows = [r for r in doc["rows"] if r["evict_fraction"] == c["evict_fraction"]]
+    sizes = sorted({r["requests"] for r in rows})
+    by = {(r["variant"], r["requests"]): r for r in rows}
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for k, label in PLANNER_VARIANTS.items():
+        pts = [(n, by[(k, n)]["select_median_ms"]) for n in sizes if (k, n) in by]
+        if pts:
+            ax.plot(*zip(*pts, strict=True), marker="o", label=label)
+    anchor = doc.get("vllm_anchor_ms", {}).get("by_requests", {})
+    if anchor:
+        xs = sorted(int(n) for n in anchor)
+        ax.plot(xs, [anchor[str(n)]["control"] for n in xs], ls=":", color="gray",
+                label="vLLM control (measured)")
+        ax.plot(xs, [anchor[str(n)]["restore_loop"] for n in xs], ls="--", color="gray",
+                label="vLLM re-scan re-store (measured)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel(f"running requests ({c['blocks_per_request']:,} blocks each)")
+    ax.set_ylabel("ms per step (selection)")
+    ax.legend(fontsize=7)
+    return _save(fig, path, dpi=140)
+
+
+def plot_capacity(doc: dict, policies: list[str], path: str | Path) -> Path:
+    """Token hit rate, recomputed tokens and modeled TTFT p90 versus CPU capacity, one line per
+    policy, the Belady bound as a dashed line (``bench/results/sim_<workload>.json``)."""
+    plt = _pyplot()
+    runs = doc["runs"]
+    fig, (ax1, ax3, ax2) = plt.subplots(1, 3, figsize=(14, 3.8))
+    caps = [run["cpu_tokens"] for run in runs]
+    for p in policies:
+        rates = [next(r for r in run["rows"] if r["policy"] == p) for run in runs]
+        ax1.plot(caps, [100 * r["token_hit_rate"] for r in rates], marker="o", label=p)
+        ax3.plot(caps, [r["recomputed_tokens"] for r in rates], marker="o", label=p)
+        ax2.plot(caps, [r["ttft_p90_s"] for r in rates], marker="o", label=p)
+    if all(run.get("bound") for run in runs):
+        ax1.plot(caps, [100 * run["bound"]["hit_rate"] for run in runs], "k--",
+                 label="Belady bound (cache-only)")
+    for ax in (ax1, ax3, ax2):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("CPU capacity (tokens)")
+    ax1.set_ylabel("token hit rate (%)")
+    ax3.set_ylabel("recomputed prompt tokens")
+    ax3.set_yscale("log")
+    ax2.set_ylabel("modeled TTFT p90 (s)")
+    ax1.legend(fontsize=7, loc="lower right")
+    return _save(fig, path, dpi=140)
+
+
+def plot_kernels(doc: dict, path: str | Path) -> Path:
+    """GB/s per copy method versus blocks per launch, D2H and H2D
+    (``bench/results/bench_kernels.json``, a GPU run)."""
+    plt = _pyplot()
+    res = doc["results"]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
+    for ax, direction in zip(axes, ("d2h", "h2d"), strict=True):
+        for method in ("kernel", "batched", "loop", "ceiling"):
+            pts = sorted((r["blocks_per_launch"], r["gbps_median"]) for r in res
+                         if r["scenario"] == "llama3-8b" and r["method"] == method
+                         and r["direction"] == direction)
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker="o", label=method)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("blocks per launch (Llama-3-8B, 2 MiB each)")
+        ax.set_title(direction.upper())
+    axes[0].set_ylabel("GB/s")
+    axes[0].legend(fontsize=7)
+    return _save(fig, path, dpi=140)

@@ -13,12 +13,12 @@ block named; bad input raises ``ValueError`` before anything is changed.
 from __future__ import annotations
 
 import logging
-import numbers
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from kvtriton.eviction import EvictionQueue, make_eviction_queue
+from kvtriton.validation import is_int
 
 __all__ = ["NULL_BLOCK", "AllBlocksCleared", "BlockPool", "BlockRemoved", "BlockStored"]
 
@@ -254,7 +254,7 @@ class BlockPool:
         aliases = tuple(a for a in dict.fromkeys(aliases) if a != key) if aliases else ()
         for k in (key, *aliases):
             # A None key would leave the block looking unhashed while the map holds it.
-            if type(k) is not int and (not isinstance(k, numbers.Integral) or isinstance(k, bool)):
+            if type(k) is not int and not is_int(k):  # the common case first: hot path
                 raise ValueError(f"cache_block: key {k!r} of block {block_id} is not an int")
         self._primary[block_id] = key
         self._aliases[block_id] = aliases

@@ -22,6 +22,15 @@ FIGURES = PAPER / "figures"
 
 sys.path.insert(0, str(ROOT))
 
+from kvtriton.plots import (  # noqa: E402 - the repo root goes on the path first
+    PLANNER_VARIANTS,
+    plot_capacity,
+    plot_hole,
+    plot_kernels,
+    plot_planner,
+    plot_sweep,
+)
+
 
 def _load(name: str) -> dict | None:
     path = RESULTS / f"{name}.json"
@@ -52,18 +61,6 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(out)
 
 
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-# ---- sections --------------------------------------------------------------------------------
-
-
 def hole_section(v: dict) -> None:
     doc = _load("hole_demo")
     if doc is None:
@@ -80,30 +77,7 @@ def hole_section(v: dict) -> None:
         f"({by[False]['chain_holes']} blocks sit in the CPU past the hole, unreachable); with "
         f"re-store the next step copies {by[True]['phases']['next_step']['blocks_copied']} block "
         f"and the new request hits {by[True]['probe_hit_blocks']} of {n}.")
-    plt = _plt()
-    fig, axes = plt.subplots(2, 1, figsize=(7, 2.6))
-    for ax, restore in zip(axes, (False, True), strict=True):
-        phases = by[restore]["phases"]
-        rows = [("stored", phases["stored"]["present"]),
-                ("evicted", phases["evicted"]["present"]),
-                ("next step", phases["next_step"]["present"])]
-        for y, (_, present) in enumerate(rows):
-            for x, p in enumerate(present):
-                ax.add_patch(plt.Rectangle((x, -y), 0.9, 0.8,
-                                           color="#55a868" if p else "#dddddd"))
-        ax.set_xlim(-0.1, n)
-        ax.set_ylim(-len(rows) + 0.8, 0.9)
-        ax.set_yticks([-y + 0.4 for y in range(len(rows))], [r[0] for r in rows], fontsize=8)
-        ax.set_xticks([x + 0.45 for x in range(n)], [str(x + 1) for x in range(n)], fontsize=7)
-        hit = by[restore]["probe_hit_blocks"]
-        ax.set_title(f"{'re-store' if restore else 'control (cursor)'}: next lookup hits "
-                     f"{hit} of {n} blocks", fontsize=9)
-        for s in ax.spines.values():
-            s.set_visible(False)
-    fig.tight_layout()
-    FIGURES.mkdir(parents=True, exist_ok=True)
-    fig.savefig(FIGURES / "hole.png", dpi=140)
-    plt.close(fig)
+    plot_hole(doc, FIGURES / "hole.png")
     v["fig_hole"] = "![CPU presence of a running request's blocks](figures/hole.png)"
 
 
@@ -115,32 +89,24 @@ def planner_section(v: dict) -> None:
         v["abstract_planner"] = "the planner benchmark has not been run"
         return
     c = doc["conditions"]
-    rows = [r for r in doc["rows"] if r.get("evict_fraction", c["evict_fraction"])
-            == c["evict_fraction"]]
+    rows = [r for r in doc["rows"] if r["evict_fraction"] == c["evict_fraction"]]
     calm = {r["variant"]: r for r in doc["rows"]
-            if r.get("evict_fraction") == 0.0 and r["requests"] == 128}
-    names = {"loop_control": "loop, control", "loop_restore": "loop, re-store",
-             "fused_control": "fused, control", "fused_restore": "fused, re-store"}
+            if r["evict_fraction"] == 0.0 and r["requests"] == 128}
+    names = PLANNER_VARIANTS
     sizes = sorted({r["requests"] for r in rows})
     by = {(r["variant"], r["requests"]): r for r in rows}
-    has_select = "select_median_ms" in rows[0]
     header = ["running requests"] + [f"{names[k]} (ms)" for k in names]
     table_rows = []
     for n in sizes:
         cells = [str(n)]
         for k in names:
             r = by.get((k, n))
-            if r is None:
-                cells.append("-")
-            elif has_select:
-                cells.append(f"{r['select_median_ms']:.3f} / {r['median_ms']:.3f}")
-            else:
-                cells.append(f"{r['median_ms']:.3f}")
+            cells.append("-" if r is None
+                         else f"{r['select_median_ms']:.3f} / {r['median_ms']:.3f}")
         table_rows.append(cells)
-    what = "selection / whole build_meta" if has_select else "build_meta"
     v["planner_table"] = (
-        f"Planner cost per step, ms ({what}), {c['blocks_per_request']:,} blocks per request, "
-        f"{c['evict_fraction']:.0%} of the "
+        f"Planner cost per step, ms (selection / whole build_meta), "
+        f"{c['blocks_per_request']:,} blocks per request, {c['evict_fraction']:.0%} of the "
         f"CPU-cached blocks evicted before each step ({_machine(doc)}):\n\n"
         + _table(header, table_rows))
     anchor = doc.get("vllm_anchor_ms", {}).get("by_requests", {})
@@ -149,20 +115,20 @@ def planner_section(v: dict) -> None:
              f"{c['block_tokens']} tokens per request, {c['evict_fraction']:.0%} of the "
              f"CPU-cached blocks evicted before each step, median of {c['timed_steps']} timed "
              "steps after warm-up."]
-    if has_select:
-        lines.append("Each cell is *selection / whole `build_meta`*: the scan that decides what "
-                     "to store, then the same plus allocating CPU blocks and pinning GPU blocks "
-                     "for every selected block.")
-    if "fused_restore" in calm and "loop_control" in calm and has_select:
+    lines.append("Each cell is *selection / whole `build_meta`*: the scan that decides what "
+                 "to store, then the same plus allocating CPU blocks and pinning GPU blocks "
+                 "for every selected block.")
+    if "fused_restore" in calm and "loop_control" in calm:
         lines.append(f"With nothing evicted between steps (nothing to re-store, only the cost of "
                      f"looking), the fused re-store scan selects in "
                      f"{calm['fused_restore']['select_median_ms']:.3f} ms at 128 requests, the "
                      f"loop control in {calm['loop_control']['select_median_ms']:.3f} ms.")
-    if anchor and ("128" in anchor or 128 in anchor):
-        a = anchor.get("128", anchor.get(128))
-        lines.append(f"For scale, `anchors.md` reports vLLM 0.33.0's scheduler on the same "
-                     f"machine class at 128 requests: {a['control']} ms (control) and "
-                     f"{a['restore_loop']} ms (seed-000 re-scan).")
+    if "128" in anchor:
+        a = anchor["128"]
+        lines.append(f"For scale, vLLM 0.33.0's scheduler, measured on the same machine class, "
+                     f"takes {a['control']} ms per step at 128 requests with its cursor-only "
+                     f"control and {a['restore_loop']} ms with the re-scan re-store design "
+                     f"(source: {doc['vllm_anchor_ms']['source']}).")
     bullets = []
     for key, label in (("fused_vs_loop_restore_speedup_at_128",
                         "fused re-store versus loop re-store at 128 requests"),
@@ -177,34 +143,14 @@ def planner_section(v: dict) -> None:
     v["planner_text"] = "\n\n".join(lines) + "\n\n" + "\n".join(bullets)
     f = by.get(("fused_restore", 128))
     lr = by.get(("loop_restore", 128))
-    key = "select_median_ms" if has_select else "median_ms"
+    key = "select_median_ms"
     if f and lr:
         v["abstract_planner"] = (f"at 128 running requests of 2,048 blocks the fused scan "
                                  f"selects in {_ms(f[key])} per step against {_ms(lr[key])} "
                                  "for the same semantics as a per-block loop")
     else:
         v["abstract_planner"] = "see Section 3.2"
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(6, 3.6))
-    for k, label in names.items():
-        pts = [(n, by[(k, n)][key]) for n in sizes if (k, n) in by]
-        if pts:
-            ax.plot(*zip(*pts, strict=True), marker="o", label=label)
-    if anchor:
-        xs = sorted(int(n) for n in anchor)
-        ax.plot(xs, [anchor[str(n)]["control"] if str(n) in anchor else anchor[n]["control"]
-                     for n in xs], ls=":", color="gray", label="vLLM control (anchors.md)")
-        ax.plot(xs, [anchor[str(n)]["restore_loop"] if str(n) in anchor
-                     else anchor[n]["restore_loop"] for n in xs], ls="--", color="gray",
-                label="vLLM seed-000 re-scan (anchors.md)")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("running requests (2,048 blocks each)")
-    ax.set_ylabel("ms per step" + (" (selection)" if has_select else ""))
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(FIGURES / "planner.png", dpi=140)
-    plt.close(fig)
+    plot_planner(doc, FIGURES / "planner.png")
     v["fig_planner"] = "![planner cost per step](figures/planner.png)"
 
 
@@ -264,28 +210,7 @@ def sim_section(v: dict) -> None:
                          + (f" against {_pct(ctrl['token_hit_rate'])} for the control"
                             if ctrl else ""))
     v["sim_best"] = best
-    plt = _plt()
-    fig, (ax1, ax3, ax2) = plt.subplots(1, 3, figsize=(14, 3.8))
-    caps = [run["cpu_tokens"] for run in runs]
-    for p in policies:
-        rates = [next(r for r in run["rows"] if r["policy"] == p) for run in runs]
-        ax1.plot(caps, [100 * r["token_hit_rate"] for r in rates], marker="o", label=p)
-        ax3.plot(caps, [r["recomputed_tokens"] for r in rates], marker="o", label=p)
-        ax2.plot(caps, [r["ttft_p90_s"] for r in rates], marker="o", label=p)
-    if all(run.get("bound") for run in runs):
-        ax1.plot(caps, [100 * run["bound"]["hit_rate"] for run in runs], "k--",
-                 label="Belady bound (cache-only)")
-    for ax in (ax1, ax3, ax2):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("CPU capacity (tokens)")
-    ax1.set_ylabel("token hit rate (%)")
-    ax3.set_ylabel("recomputed prompt tokens")
-    ax3.set_yscale("log")
-    ax2.set_ylabel("modeled TTFT p90 (s)")
-    ax1.legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(FIGURES / "sim_capacity.png", dpi=140)
-    plt.close(fig)
+    plot_capacity(doc, policies, FIGURES / "sim_capacity.png")
     v["fig_sim"] = "![hit rate and TTFT vs CPU capacity](figures/sim_capacity.png)"
 
 
@@ -334,8 +259,6 @@ def replay_section(v: dict) -> None:
         rows.append(["infinite"] + [_pct(s["max_hit_rate"])] * len(policies))
         tables.append(f"**{label}** ({s['requests']:,} requests, {s['hash_block_size']}-token "
                       f"blocks; {_machine(doc)}):\n\n" + _table(header, rows))
-        from kvtriton.plots import plot_sweep
-
         plot_sweep(s, FIGURES / f"replay_{tag}.png")
         parts.append(f"![{label}: hit rate vs capacity](figures/replay_{tag}.png)")
         if tag == "mooncake":
@@ -375,24 +298,7 @@ def kernel_section(v: dict) -> None:
                                "on a CUDA machine, and this section fills in from its JSON.")
         v["fig_kernels"] = ""
         return
-    res = bw["results"]
-    plt = _plt()
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
-    for ax, direction in zip(axes, ("d2h", "h2d"), strict=True):
-        for method in ("kernel", "batched", "loop", "ceiling"):
-            pts = sorted((r["blocks_per_launch"], r["gbps_median"]) for r in res
-                         if r["scenario"] == "llama3-8b" and r["method"] == method
-                         and r["direction"] == direction)
-            if pts:
-                ax.plot(*zip(*pts, strict=True), marker="o", label=method)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("blocks per launch (Llama-3-8B, 2 MiB each)")
-        ax.set_title(direction.upper())
-    axes[0].set_ylabel("GB/s")
-    axes[0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(FIGURES / "kernels.png", dpi=140)
-    plt.close(fig)
+    plot_kernels(bw, FIGURES / "kernels.png")
     targets = [f"- {t['target']}: {t['value']:.3g}, {'met' if t['met'] else '**missed**'}"
                if t.get("value") is not None else f"- {t['target']}: not measured"
                for t in bw["targets"].values()]

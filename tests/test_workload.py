@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from kvtriton.hashing import chain_hashes
+from kvtriton.sim.trace_stats import trace_stats
 from kvtriton.sim.workload import AgentConfig, Workload, WorkloadRequest, agent_workload
 
 SMALL = {"num_conversations": 6, "min_turns": 3, "max_turns": 8, "system_prompt_tokens": 100,
@@ -29,7 +30,7 @@ def default():
     return agent_workload()
 
 
-def test_default_scenario_is_seed_000s(default):
+def test_default_scenario_is_the_conversational_agent(default):
     c = AgentConfig()
     assert 10 <= c.num_conversations <= 100 and (c.min_turns, c.max_turns) == (10, 50)
     sessions = by_session(default)
@@ -94,7 +95,7 @@ def test_open_loop_and_context_cap():
 
 def test_stats():
     w = agent_workload(**{**SMALL, "min_turns": 10, "max_turns": 10})
-    s = w.stats()
+    s = trace_stats(w)
     assert s["requests"] == len(w) == 60 and s["sessions"] == 6
     assert s["closed_loop_requests"] == 60 - 6
     assert 0.8 < s["reusable_token_fraction"] < 1.0  # history is re-hit every turn

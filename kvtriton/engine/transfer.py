@@ -132,8 +132,10 @@ class TransferEngine:
 
     @property
     def num_in_flight(self) -> int:
-        """Transfers submitted but not yet reported by ``poll``."""
-        return len(self._in_flight) + len(self._done_stores) + len(self._done_loads)
+        """What ``poll`` has still to report, in its own units: store events, and the request
+        ids of loads (one load event serves several requests), running or finished."""
+        running = sum(1 if job.kind == "store" else len(job.req_ids) for job in self._in_flight)
+        return running + len(self._done_stores) + len(self._done_loads)
 
     def _validate(self, direction: str, gpu_blocks, cpu_blocks, groups) -> _Pairs:
         gpu, cpu, grp = validate_pairs(self.table, self.num_cpu_blocks, direction,

@@ -1,8 +1,13 @@
-"""The simulator: workloads, trace loaders, cache-only replay and the cost model."""
+"""The simulator: workloads, trace loaders, the serving loop, cache-only replay and the cost model.
 
-# ---- workloads, traces, cache-only replay, cost model ------------------------------------------
+Importing it does not import Triton or the transfer engine: integrity mode loads them when a
+simulation asks for it.
+"""
+
 from kvtriton.sim.cost import GPUS, MODELS, CostModel, transfer_s
 from kvtriton.sim.replay import ReplayResult, SweepResult, capacity_sweep, max_hit_rate, replay
+from kvtriton.sim.setups import DEFAULT_POLICIES, TIER_POLICIES, TierPolicy
+from kvtriton.sim.simulate import SimulationResult, simulate
 from kvtriton.sim.trace_stats import trace_stats
 from kvtriton.sim.traces import (
     CC_AGENTIC_SAMPLE,
@@ -17,13 +22,17 @@ from kvtriton.sim.workload import AgentConfig, Workload, WorkloadRequest, agent_
 
 __all__ = [
     "CC_AGENTIC_SAMPLE",
+    "DEFAULT_POLICIES",
     "GPUS",
     "MODELS",
     "MOONCAKE_SYNTHETIC",
+    "TIER_POLICIES",
     "AgentConfig",
     "CostModel",
     "ReplayResult",
+    "SimulationResult",
     "SweepResult",
+    "TierPolicy",
     "TraceError",
     "Workload",
     "WorkloadRequest",
@@ -35,13 +44,7 @@ __all__ = [
     "load_trace",
     "max_hit_rate",
     "replay",
+    "simulate",
     "trace_stats",
     "transfer_s",
 ]
-# ---- end of workloads, traces, replay, cost block ----------------------------------------------
-
-# ---- the serving-loop simulator ----
-from kvtriton.sim.setups import DEFAULT_POLICIES, TIER_POLICIES, TierPolicy
-from kvtriton.sim.simulate import SimulationResult, simulate
-
-__all__ += ["DEFAULT_POLICIES", "TIER_POLICIES", "SimulationResult", "TierPolicy", "simulate"]

@@ -41,15 +41,15 @@ class GPUSpec:
 
 
 # Peak dense (no sparsity) BF16 tensor FLOP/s and HBM bandwidth from NVIDIA's datasheets; the
-# host link figures are measured one-direction rates from docs/anchors.md.
-_PCIE5_DMA = 50e9  # PCIe Gen5 x16 on H100, DMA or a 16-byte kernel: ~50 GB/s (vLLM blog, anchors)
-_H100_KERNEL_D2H = 52.8e9  # H100 SM copies writing host memory (nvbandwidth #24, anchors)
-_H100_KERNEL_H2D = 35.2e9  # H100 SM copies reading host memory (nvbandwidth #24, anchors)
+# host link figures are measured one-direction rates, each with its source.
+_PCIE5_DMA = 50e9  # PCIe Gen5 x16 on H100, DMA or a 16-byte kernel: ~50 GB/s (vLLM blog)
+_H100_KERNEL_D2H = 52.8e9  # H100 SM copies writing host memory (nvbandwidth #24)
+_H100_KERNEL_H2D = 35.2e9  # H100 SM copies reading host memory (nvbandwidth #24)
 # ASSUMPTION: PCIe Gen4 x16 is 32 GB/s raw per direction; ~25 GB/s achievable, by the same
 # ~80% efficiency that Gen5's 64 GB/s raw -> ~50 GB/s shows.
 _PCIE4_DMA = 25e9
 # NVLink-C2C: 900 GB/s total, 450 GB/s per direction (GH200 datasheet); the figure measured by
-# a copy kernel is lower: SGLang HiCache reports ~190 GB/s with TMA over C2C on GB300 (anchors).
+# a copy kernel is lower: SGLang HiCache reports ~190 GB/s with TMA over C2C on GB300.
 _C2C_MEASURED = 190e9
 
 GPUS: dict[str, GPUSpec] = {
@@ -65,10 +65,11 @@ GPUS: dict[str, GPUSpec] = {
     "GH200": GPUSpec("GH200", 989e12, 4.0e12, _C2C_MEASURED, _C2C_MEASURED, "NVLink-C2C"),
 }
 
-# Per-direction figures of an SM copy kernel on H100 PCIe Gen5 (anchors), for a kernel backend.
+# Per-direction figures of an SM copy kernel on H100 PCIe Gen5 (nvbandwidth #24), for a kernel
+# backend.
 H100_KERNEL_H2D_BYTES_PER_S = _H100_KERNEL_H2D
 H100_KERNEL_D2H_BYTES_PER_S = _H100_KERNEL_D2H
-# cuMemcpyBatchAsync host submission cost per descriptor: ~0.5 us (vLLM #48434, anchors).
+# cuMemcpyBatchAsync host submission cost per descriptor: ~0.5 us (vLLM #48434).
 DMA_SUBMIT_S_PER_PIECE = 0.5e-6
 
 
@@ -125,8 +126,8 @@ MODELS: dict[str, ModelSpec] = {
 }
 
 # ASSUMPTION: prefill reaches 40% of peak BF16 (MFU) on large chunks; vLLM-class engines report
-# 30-50% on H100 for 8B models. With it, Llama-3-8B on H100 prefills ~41 us/token; seed 000's
-# "~25 ms per 256-token block" (~98 us/token) corresponds to ~17% MFU.
+# 30-50% on H100 for 8B models. With it, Llama-3-8B on H100 prefills ~41 us/token; the re-store
+# design document's "~25 ms per 256-token block" (~98 us/token) corresponds to ~17% MFU.
 DEFAULT_MFU = 0.4
 # ASSUMPTION: decode reads weights and KV at 80% of peak HBM bandwidth.
 DEFAULT_HBM_EFFICIENCY = 0.8

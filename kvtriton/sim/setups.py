@@ -29,9 +29,9 @@ TIER_POLICIES: dict[str, TierPolicy] = {
     for p in (
         TierPolicy("no_cpu", None, "lru", "GPU prefix cache only"),
         TierPolicy("control", PlannerConfig(restore=False, cpu_free_order="head_first"), "lru",
-                   "seed 001: stored once per cursor, CPU blocks freed head first, LRU"),
+                   "cursor-only stores as vLLM's SimpleCPUOffloadConnector, head first, LRU"),
         TierPolicy("restore", PlannerConfig(restore=True, cpu_free_order="head_first"), "lru",
-                   "seed 000: re-store evicted blocks of running requests, head first, LRU"),
+                   "re-store evicted blocks of running requests, head first, LRU"),
         TierPolicy("restore_tail", _TAIL, "lru", "re-store, CPU blocks freed tail first, LRU"),
         TierPolicy("restore_tail_bounded", _BOUNDED, "lru",
                    "re-store while running requests hold < 50% of the CPU tier, tail first, LRU"),

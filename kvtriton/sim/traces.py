@@ -33,6 +33,7 @@ import numpy as np
 
 from kvtriton.hashing import mix64, mix64_array
 from kvtriton.sim.workload import Workload, WorkloadRequest
+from kvtriton.validation import is_int
 
 __all__ = [
     "CC_AGENTIC_SAMPLE",
@@ -145,10 +146,6 @@ def map_block_ids(
 # ---- field checks --------------------------------------------------------------------------
 
 
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _is_number(v: object) -> bool:
     return (isinstance(v, int | float) and not isinstance(v, bool)) and math.isfinite(v)
 
@@ -167,9 +164,9 @@ class _Where:
         if name not in obj:
             raise self.error(where, f"missing field {name!r}")
         v = obj[name]
-        if kind == "count" and not (_is_int(v) and v >= 0):
+        if kind == "count" and not (is_int(v) and v >= 0):
             raise self.error(where, f"field {name!r} must be an int >= 0, got {v!r}")
-        if kind == "positive" and not (_is_int(v) and v >= 1):
+        if kind == "positive" and not (is_int(v) and v >= 1):
             raise self.error(where, f"field {name!r} must be an int >= 1, got {v!r}")
         if kind == "time" and not (_is_number(v) and v >= 0):
             raise self.error(where, f"field {name!r} must be a finite number >= 0, got {v!r}")
@@ -182,7 +179,7 @@ class _Where:
     def block_ids(self, obj: dict, where: str, prompt_len: int, block_size: int) -> list[int]:
         ids = self.field(obj, "hash_ids", where, "list")
         for j, h in enumerate(ids):
-            if not (_is_int(h) and h >= 0):
+            if not (is_int(h) and h >= 0):
                 raise self.error(where, f"hash_ids[{j}] must be an int >= 0, got {h!r}")
             if h >> 64:
                 raise self.error(where, f"hash_ids[{j}]={h} does not fit in 64 bits")
@@ -194,7 +191,7 @@ class _Where:
 
 
 def _check_hash_block_size(hash_block_size: int, trace_block_size: int, path: Path) -> None:
-    if not _is_int(hash_block_size) or hash_block_size <= 0:
+    if not is_int(hash_block_size) or hash_block_size <= 0:
         raise ValueError(f"hash_block_size must be a positive int, got {hash_block_size!r}")
     if trace_block_size % hash_block_size:
         raise TraceError(f"{path}: hash_block_size={hash_block_size} does not divide the trace "
@@ -433,8 +430,11 @@ def load_trace(path: str | Path, *, hash_block_size: int | None = None) -> Workl
 
 
 def _sniff(path: Path) -> str:
+    """The format of a trace file whose name does not say it: ``"tester"`` for gzip or a JSON
+    document with ``requests``, ``"mooncake"`` for JSON lines. Reads at most 64 KiB."""
     try:
-        head = path.read_bytes()[:1 << 16]
+        with path.open("rb") as f:
+            head = f.read(1 << 16)
     except OSError as e:
         raise TraceError(f"{path}: cannot read: {e.strerror or e}") from None
     if head[:2] == b"\x1f\x8b":

@@ -14,19 +14,15 @@ orders the request for the cache-only replay, which has no notion of finishing.
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
 from kvtriton.hashing import chain_hashes
+from kvtriton.validation import is_int
 
 __all__ = ["AgentConfig", "Workload", "WorkloadRequest", "agent_workload"]
-
-
-def _is_int(v: object) -> bool:
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 @dataclass(slots=True, eq=False)
@@ -52,10 +48,10 @@ class WorkloadRequest:
 
     def __post_init__(self) -> None:
         rid = self.request_id
-        if not _is_int(self.prompt_len) or self.prompt_len < 1:
+        if not is_int(self.prompt_len) or self.prompt_len < 1:
             raise ValueError(f"request {rid!r}: prompt_len must be an int >= 1, "
                              f"got {self.prompt_len!r}")
-        if not _is_int(self.output_len) or self.output_len < 0:
+        if not is_int(self.output_len) or self.output_len < 0:
             raise ValueError(f"request {rid!r}: output_len must be an int >= 0, "
                              f"got {self.output_len!r}")
         self.prompt_len, self.output_len = int(self.prompt_len), int(self.output_len)
@@ -87,7 +83,7 @@ class Workload:
 
     def __post_init__(self) -> None:
         b = self.hash_block_size
-        if not _is_int(b) or b <= 0:
+        if not is_int(b) or b <= 0:
             raise ValueError(f"workload {self.name!r}: hash_block_size must be a positive int, "
                              f"got {b!r}")
         ids: set[str] = set()
@@ -118,14 +114,6 @@ class Workload:
         """Full hashed blocks of ``request``'s prompt: its first hashes."""
         return request.prompt_len // self.hash_block_size
 
-    def prompt_hashes(self, request: WorkloadRequest) -> np.ndarray:
-        return request.hashes[: self.num_prompt_blocks(request)]
-
-    def stats(self) -> dict:
-        """Summary figures; see ``kvtriton.sim.trace_stats.trace_stats``."""
-        from kvtriton.sim.trace_stats import trace_stats
-
-        return trace_stats(self)
 
 
 # ---- the multi-turn agent generator ----------------------------------------------------------
@@ -133,9 +121,10 @@ class Workload:
 
 @dataclass(frozen=True, slots=True)
 class AgentConfig:
-    """Seed 000's conversational-agent scenario: 10-50 turns, 10-100 concurrent conversations,
-    a system prompt shared by all, history growing every turn with the previous answer and a new
-    user message, and think time between turns. Lengths in tokens, times in seconds.
+    """A conversational-agent scenario (the re-store design's): 10-50 turns, 10-100 concurrent
+    conversations, a system prompt shared by all, history growing every turn with the previous
+    answer and a new user message, and think time between turns. Lengths in tokens, times in
+    seconds.
 
     Message lengths are lognormal around their medians (``length_sigma``); think times are
     exponential; conversations start uniformly within ``start_window_s``. A conversation ends

@@ -1,7 +1,9 @@
-"""Micro-benchmarks (pytest-benchmark) of the hot paths: run by the harness, or alone with
-``python -m pytest bench/test_micro.py --benchmark-json=bench/results/micro.json``.
+"""Micro-benchmarks of the hot paths, written for pytest-benchmark (its ``benchmark`` fixture does
+the warm-up, rounds and statistics): run by the harness (``python -m bench --only planner``), or
+alone with ``python -m pytest bench/micro.py --benchmark-json=bench/results/micro.json``.
 
-Not part of the test suite (``tests/``): these time, they do not check.
+They time and do not check, so they are not part of the test suite: the file name keeps them out
+of ``tests/`` collection, and pytest collects a file named on its command line whatever its name.
 """
 
 from __future__ import annotations

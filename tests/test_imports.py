@@ -1,0 +1,105 @@
+"""Imports run one way, and heavy optional parts load only when used.
+
+Each check runs in a fresh interpreter, so modules imported by earlier tests cannot hide an
+import; the cycle check reads every module's imports (top level, inside functions and in
+``TYPE_CHECKING`` blocks: a type-only import back is still a cycle a reader has to untangle) and
+fails on any cycle among kvtriton's modules.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvtriton.sim.traces import MOONCAKE_SYNTHETIC, data_path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = {"kvtriton": ROOT / "kvtriton", "kvtriton.kernels": ROOT / "kernels"}
+
+
+def _modules_after(code: str) -> set[str]:
+    probe = code + "\nimport sys\nprint('\\nmodules:', ' '.join(sys.modules))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         check=True, cwd=ROOT)
+    return set(out.stdout.rsplit("modules:", 1)[1].split())
+
+
+def test_engine_imports_without_the_planner():
+    mods = _modules_after("import kvtriton.engine")
+    assert "kvtriton.records" in mods
+    assert not {m for m in mods if m.startswith("kvtriton.planner")}
+
+
+def test_records_import_neither_side():
+    mods = _modules_after("import kvtriton.records")
+    assert not {m for m in mods if m.startswith(("kvtriton.planner", "kvtriton.engine"))}
+
+
+@pytest.mark.parametrize("code", [
+    "from kvtriton.sim import agent_workload",
+    "import kvtriton.sim.loop",
+    f"from kvtriton.cli import main; main(['trace-stats', {str(data_path(MOONCAKE_SYNTHETIC))!r}])",
+], ids=["agent_workload", "serving-loop", "trace-stats"])
+def test_simulator_does_not_import_triton(code):
+    mods = _modules_after(code)
+    assert "triton" not in mods
+    assert "kvtriton.sim.integrity" not in mods
+    assert "kvtriton.engine" not in mods
+
+
+def test_triton_is_imported_when_integrity_is_asked_for():
+    # The negative control of the checks above: the same probe does see Triton once it is used.
+    mods = _modules_after("from kvtriton.sim import agent_workload, simulate\n"
+                          "simulate(agent_workload(num_conversations=1, min_turns=1, max_turns=1,"
+                          " seed=0), gpu_blocks=256, cpu_blocks=64, policies=['control'],"
+                          " integrity=True, bound=False)")
+    assert "kvtriton.sim.integrity" in mods and "triton" in mods
+
+
+def _module_name(path: Path) -> str:
+    for pkg, base in PACKAGES.items():
+        if path.is_relative_to(base):
+            rel = path.relative_to(base).with_suffix("")
+            parts = [] if rel.name == "__init__" else [rel.name]
+            return ".".join([pkg, *rel.parent.parts, *parts])
+    raise AssertionError(path)
+
+
+def _imports(tree: ast.AST) -> set[str]:
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module)
+            out.update(f"{node.module}.{a.name}" for a in node.names)
+    return out
+
+
+def test_no_import_cycles():
+    files = [p for base in PACKAGES.values() for p in base.rglob("*.py")]
+    names = {_module_name(p): p for p in files}
+    graph = {}
+    for name, path in names.items():
+        graph[name] = {d for d in _imports(ast.parse(path.read_text()))
+                       if d in names and d != name}
+    cycles = []
+    state: dict[str, int] = {}
+
+    def visit(n: str, stack: list[str]) -> None:
+        state[n] = 1
+        for d in sorted(graph[n]):
+            if state.get(d) == 1:
+                cycles.append(stack[stack.index(d):] + [d] if d in stack else [n, d])
+            elif d not in state:
+                visit(d, [*stack, d])
+        state[n] = 2
+
+    for n in sorted(graph):
+        if n not in state:
+            visit(n, [n])
+    assert not cycles, f"import cycles: {cycles}"
