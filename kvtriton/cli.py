@@ -37,10 +37,18 @@ def _number(kind: type, allow_zero: bool):
 
     def parse(text: str):
         try:
-            # "1e6" is a fine way to write an integer count on a command line.
-            v = int(float(text)) if kind is int and "e" in text.lower() else kind(text)
+            v = kind(text)
         except (ValueError, OverflowError):
-            raise argparse.ArgumentTypeError(f"{text!r} is not {noun}") from None
+            v = None
+        if v is None and kind is int:
+            # "1e6" is a fine way to write an integer count, "2.5e0" is not an integer.
+            try:
+                f = float(text)
+            except ValueError:
+                f = math.nan
+            v = int(f) if math.isfinite(f) and f.is_integer() else None
+        if v is None:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {noun}")
         if not math.isfinite(v) or v < 0 or (v == 0 and not allow_zero):
             raise argparse.ArgumentTypeError(f"{text!r} {rule}")
         return v
@@ -65,6 +73,9 @@ def _csv(text: str) -> list[str]:
     items = [t.strip() for t in text.split(",") if t.strip()]
     if not items:
         raise argparse.ArgumentTypeError("expected a comma-separated list")
+    twice = sorted({t for t in items if items.count(t) > 1})
+    if twice:
+        raise argparse.ArgumentTypeError(f"{', '.join(twice)} listed more than once")
     return items
 
 
@@ -184,7 +195,10 @@ def _write_outputs(args, doc: dict, plot) -> None:
         _write_json(args.json, doc)
         print(f"wrote {args.json}")
     if args.plot:
-        plot(args.plot)
+        try:
+            plot(args.plot)
+        except OSError as e:
+            raise _UsageError(f"--plot {args.plot}: cannot write: {e.strerror or e}") from None
         print(f"wrote {args.plot}")
 
 
@@ -225,7 +239,14 @@ def _cmd_replay(args) -> int:
     _check_output("--json", args.json)
     _check_output("--plot", args.plot)
     wl = load_workload(args)
+    if not len(wl):
+        raise _UsageError(f"workload {wl.name!r} has no requests: nothing to replay")
     caps = args.capacities
+    b = wl.hash_block_size
+    for c in caps or ():
+        if c % b:
+            raise _UsageError(f"--capacities {c}: not a whole number of {b}-token blocks "
+                              f"(use {max(b, c // b * b)} or {-(-c // b) * b})")
     n_runs = len(args.evictions) * (len(caps) if caps else 6)
     bar = Progress("replay", enabled=not args.quiet)
     done = [0]
@@ -256,6 +277,8 @@ def _cmd_trace_stats(args) -> int:
         if isinstance(v, float):
             v = f"{v:.4g}"
         print(f"{k:<{width}}  {v}")
+    if args.json:
+        print(f"wrote {args.json}")
     return 0
 
 
@@ -313,23 +336,28 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _one_line(message: str) -> str:
+    """``message`` on one line: a newline inside a path or a value is shown escaped."""
+    return message.replace("\r", "\\r").replace("\n", "\\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    from kvtriton.sim.integrity import IntegrityError
+    from kvtriton.sim.errors import IntegrityError
 
     try:
         args = build_parser().parse_args(argv)
         return args.func(args)
     except IntegrityError as e:
-        print(f"kvtriton: integrity check failed: {e}", file=sys.stderr)
+        print(f"kvtriton: integrity check failed: {_one_line(str(e))}", file=sys.stderr)
         return 1
     except _UsageError as e:
-        print(f"kvtriton: error: {e}", file=sys.stderr)
+        print(f"kvtriton: error: {_one_line(str(e))}", file=sys.stderr)
         return 2
     except (ValueError, OSError, ImportError) as e:
         if os.environ.get("KVTRITON_DEBUG"):
             raise
         # TraceError is a ValueError; its message already names the file and line.
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        msg = _one_line(str(e)) if str(e) else type(e).__name__
         print(f"kvtriton: error: {msg}", file=sys.stderr)
         return 2
     except MemoryError:

@@ -4,6 +4,7 @@ PNG and returns the path."""
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import numpy as np
@@ -35,13 +36,17 @@ def _pyplot():
 
 
 def _save(fig, path: str | Path, dpi: int = 130) -> Path:
-    """Write ``fig`` to ``path`` (parents created) and close it."""
+    """Write ``fig`` as PNG to ``path`` (parents created) and close it. The image is rendered in
+    memory and written with one plain write, so a full disk or a device that refuses the bytes
+    (``/dev/full``) raises ``OSError`` instead of passing silently inside the image encoder."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fig.savefig(path, dpi=dpi)
-    fig.clf()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
     _pyplot().close(fig)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("wb") as f:
+        f.write(buf.getvalue())
     return path
 
 

@@ -230,3 +230,128 @@ def test_plot_path_is_checked_too(tmp_path, capsys):
     err = run(["replay", "--workload", MOONCAKE, "--quiet", "--plot", str(blocker / "x.png")],
               capsys)
     assert "--plot" in err and "cannot write there" in err
+
+
+# ---- what an independent attack found: each case with the test that would have caught it ------
+
+def test_time_too_large_for_a_float(tmp_path, capsys):
+    huge = "1" + "0" * 400  # an int JSON allows and no float holds
+    moon = tmp_path / "t.jsonl"
+    moon.write_text(f'{{"timestamp": {huge}, "input_length": 10, "output_length": 1, '
+                    '"hash_ids": []}\n')
+    tester = tmp_path / "c.json"
+    tester.write_text(json.dumps(conv_doc([req()])).replace('"t": 0.0', f'"t": {huge}'))
+    think = tmp_path / "k.json"
+    think.write_text(json.dumps(conv_doc([req(), req(t=1)])).replace(
+        '"hash_ids": [1, 2]}]', f'"hash_ids": [1, 2], "think_time": {huge}}}]'))
+    for path, field in ((moon, "timestamp"), (tester, "t"), (think, "think_time")):
+        for argv in (["trace-stats", str(path)], ["replay", "--workload", str(path), "--quiet"],
+                     ["simulate", "--workload", str(path), "--quiet", "--no-bound"]):
+            err = run(argv, capsys)
+            assert f"field '{field}' must be a finite number" in err and "characters)" in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["simulate", "--block-size", "2.5e0"], "--block-size: '2.5e0' is not an integer"),
+    (["simulate", "--seed", "1.5e0"], "--seed: '1.5e0' is not an integer"),
+    (["replay", "--capacities", "1e3.5"], "'1e3.5' is not an integer"),
+    (["simulate", "--policies", "control,control"], "control listed more than once"),
+    (["replay", "--evictions", "lru,belady,lru"], "lru listed more than once"),
+    (["replay", "--workload", "mooncake", "--capacities", "100"],
+     "--capacities 100: not a whole number of 16-token blocks (use 96 or 112)"),
+    (["replay", "--workload", "mooncake", "--block-size", "512", "--capacities", "100"],
+     "not a whole number of 512-token blocks"),
+    (["simulate", "--conversations", "1e12"], "more than the generator's limit"),
+], ids=["float-block-size", "float-seed", "bad-exponent", "policy-twice", "eviction-twice",
+        "capacity-not-whole-blocks", "capacity-below-a-block", "too-many-conversations"])
+def test_nonsense_is_refused(capsys, argv, message):
+    assert message in run(argv, capsys)
+
+
+def test_integer_flags_still_take_exponents(capsys):
+    assert main(["simulate", "--block-size", "1.6e1", *SMALL, "--gpu-tokens", "4e3",
+                 "--cpu-tokens", "8192", "--policies", "control", "--no-bound"]) == 0
+    assert "1 requests" in capsys.readouterr().out
+
+
+def test_output_that_cannot_be_written_fails(capsys):
+    for flag in ("--plot", "--json"):
+        err = run(["replay", "--workload", "mooncake", "--limit", "3", "--capacities", "1024",
+                   "--quiet", flag, "/dev/full"], capsys)
+        assert f"{flag} /dev/full: cannot write" in err
+
+
+def test_newline_in_a_path_stays_one_line(tmp_path, capsys):
+    err = run(["trace-stats", str(tmp_path / "a\nb.jsonl")], capsys)
+    assert "a\\nb.jsonl" in err
+
+
+def test_dotted_file_names_do_not_collide(tmp_path):
+    from kvtriton.sim import load_trace
+
+    for i in (1, 2):
+        (tmp_path / f"conv.{i}.json").write_text(json.dumps(conv_doc([req(), req(t=1)])))
+    w = load_trace(tmp_path)
+    assert sorted(r.request_id for r in w) == ["conv.1#0", "conv.1#1", "conv.2#0", "conv.2#1"]
+
+
+@pytest.mark.parametrize("char", ["\u2028", "\u0085", "\u000b", "\u001c"])
+def test_line_separators_inside_json_strings(tmp_path, char):
+    from kvtriton.sim import load_mooncake
+
+    line = {"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [1, 2],
+            "note": f"a{char}b"}
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(line, ensure_ascii=False) + "\n" + json.dumps(line) + "\n",
+                    encoding="utf-8")
+    assert len(load_mooncake(path)) == 2
+
+
+@pytest.mark.parametrize("block_size", [32, 128])
+def test_trace_stats_uses_the_tester_files_own_block_size(tmp_path, capsys, block_size):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(conv_doc([req(n_in=300, ids=(1, 2, 3))], block_size=block_size)))
+    assert main(["trace-stats", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert any(line.split() == ["hash_block_size", str(block_size)] for line in out.splitlines())
+
+
+def test_tester_files_with_different_block_sizes(tmp_path, capsys):
+    (tmp_path / "a.json").write_text(json.dumps(conv_doc([req()], block_size=64)))
+    (tmp_path / "b.json").write_text(json.dumps(conv_doc([req()], block_size=32)))
+    err = run(["trace-stats", str(tmp_path)], capsys)
+    assert "block_size 32 differs from 64" in err
+    assert main(["trace-stats", str(tmp_path), "--block-size", "32"]) == 0
+
+
+def test_unreadable_folder_is_not_an_empty_one(tmp_path, capsys, monkeypatch):
+    import os
+
+    def refuse(path):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(os, "listdir", refuse)  # root reads any folder, so refusal is simulated
+    err = run(["trace-stats", str(tmp_path)], capsys)
+    assert f"{tmp_path}: cannot read folder: Permission denied" in err
+
+
+@pytest.mark.parametrize("device", ["/dev/zero", "/dev/urandom"])
+def test_endless_files_are_capped(capsys, monkeypatch, device):
+    from kvtriton.sim import load_kv_cache_tester, load_mooncake, traces
+
+    monkeypatch.setattr(traces, "MAX_TRACE_BYTES", 1 << 20)
+    for load in (load_mooncake, load_kv_cache_tester):
+        with pytest.raises(ValueError, match=r"larger than 1,048,576 bytes.*MAX_TRACE_BYTES"):
+            load(device)
+    err = run(["trace-stats", device], capsys)  # told apart by its first 64 KiB, not read whole
+    assert device in err
+
+
+def test_gzip_bomb_is_capped(tmp_path, monkeypatch):
+    from kvtriton.sim import load_mooncake, traces
+
+    monkeypatch.setattr(traces, "MAX_TRACE_BYTES", 1 << 20)
+    path = tmp_path / "bomb.jsonl.gz"
+    path.write_bytes(gzip.compress(b"\n" * (8 << 20)))
+    with pytest.raises(ValueError, match="larger than 1,048,576 bytes"):
+        load_mooncake(path)

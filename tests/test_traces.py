@@ -233,7 +233,7 @@ def test_load_trace_detects_formats(tmp_path):
     assert len(load_trace(p)) == 1
     one_line = tmp_path / "one.data"
     write_json(one_line, conv_doc([req()]))
-    assert load_trace(one_line)[0].request_id == "one#0"
+    assert load_trace(one_line)[0].request_id == "one.data#0"  # only a trace suffix is cut
 
 
 # ---- malformed input ------------------------------------------------------------------------

@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import io
 import json
 import math
+import os
 import zlib
 from collections.abc import Iterable
 from pathlib import Path
@@ -33,11 +35,12 @@ import numpy as np
 
 from kvtriton.hashing import mix64, mix64_array
 from kvtriton.sim.workload import Workload, WorkloadRequest
-from kvtriton.validation import is_int
+from kvtriton.validation import is_finite_number, is_int
 
 __all__ = [
     "CC_AGENTIC_SAMPLE",
     "KV_CACHE_TESTER_BLOCK_SIZE",
+    "MAX_TRACE_BYTES",
     "MOONCAKE_BLOCK_SIZE",
     "MOONCAKE_SYNTHETIC",
     "TraceError",
@@ -51,6 +54,9 @@ __all__ = [
 
 MOONCAKE_BLOCK_SIZE = 512
 KV_CACHE_TESTER_BLOCK_SIZE = 64
+# The most bytes a loader reads from one trace file (after gunzip): the shipped traces are about
+# 1 MB, and without a cap a device such as /dev/zero would be read until memory runs out.
+MAX_TRACE_BYTES = 1 << 30
 
 # The development traces shipped in kvtriton/sim/data/ (provenance and licence: MANIFEST.md).
 MOONCAKE_SYNTHETIC = "mooncake_synthetic_trace.jsonl"
@@ -146,8 +152,19 @@ def map_block_ids(
 # ---- field checks --------------------------------------------------------------------------
 
 
-def _is_number(v: object) -> bool:
-    return (isinstance(v, int | float) and not isinstance(v, bool)) and math.isfinite(v)
+def _shown(v: object, limit: int = 40) -> str:
+    """``repr(v)`` cut to ``limit`` characters, so an error stays one readable line."""
+    r = repr(v)
+    return r if len(r) <= limit else f"{r[:limit]}... ({len(r)} characters)"
+
+
+def _stem(path: Path) -> str:
+    """The file name without its trace suffix: ``conv.1.json.gz`` -> ``conv.1``."""
+    name = path.name
+    for suffix in (".jsonl.gz", ".json.gz", ".jsonl", ".json", ".gz"):
+        if name.lower().endswith(suffix) and len(name) > len(suffix):
+            return name[:-len(suffix)]
+    return name
 
 
 class _Where:
@@ -165,13 +182,13 @@ class _Where:
             raise self.error(where, f"missing field {name!r}")
         v = obj[name]
         if kind == "count" and not (is_int(v) and v >= 0):
-            raise self.error(where, f"field {name!r} must be an int >= 0, got {v!r}")
+            raise self.error(where, f"field {name!r} must be an int >= 0, got {_shown(v)}")
         if kind == "positive" and not (is_int(v) and v >= 1):
-            raise self.error(where, f"field {name!r} must be an int >= 1, got {v!r}")
-        if kind == "time" and not (_is_number(v) and v >= 0):
-            raise self.error(where, f"field {name!r} must be a finite number >= 0, got {v!r}")
+            raise self.error(where, f"field {name!r} must be an int >= 1, got {_shown(v)}")
+        if kind == "time" and not (is_finite_number(v) and v >= 0):
+            raise self.error(where, f"field {name!r} must be a finite number >= 0, got {_shown(v)}")
         if kind == "str" and not isinstance(v, str):
-            raise self.error(where, f"field {name!r} must be a string, got {v!r}")
+            raise self.error(where, f"field {name!r} must be a string, got {_shown(v)}")
         if kind == "list" and not isinstance(v, list):
             raise self.error(where, f"field {name!r} must be a list, got {type(v).__name__}")
         return v
@@ -180,9 +197,9 @@ class _Where:
         ids = self.field(obj, "hash_ids", where, "list")
         for j, h in enumerate(ids):
             if not (is_int(h) and h >= 0):
-                raise self.error(where, f"hash_ids[{j}] must be an int >= 0, got {h!r}")
+                raise self.error(where, f"hash_ids[{j}] must be an int >= 0, got {_shown(h)}")
             if h >> 64:
-                raise self.error(where, f"hash_ids[{j}]={h} does not fit in 64 bits")
+                raise self.error(where, f"hash_ids[{j}]={_shown(h)} does not fit in 64 bits")
         most = -(-prompt_len // block_size)
         if len(ids) > most:
             raise self.error(where, f"{len(ids)} hash_ids for a {prompt_len}-token prompt: at "
@@ -202,16 +219,24 @@ def _check_hash_block_size(hash_block_size: int, trace_block_size: int, path: Pa
 
 
 def _read_bytes(path: Path) -> bytes:
-    """A trace file's bytes, gunzipped when it starts with the gzip magic."""
+    """A trace file's bytes, gunzipped when it starts with the gzip magic; at most
+    ``MAX_TRACE_BYTES`` of them, else ``TraceError``."""
+    limit = MAX_TRACE_BYTES
+    too_big = TraceError(f"{path}: larger than {limit:,} bytes, the most a trace loader reads "
+                         "(kvtriton.sim.traces.MAX_TRACE_BYTES)")
     try:
-        raw = path.read_bytes()
+        with path.open("rb") as f:
+            raw = f.read(limit + 1)
     except OSError as e:
         raise TraceError(f"{path}: cannot read: {e.strerror or e}") from None
     if raw[:2] == b"\x1f\x8b":
         try:
-            raw = gzip.decompress(raw)
+            with gzip.GzipFile(fileobj=io.BytesIO(raw)) as z:
+                raw = z.read(limit + 1)
         except (OSError, EOFError, zlib.error) as e:
             raise TraceError(f"{path}: bad gzip data: {e}") from None
+    if len(raw) > limit:
+        raise too_big
     return raw
 
 
@@ -234,7 +259,7 @@ def load_mooncake(
     _check_hash_block_size(hash_block_size, trace_block_size, path)
     w = _Where(path)
     ns = namespace(path.name, model or "")
-    stem = path.name.split(".")[0]
+    stem = _stem(path)
     raw = _read_bytes(path)
     try:
         text = raw.decode("utf-8")
@@ -243,7 +268,9 @@ def load_mooncake(
     requests: list[WorkloadRequest] = []
     chainer = _IdChain()
     last_ts = -math.inf
-    for lineno, line in enumerate(text.splitlines(), 1):
+    # Split on newlines only: str.splitlines() also splits at U+2028, U+0085 and other characters
+    # that JSON allows raw inside a string.
+    for lineno, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
         at = f":{lineno}"
@@ -294,7 +321,10 @@ def _read_json(path: Path):
         raise TraceError(f"{path}: bad JSON: nested too deeply") from None
 
 
-def _tester_file(path: Path, hash_block_size: int, offset_s: float) -> list[WorkloadRequest]:
+def _tester_file(path: Path, hash_block_size: int | None, offset_s: float
+                 ) -> tuple[list[WorkloadRequest], int]:
+    """The requests of one file, and the hash block size they were mapped at (the file's own
+    block size when ``hash_block_size`` is None)."""
     w = _Where(path)
     doc = _read_json(path)
     if not isinstance(doc, dict):
@@ -306,8 +336,10 @@ def _tester_file(path: Path, hash_block_size: int, offset_s: float) -> list[Work
     scope = doc.get("hash_id_scope", "local")
     if scope not in ("local", "global"):
         raise w.error(top, f"hash_id_scope must be 'local' or 'global', got {scope!r}")
+    if hash_block_size is None:
+        hash_block_size = trace_block
     _check_hash_block_size(hash_block_size, trace_block, path)
-    stem = path.name.split(".")[0]
+    stem = _stem(path)
     out: list[WorkloadRequest] = []
     namespaces: dict[str, int] = {}
     chainer = _IdChain()
@@ -337,9 +369,9 @@ def _tester_file(path: Path, hash_block_size: int, offset_s: float) -> list[Work
             output_len = w.field(obj, "out", where, "count")
             ids = w.block_ids(obj, where, prompt_len, trace_block)
             think = obj.get("think_time", 0.0)
-            if not (_is_number(think) and think >= 0):
+            if not (is_finite_number(think) and think >= 0):
                 raise w.error(where, f"field 'think_time' must be a finite number >= 0, "
-                                     f"got {think!r}")
+                                     f"got {_shown(think)}")
             ns = namespaces.get(model)
             if ns is None:
                 ns = namespaces[model] = (namespace(path.name, model) if scope == "local"
@@ -358,7 +390,7 @@ def _tester_file(path: Path, hash_block_size: int, offset_s: float) -> list[Work
         raise TraceError(f"{path}: subagent requests nested too deeply") from None
     if not out:
         raise TraceError(f"{path}: no requests")
-    return out
+    return out, hash_block_size
 
 
 def _tester_paths(paths: str | Path | Iterable[str | Path]) -> list[Path]:
@@ -367,7 +399,12 @@ def _tester_paths(paths: str | Path | Iterable[str | Path]) -> list[Path]:
     out: list[Path] = []
     for p in map(Path, paths):
         if p.is_dir():
-            found = sorted([*p.glob("*.json.gz"), *p.glob("*.json")])
+            try:
+                names = os.listdir(p)
+            except OSError as e:
+                raise TraceError(f"{p}: cannot read folder: {e.strerror or e}") from None
+            found = sorted(p / n for n in names if n.lower().endswith((".json", ".json.gz"))
+                           and (p / n).is_file())
             if not found:
                 raise TraceError(f"{p}: no *.json or *.json.gz trace in this folder")
             out.extend(found)
@@ -381,7 +418,7 @@ def _tester_paths(paths: str | Path | Iterable[str | Path]) -> list[Path]:
 def load_kv_cache_tester(
     paths: str | Path | Iterable[str | Path],
     *,
-    hash_block_size: int = KV_CACHE_TESTER_BLOCK_SIZE,
+    hash_block_size: int | None = None,
     stagger_s: float = 0.0,
     name: str | None = None,
 ) -> Workload:
@@ -391,14 +428,23 @@ def load_kv_cache_tester(
     previous one with its ``think_time``. A ``subagent`` marker's nested requests (times relative
     to the marker) become ``<stem>#<i>.<j>`` in session ``<stem>/<agent_id>``, chained among
     themselves; the first starts at the marker's time. File k's times are shifted by
-    ``k * stagger_s`` seconds. Requests come out in arrival order.
+    ``k * stagger_s`` seconds. Requests come out in arrival order. ``hash_block_size``
+    defaults to the files' own ``block_size`` (every file must then have the same one).
     """
-    if not (_is_number(stagger_s) and stagger_s >= 0):
+    if not (is_finite_number(stagger_s) and stagger_s >= 0):
         raise ValueError(f"stagger_s must be a finite number >= 0, got {stagger_s!r}")
     files = _tester_paths(paths)
     requests: list[WorkloadRequest] = []
+    sizes: dict[int, Path] = {}
     for k, p in enumerate(files):
-        requests.extend(_tester_file(p, hash_block_size, k * stagger_s))
+        reqs, size = _tester_file(p, hash_block_size, k * stagger_s)
+        sizes.setdefault(size, p)
+        if len(sizes) > 1:
+            (a, pa), (b, _) = sizes.items()
+            raise TraceError(f"{p}: block_size {b} differs from {a} in {pa}; give a "
+                             "hash_block_size that divides both")
+        requests.extend(reqs)
+    (hash_block_size,) = sizes
     requests.sort(key=lambda r: r.arrival_s)
     if name is None:
         name = files[0].parent.name if len(files) > 1 else files[0].name
@@ -410,9 +456,10 @@ def load_kv_cache_tester(
 
 def load_trace(path: str | Path, *, hash_block_size: int | None = None) -> Workload:
     """Load a trace by its format: a folder or a ``.json``/``.json.gz`` file is kv-cache-tester,
-    a ``.jsonl``/``.jsonl.gz`` file is Mooncake; other names are sniffed from the first byte of
-    content (``[`` or a JSON object holding ``requests``: kv-cache-tester). ``hash_block_size``
-    defaults to the trace's own block size."""
+    a ``.jsonl``/``.jsonl.gz`` file is Mooncake; another name is told by its first 64 KiB
+    (gzip data, or a first line that is not one JSON object holding ``requests``:
+    kv-cache-tester; one JSON object per line: Mooncake). ``hash_block_size`` defaults to the
+    trace's own block size."""
     path = Path(path)
     if not path.exists():
         raise TraceError(f"{path}: no such file or folder")
@@ -424,8 +471,7 @@ def load_trace(path: str | Path, *, hash_block_size: int | None = None) -> Workl
     else:
         fmt = _sniff(path)
     if fmt == "tester":
-        kw = {} if hash_block_size is None else {"hash_block_size": hash_block_size}
-        return load_kv_cache_tester(path, **kw)
+        return load_kv_cache_tester(path, hash_block_size=hash_block_size)
     return load_mooncake(path, hash_block_size=hash_block_size or MOONCAKE_BLOCK_SIZE)
 
 

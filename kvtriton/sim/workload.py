@@ -20,9 +20,13 @@ from dataclasses import asdict, dataclass, fields
 import numpy as np
 
 from kvtriton.hashing import chain_hashes
-from kvtriton.validation import is_int
+from kvtriton.validation import is_finite_number, is_int
 
-__all__ = ["AgentConfig", "Workload", "WorkloadRequest", "agent_workload"]
+__all__ = ["MAX_AGENT_REQUESTS", "AgentConfig", "Workload", "WorkloadRequest", "agent_workload"]
+
+# The most requests the agent generator makes: past it a typo such as 1e12 conversations would
+# run for hours before anything is reported.
+MAX_AGENT_REQUESTS = 10_000_000
 
 
 @dataclass(slots=True, eq=False)
@@ -55,10 +59,10 @@ class WorkloadRequest:
             raise ValueError(f"request {rid!r}: output_len must be an int >= 0, "
                              f"got {self.output_len!r}")
         self.prompt_len, self.output_len = int(self.prompt_len), int(self.output_len)
-        if not math.isfinite(self.arrival_s) or self.arrival_s < 0:
+        if not is_finite_number(self.arrival_s) or self.arrival_s < 0:
             raise ValueError(f"request {rid!r}: arrival_s must be finite and >= 0, "
                              f"got {self.arrival_s!r}")
-        if not math.isfinite(self.think_s) or self.think_s < 0:
+        if not is_finite_number(self.think_s) or self.think_s < 0:
             raise ValueError(f"request {rid!r}: think_s must be finite and >= 0, "
                              f"got {self.think_s!r}")
         if not isinstance(self.hashes, np.ndarray) or self.hashes.dtype != np.uint64 \
@@ -155,17 +159,22 @@ class AgentConfig:
                     "vocab_size", "hash_block_size")
         for name in positive:
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            if not is_int(v) or v <= 0:
                 raise ValueError(f"AgentConfig: {name} must be a positive int, got {v!r}")
         if self.max_turns < self.min_turns:
             raise ValueError(f"AgentConfig: max_turns={self.max_turns} < "
                              f"min_turns={self.min_turns}")
+        most = self.num_conversations * self.max_turns
+        if most > MAX_AGENT_REQUESTS:
+            raise ValueError(f"AgentConfig: num_conversations={self.num_conversations} x "
+                             f"max_turns={self.max_turns} may make {most:,} requests, more than "
+                             f"the generator's limit of {MAX_AGENT_REQUESTS:,}")
         for name in ("length_sigma", "think_s_mean", "start_window_s",
                      "nominal_decode_s_per_token"):
             v = getattr(self, name)
-            if not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
+            if not is_finite_number(v) or v < 0:
                 raise ValueError(f"AgentConfig: {name} must be finite and >= 0, got {v!r}")
-        if not isinstance(self.seed, int) or self.seed < 0:
+        if not is_int(self.seed) or self.seed < 0:
             raise ValueError(f"AgentConfig: seed must be an int >= 0, got {self.seed!r}")
 
     def to_dict(self) -> dict:
