@@ -87,19 +87,21 @@ def test_no_import_cycles():
     for name, path in names.items():
         graph[name] = {d for d in _imports(ast.parse(path.read_text()))
                        if d in names and d != name}
-    cycles = []
-    state: dict[str, int] = {}
+    cycles: list[list[str]] = []
+    on_path: list[str] = []
+    done: set[str] = set()
 
-    def visit(n: str, stack: list[str]) -> None:
-        state[n] = 1
+    def visit(n: str) -> None:
+        on_path.append(n)
         for d in sorted(graph[n]):
-            if state.get(d) == 1:
-                cycles.append(stack[stack.index(d):] + [d] if d in stack else [n, d])
-            elif d not in state:
-                visit(d, [*stack, d])
-        state[n] = 2
+            if d in on_path:
+                cycles.append([*on_path[on_path.index(d):], d])
+            elif d not in done:
+                visit(d)
+        on_path.pop()
+        done.add(n)
 
     for n in sorted(graph):
-        if n not in state:
-            visit(n, [n])
+        if n not in done:
+            visit(n)
     assert not cycles, f"import cycles: {cycles}"
