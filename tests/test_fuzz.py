@@ -30,7 +30,7 @@ all-free, no pin leaked, and the planner, selector and engine hold nothing.
 
 Sizes include a CPU pool of one block and a GPU pool just big enough for the largest request. The
 machines are fixed by class (fused or loop scan, re-store on or off, lazy, the Triton backend);
-layout, pool sizes, world size and policy knobs are drawn per example.
+layout, pool sizes, world size and planner knobs are drawn per example.
 
 CI runs at the profile's fixed seed (``tests/conftest.py``, derandomized) with the example counts
 below. ``KVTRITON_HYPOTHESIS_PROFILE=long`` runs 20x the examples and 2x the steps with random
@@ -62,7 +62,6 @@ from planner_harness import Harness, Running, tokens_for
 from kvtriton.engine import TransferEngine, allocate_kv_caches
 from kvtriton.lookup import find_longest_hit
 from kvtriton.planner import PlannerConfig, PlannerMeta
-from kvtriton.planner.scan import FusedSelector
 from kvtriton.pool import NULL_BLOCK
 from kvtriton.specs import FullAttentionSpec, KVLayout, SlidingWindowSpec
 
@@ -148,6 +147,7 @@ class Rig(Harness):
         self.engine = TransferEngine(layout, kv, self.cpu.num_blocks, backend=backend)
         self.engine.cpu_pool.fill_(0xFF)
         self.world = config.world_size
+        self.all_full = all(g.kind == "full" for g in layout.groups)
         self.key_group: dict[int, int] = {}
         self.length: dict[str, int] = {}  # prompt + output tokens of each request
         self.pending: dict[tuple[str, int], Pending] = {}
@@ -175,7 +175,7 @@ class Rig(Harness):
     def admit(self, req, accept=None, ext=None):
         """A sliding window or a Mamba state makes a shorter hit a different set of blocks,
         which the CPU may not hold: the scheduler then takes the whole hit or none of it."""
-        if accept is not None and ext is None and not self.planner._all_full:
+        if accept is not None and ext is None and not self.all_full:
             local = self.gpu_hit(req).num_tokens
             ext, _ = self.planner.get_num_new_matched_tokens(req, local)
             if 0 < accept < ext:
@@ -365,9 +365,9 @@ class Rig(Harness):
         cpu_ref = [0] * cpu.num_blocks
         gpu_ref = [0] * gpu.num_blocks
         dests: set[int] = set()
-        flush = p._flush
+        flush = p.queued_flush()
         for c_list, g_list in [*((s.cpu, s.gpu) for s in self.stores.values()),
-                               (flush.cpu, flush.gpu)]:
+                               (flush.cpu_blocks, flush.gpu_blocks)]:
             for c in c_list:
                 assert c not in dests, f"CPU block {c} is the destination of two stores"
                 dests.add(c)
@@ -375,7 +375,7 @@ class Rig(Harness):
             for b in g_list:
                 gpu_ref[b] += 1
         load_rids = []
-        unissued = [(ld.gpu, ld.cpu, []) for ld in p._loads.values() if ld.event is None]
+        unissued = [(ld.gpu_blocks, ld.cpu_blocks, []) for ld in p.queued_loads().values()]
         for g_list, c_list, rids in [*self.loads.values(), *unissued]:
             for c in c_list:
                 cpu_ref[c] += 1
@@ -398,52 +398,21 @@ class Rig(Harness):
             keys = cpu.block_keys(c)
             if keys:
                 assert keys == self.registered.get(c), f"CPU block {c} holds {keys}"
-        # The planner's books agree with the transfers in flight.
-        assert set(p._jobs) | set(p._abandoned_jobs) == set(self.stores), (
-            f"planner store events {sorted(p._jobs)} + abandoned {sorted(p._abandoned_jobs)} "
-            f"!= in flight {sorted(self.stores)}")
-        assert not set(p._jobs) & set(p._abandoned_jobs)
-        for ev, n in p._reports.items():
-            assert ev in self.stores and 0 < n < self.world, f"store {ev}: {n} reports kept"
-        planner_loads = [rid for rid, ld in p._loads.items() if ld.event is not None]
-        planner_loads += [rid for rid, lds in p._abandoned_loads.items() for _ in lds]
+        # The planner's and the selector's own books (rows, events, report counts, in-flight
+        # flags, ownership, the running_present gauge), then their agreement with the transfers
+        # in flight.
+        p.check_invariants()
+        events = p.store_events_in_flight()
+        assert events == set(self.stores), (
+            f"planner store events {sorted(events)} != in flight {sorted(self.stores)}")
+        planner_loads = p.loads_in_flight()
         assert sorted(planner_loads) == sorted(load_rids), (
             f"planner loads {sorted(planner_loads)} != in flight {sorted(load_rids)}")
-        rows = {st.row: rid for rid, st in p._stores.items()}
-        assert rows == p._row_req, "row table out of step with the store states"
-        assert len(set(p._free_rows)) == len(p._free_rows)
-        assert not set(p._free_rows) & set(rows)
-        for rid, state in p._stores.items():
-            assert state.events <= set(p._jobs), f"{rid}: events {state.events} not in flight"
-            assert not state.finished or state.events or rid in flush.req_ids, (
-                f"{rid}: finished with nothing in flight, never dropped")
-        assert not p._pending_hits, "a CPU hit stayed pinned past its allocation"
-        # In-flight flags are exactly the live jobs' blocks and keys.
-        live_gpu, live_keys = set(flush.gpu), list(flush.keys)
-        for job in p._jobs.values():
-            live_gpu.update(job.gpu)
-            live_keys += job.keys
-        assert len(set(live_keys)) == len(live_keys), f"a key is stored twice at once: {live_keys}"
-        sel = p.selector
-        if isinstance(sel, FusedSelector):
-            flagged_gpu = set(np.flatnonzero(sel._inflight_gpu).tolist())
-            flagged_keys = set(np.flatnonzero(sel._inflight_key).tolist())
-        else:
-            flagged_gpu, flagged_keys = set(sel._inflight_gpu), set(sel._inflight_key)
-        assert flagged_gpu == live_gpu, f"in-flight GPU flags {flagged_gpu} != {live_gpu}"
-        assert flagged_keys == set(live_keys), (
-            f"in-flight key flags {flagged_keys} != {set(live_keys)}")
-        for b in live_gpu | {b for s in self.stores.values() for b in s.gpu}:
+        assert not p.pending_hits(), "a CPU hit stayed pinned past its allocation"
+        for b in set(flush.gpu_blocks) | {b for s in self.stores.values() for b in s.gpu}:
             assert not gpu.is_free(b), f"GPU block {b} is free and in flight"
         for c in dests | {c for _, cl, _ in self.loads.values() for c in cl}:
             assert not cpu.is_free(c), f"CPU block {c} is free and in flight"
-        if not p.config.lazy:
-            owned: set[int] = set()
-            for rid, state in p._stores.items():
-                if state.admitted:
-                    for ks in p._primary_keys(p._requests[rid]):
-                        owned.update(ks.tolist())
-            assert sel.running_present == sum(k in cpu for k in owned), "running_present drifted"
         assert p.stats.failed_transfers == self.expect_failed, (
             f"failed_transfers {p.stats.failed_transfers}, injected {self.expect_failed}")
         assert p.stats.stale_reports == self.expect_stale, (
@@ -455,18 +424,8 @@ class Rig(Harness):
         assert not p.has_pending_work(), "work left after the drain"
         assert self.gpu.num_used_blocks == 0, f"GPU blocks leaked: {self.gpu.ref_cnt}"
         assert self.cpu.num_used_blocks == 0, f"CPU pins leaked: {self.cpu.ref_cnt}"
-        for name in ("_requests", "_stores", "_row_req", "_pending_hits", "_loads",
-                     "_abandoned_loads", "_load_event_reqs", "_jobs", "_abandoned_jobs",
-                     "_reports"):
-            assert not getattr(p, name), f"planner.{name} not empty: {getattr(p, name)}"
+        p.check_invariants(idle=True)  # the planner and the selector hold nothing
         assert sel.running_present == 0
-        if isinstance(sel, FusedSelector):
-            assert not sel._nown.any() and not sel._extra_owners and not sel._row_keys
-            assert not sel._inflight_gpu.any() and not sel._inflight_key.any()
-            assert not sel._wanted.any()
-        else:
-            assert not sel._rows and not sel._owners and not sel._wanted
-            assert not sel._inflight_gpu and not sel._inflight_key
         assert self.engine.num_in_flight == 0
         assert self.engine.poll() == ([], []) and self.engine.poll_failures() == ([], [])
 
@@ -676,7 +635,7 @@ class PlannerMachine(RuleBasedStateMachine):
         p = h.planner
         stores = sorted(ev for ev in h.done_stores if ("store", ev) not in h.pending)
         loads = [r for r in dict.fromkeys(h.done_loads)
-                 if r not in p._loads and r not in p._abandoned_loads]
+                 if not p.load_pending(r) and r not in p.loads_in_flight()]
         choices = [("store", ev) for ev in stores] + [("load", r) for r in loads]
         if not choices:
             return
@@ -809,9 +768,9 @@ def test_partial_accept_of_a_hybrid_hit_loads_the_window_of_the_shorter_hit():
     req = rig.request("b", tokens_for(1, 28))
     assert rig.planner.get_num_new_matched_tokens(req, 0) == (24, True)
     assert rig.admit(req, accept=12, ext=24) == (0, 12)
-    load = rig.planner._loads["b"]
+    load = rig.planner.queued_loads()["b"]
     window = rig.running["b"].tables[1][:3]  # tokens [3, 12) need sliding-window blocks 0..2
-    assert sorted(load.gpu) == sorted(rig.running["b"].tables[0][:3] + window)
+    assert sorted(load.gpu_blocks) == sorted(rig.running["b"].tables[0][:3] + window)
     rig.step({})
     rig.deliver_all()  # checks the loaded bytes of every block it hashes
     rig.check()

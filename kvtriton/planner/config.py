@@ -1,4 +1,4 @@
-"""Planner policy switches, the knobs the benchmarks compare."""
+"""The planner's switches, the knobs the benchmarks compare."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ class PlannerConfig:
     """How the planner selects, frees and bounds its stores.
 
     - ``restore``: re-store blocks of running requests that the CPU evicted below the cursor
-      (off: seed 001's cursor-only control).
+      (off: the cursor-only control, as vLLM's ``SimpleCPUOffloadConnector`` stores).
     - ``scan``: ``"fused"`` (one vectorized pass) or ``"loop"`` (the per-block reference); both
       select exactly the same blocks.
     - ``cpu_free_order``: order in which a completed store's CPU blocks join the CPU free queue;
-      ``"tail_first"`` makes a chain's head the last to be evicted, ``"head_first"`` is the
-      reference connector's ascending order.
+      ``"tail_first"`` makes a chain's head the last to be evicted, ``"head_first"`` is
+      vLLM's connector's ascending order.
     - ``max_restores_per_step``: cap on re-stores selected in one step (None: only the CPU budget).
     - ``max_restores_per_key``: a key re-stored this many times is not re-stored again, which
       bounds thrash when the running working set exceeds the CPU (None: unbounded). Thrash is
@@ -26,8 +26,8 @@ class PlannerConfig:
     - ``restore_share``: re-stores go ahead only while running requests' blocks hold less than
       this share of the CPU pool, and only as many as fit under it; past it each re-store would
       evict another running request's block (None: no bound).
-    - ``scan_idle``: also scan running requests with no scheduled tokens this step (the
-      reference connector skips them, so their evicted blocks wait).
+    - ``scan_idle``: also scan running requests with no scheduled tokens this step (vLLM's
+      connector skips them, so their evicted blocks wait).
     - ``lazy``: offload from the GPU free queue instead of eagerly (``lazy_target_blocks``
       overrides the target derived from the layout and ``max_num_batched_tokens``).
     - ``fine_grained``: CPU hits may end on any hash boundary (full-attention layouts only).

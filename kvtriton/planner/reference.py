@@ -2,14 +2,16 @@
 
 This is the semantics in its plainest form, the baseline that the fused scan is tested against
 and benchmarked with. With re-store on it walks every confirmed position of every scanned request
-each step, as the seed-000 fix does; with re-store off it walks ``[cursor, ready)`` only, as the
-seed-001 connector does.
+each step, as the re-scan re-store design does; with re-store off it walks ``[cursor, ready)``
+only, the cursor-only control, as vLLM's ``SimpleCPUOffloadConnector`` stores. The phases of
+``selection.py`` (candidates, classify, budget, cursor) run per candidate inside one loop, kept
+inline because the loop's own cost is what the benchmarks compare against.
 """
 
 from __future__ import annotations
 
 from kvtriton.planner.selection import Selection, StoreSelector
-from kvtriton.pool import BlockPool
+from kvtriton.pool import NULL_BLOCK, BlockPool
 from kvtriton.specs import KVLayout
 
 __all__ = ["LoopSelector"]
@@ -27,17 +29,17 @@ class _Row:
 class LoopSelector(StoreSelector):
     def __init__(self, layout: KVLayout, gpu_pool: BlockPool, cpu_pool: BlockPool, *,
                  restore: bool, max_restores_per_key: int | None = None) -> None:
-        self._sliding = [g.kind == "sliding_window" for g in layout.groups]
-        self._gpu = gpu_pool
-        self._cpu = cpu_pool
+        self._is_sliding = [g.kind == "sliding_window" for g in layout.groups]
+        self._gpu_pool = gpu_pool
+        self._cpu_pool = cpu_pool
         self._restore = restore
-        self._max_per_key = max_restores_per_key
+        self._max_restores_per_key = max_restores_per_key
         self._rows: dict[int, _Row] = {}
-        self._owners: dict[int, int] = {}
+        self._num_owners: dict[int, int] = {}  # key -> rows holding it (owned keys only)
         self._wanted: set[int] = set()
-        self._inflight_gpu: set[int] = set()
-        self._inflight_key: set[int] = set()
-        self._restored: dict[int, int] = {}
+        self._in_flight_blocks: set[int] = set()
+        self._in_flight_keys: set[int] = set()
+        self._restore_count: dict[int, int] = {}
         self.running_evictions = 0
         self.running_present = 0
 
@@ -48,22 +50,22 @@ class LoopSelector(StoreSelector):
         self._rows[row] = _Row(keys)
         for ks in keys:
             for k in ks:
-                n = self._owners.get(k, 0)
-                self._owners[k] = n + 1
-                if not n and k in self._cpu:
+                n = self._num_owners.get(k, 0)
+                self._num_owners[k] = n + 1
+                if not n and k in self._cpu_pool:
                     self.running_present += 1
 
     def release(self, row):
         state = self._rows.pop(row)
         for ks in state.keys:
             for k in ks:
-                n = self._owners[k] - 1
+                n = self._num_owners[k] - 1
                 if n:
-                    self._owners[k] = n
+                    self._num_owners[k] = n
                 else:
-                    del self._owners[k]
+                    del self._num_owners[k]
                     self._wanted.discard(k)
-                    self.running_present -= k in self._cpu
+                    self.running_present -= k in self._cpu_pool
 
     def append_blocks(self, row, group, block_ids):
         self._rows[row].tables[group].extend(block_ids)
@@ -78,12 +80,12 @@ class LoopSelector(StoreSelector):
 
     def on_cpu_insert(self, key, block):
         self._wanted.discard(key)
-        if key in self._owners and len(self._cpu.cached_blocks(key)) == 1:  # newly present
+        if key in self._num_owners and len(self._cpu_pool.cached_blocks(key)) == 1:  # new key
             self.running_present += 1
 
     def on_cpu_evict(self, key, block):
         # Listeners run once `block` left the map: another block may still hold the key.
-        if key in self._owners and key not in self._cpu:
+        if key in self._num_owners and key not in self._cpu_pool:
             self.running_present -= 1
             self.running_evictions += 1
             if self._restore:
@@ -97,38 +99,43 @@ class LoopSelector(StoreSelector):
 
     def set_in_flight(self, gpu_blocks, keys, value):
         if value:
-            self._inflight_gpu.update(gpu_blocks)
-            self._inflight_key.update(keys)
+            self._in_flight_blocks.update(gpu_blocks)
+            self._in_flight_keys.update(keys)
         else:
-            self._inflight_gpu.difference_update(gpu_blocks)
-            self._inflight_key.difference_update(keys)
+            self._in_flight_blocks.difference_update(gpu_blocks)
+            self._in_flight_keys.difference_update(keys)
 
     def in_flight(self, gpu_block, key):
-        return gpu_block in self._inflight_gpu or key in self._inflight_key
+        return gpu_block in self._in_flight_blocks or key in self._in_flight_keys
 
     def want(self, keys):
         if self._restore:
-            self._wanted.update(k for k in keys if k in self._owners and k not in self._cpu)
+            self._wanted.update(k for k in keys
+                                if k in self._num_owners and k not in self._cpu_pool)
 
     def wanted_below_cursor(self, row, group):
         state = self._rows[row]
         return [p for p in range(state.cursor[group]) if state.keys[group][p] in self._wanted]
+
+    def in_flight_flags(self):
+        return set(self._in_flight_blocks), set(self._in_flight_keys)
 
     # ---- the scan -------------------------------------------------------------------------
 
     def select(self, rows, ready, budget, restore_budget):
         sel = Selection()
         out = sel.outcomes
-        gpu, cpu = self._gpu, self._cpu
-        first_selected: dict[int, bool] = {}
+        gpu, cpu = self._gpu_pool, self._cpu_pool
+        first_selected: dict[int, bool] = {}  # key met in this pass -> its first one selected
         n_restores = 0
         for i, row in enumerate(rows):
             state = self._rows[row]
             for g, table in enumerate(state.tables):
                 cur = state.cursor[g]
-                stop = None
-                # Re-store candidates are every position below the cursor, even past `ready`
-                # (confirmed tokens can shrink, e.g. when output placeholders grow).
+                stop = None  # the first deferred new position, or duplicate of an unselected key
+                # Candidates: [cursor, ready), and with re-store on the wanted positions below the
+                # cursor, even past `ready` (confirmed tokens can shrink, e.g. when output
+                # placeholders grow).
                 start, end = (0, max(cur, int(ready[i, g]))) if self._restore \
                     else (cur, int(ready[i, g]))
                 keys = state.keys[g]
@@ -138,15 +145,16 @@ class LoopSelector(StoreSelector):
                     if is_restore and key not in self._wanted:
                         continue
                     src = table[pos]
-                    if src == 0 and self._sliding[g]:
-                        src = gpu.get_cached_block(key) or 0
-                    if src == 0:
+                    if src == NULL_BLOCK and self._is_sliding[g]:
+                        src = gpu.get_cached_block(key) or NULL_BLOCK
+                    # Classify: the first matching outcome wins.
+                    if src == NULL_BLOCK:
                         out.null += 1
                         continue
                     if gpu.block_hash(src) != key:
                         out.not_hashed += 1
                         continue
-                    if src in self._inflight_gpu or key in self._inflight_key:
+                    if src in self._in_flight_blocks or key in self._in_flight_keys:
                         out.in_flight += 1
                         continue
                     if key in cpu:
@@ -157,10 +165,11 @@ class LoopSelector(StoreSelector):
                         if not first_selected[key] and not is_restore and stop is None:
                             stop = pos
                         continue
+                    # Budget: the re-store bounds, then the CPU blocks left.
                     if is_restore and (
                         (restore_budget is not None and n_restores >= restore_budget)
-                        or (self._max_per_key is not None
-                            and self._restored.get(key, 0) >= self._max_per_key)):
+                        or (self._max_restores_per_key is not None
+                            and self._restore_count.get(key, 0) >= self._max_restores_per_key)):
                         out.restore_capped += 1
                         first_selected[key] = False
                         continue
@@ -180,12 +189,40 @@ class LoopSelector(StoreSelector):
                     if is_restore:
                         n_restores += 1
                         out.restored += 1
-                        times = self._restored.get(key, 0)
+                        times = self._restore_count.get(key, 0)
                         sel.thrash += times > 0
-                        self._restored[key] = times + 1
+                        self._restore_count[key] = times + 1
                     else:
                         out.stored += 1
+                # Cursor: never backwards.
                 state.cursor[g] = max(cur, int(ready[i, g]) if stop is None else stop)
         self._wanted.difference_update(sel.keys)
         return sel
 
+    # ---- checks for tests and fuzzing ------------------------------------------------------
+
+    def check_invariants(self, *, idle=False):
+        counts: dict[int, int] = {}
+        for row, state in self._rows.items():
+            assert len(state.tables) == len(state.keys) == len(state.cursor)
+            for g, table in enumerate(state.tables):
+                assert 0 <= state.cursor[g] <= len(table), (
+                    f"row {row} group {g}: cursor {state.cursor[g]} past its table of {len(table)}")
+            for ks in state.keys:
+                for k in ks:
+                    counts[k] = counts.get(k, 0) + 1
+        assert counts == self._num_owners, "ownership counts differ from the rows' keys"
+        cpu = self._cpu_pool
+        present = sum(k in cpu for k in self._num_owners)
+        assert self.running_present == present, (
+            f"running_present {self.running_present}, recomputed {present}")
+        assert self._wanted <= self._num_owners.keys(), "a wanted key is owned by no row"
+        assert not any(k in cpu for k in self._wanted), "a wanted key is in the CPU"
+        assert self._restore or not self._wanted, "a wanted key with re-store off"
+        assert all(n > 0 for n in self._restore_count.values())
+        assert NULL_BLOCK not in self._in_flight_blocks, "the null block is in flight"
+        if idle:
+            assert not self._rows and not self._num_owners, "rows still held"
+            assert not self._in_flight_blocks and not self._in_flight_keys, (
+                "in-flight flags still set")
+            assert not self._wanted, "keys still wanted"

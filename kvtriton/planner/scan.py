@@ -2,25 +2,33 @@
 
 State lives in arrays that persist across steps and are updated by events, never rebuilt:
 
-- per positional group g: ``_tbl[g, row, pos]`` GPU block ids, ``_keys[g, row, pos]`` primary
-  keys, ``_nblk[g, row]`` table lengths, ``_cur[g, row]`` cursors;
-- per GPU block: ``_gpu_key`` (the key it holds, -1) and ``_inflight_gpu``;
-- per key: ``_present`` (in the CPU), ``_inflight_key``, ``_wanted``, ``_restored`` (times
-  re-stored), ``_gpu_of_key`` (a GPU block caching it), and its owners: ``_nown`` (how many rows
-  hold it), ``_owner`` (one of them; the others in ``_extra_owners``), ``_pos`` and ``_group``.
+- per positional group g, indexed ``[g, row, position]``: ``_block_table`` (GPU block ids,
+  ``NULL_BLOCK`` where none) and ``_table_keys`` (primary keys, -1 past the row's keys); indexed
+  ``[g, row]``: ``_num_blocks`` (table lengths) and ``_cursor``;
+- per GPU block: ``_gpu_block_key`` (the primary key it holds, -1) and ``_in_flight_block``;
+- per key: ``_in_cpu``, ``_in_flight_key``, ``_wanted``, ``_restore_count`` (times re-stored),
+  ``_gpu_block_of_key`` (a GPU block caching it, -1), and its owners: ``_num_owners`` (how many
+  rows hold it), ``_owner`` (one of them; the others in ``_extra_owners``), and where it sits in
+  their tables, ``_key_group`` and ``_key_position`` (the same in every owner's table: a key is a
+  chain hash, so it fixes the position).
 
-Candidates are only positions past each cursor plus the owners' positions of wanted keys, so a
-step costs O(new + evicted) rather than O(every stored block); the masks then decide all of them
-at once. The arrays are NumPy's: on the scheduler's CPU a NumPy op costs about a microsecond,
-a few times less than a torch op on CPU tensors, and this pass is a few dozen such ops.
+A pass follows the phases of ``selection.py``: *candidates* are only the positions past each
+cursor plus the owners' positions of wanted keys, so a step costs O(new + evicted) rather than
+O(every stored block); *classify* decides all of them at once on the masks; *budget* applies the
+re-store caps and the CPU budget; *cursor* advances the cursors. The arrays are NumPy's: on the
+scheduler's CPU a NumPy op costs about a microsecond, a few times less than a torch op on CPU
+tensors, and this pass is a few dozen such ops.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from kvtriton.planner.selection import Selection, StoreSelector
-from kvtriton.pool import BlockPool
+from kvtriton.planner.stats import ScanOutcomes
+from kvtriton.pool import NULL_BLOCK, BlockPool
 from kvtriton.specs import KVLayout
 
 __all__ = ["FusedSelector"]
@@ -47,75 +55,89 @@ def _ragged_ranges(starts: np.ndarray, stops: np.ndarray):
     return which, pos
 
 
+@dataclass(slots=True)
+class _Candidates:
+    """One pass's candidates in (scan rank, group, position) order: ``rank`` indexes the pass's
+    rows, ``src`` is the source GPU block (``NULL_BLOCK``: none), ``key`` the primary key."""
+
+    rank: np.ndarray
+    row: np.ndarray
+    group: np.ndarray
+    position: np.ndarray
+    is_restore: np.ndarray
+    src: np.ndarray
+    key: np.ndarray
+
+
 class FusedSelector(StoreSelector):
     def __init__(self, layout: KVLayout, gpu_pool: BlockPool, cpu_pool: BlockPool, *,
                  restore: bool, max_restores_per_key: int | None = None,
                  rows: int = 64, cols: int = 256, keys: int = 4096) -> None:
-        self._G = layout.num_groups
-        self._sliding = np.array([g.kind == "sliding_window" for g in layout.groups])
-        self._gpu = gpu_pool
-        self._cpu = cpu_pool
+        self._num_groups = G = layout.num_groups
+        self._is_sliding = np.array([g.kind == "sliding_window" for g in layout.groups])
+        self._gpu_pool = gpu_pool
+        self._cpu_pool = cpu_pool
         self._restore = restore
-        self._max_per_key = max_restores_per_key
-        G = self._G
-        self._tbl = np.zeros((G, rows, cols), dtype=np.int64)
-        self._keys = np.full((G, rows, cols), -1, dtype=np.int64)
-        self._nblk = np.zeros((G, rows), dtype=np.int64)
-        self._cur = np.zeros((G, rows), dtype=np.int64)
-        self._rank = np.full(rows, -1, dtype=np.int64)
+        self._max_restores_per_key = max_restores_per_key
+        self._block_table = np.full((G, rows, cols), NULL_BLOCK, dtype=np.int64)
+        self._table_keys = np.full((G, rows, cols), -1, dtype=np.int64)
+        self._num_blocks = np.zeros((G, rows), dtype=np.int64)
+        self._cursor = np.zeros((G, rows), dtype=np.int64)
+        self._scan_rank = np.full(rows, -1, dtype=np.int64)  # a row's rank in the pass, else -1
         n_gpu = gpu_pool.num_blocks
-        self._gpu_key = np.full(n_gpu, -1, dtype=np.int64)
-        self._inflight_gpu = np.zeros(n_gpu, dtype=bool)
-        self._present = np.zeros(keys, dtype=bool)
-        self._inflight_key = np.zeros(keys, dtype=bool)
+        self._gpu_block_key = np.full(n_gpu, -1, dtype=np.int64)
+        self._in_flight_block = np.zeros(n_gpu, dtype=bool)
+        self._in_cpu = np.zeros(keys, dtype=bool)
+        self._in_flight_key = np.zeros(keys, dtype=bool)
         self._wanted = np.zeros(keys, dtype=bool)
-        self._restored = np.zeros(keys, dtype=np.int32)
-        self._gpu_of_key = np.full(keys, -1, dtype=np.int64)
-        self._nown = np.zeros(keys, dtype=np.int32)
+        self._restore_count = np.zeros(keys, dtype=np.int32)
+        self._gpu_block_of_key = np.full(keys, -1, dtype=np.int64)
+        self._num_owners = np.zeros(keys, dtype=np.int32)
         self._owner = np.full(keys, -1, dtype=np.int64)
-        self._pos = np.zeros(keys, dtype=np.int64)
-        self._group = np.zeros(keys, dtype=np.int64)
-        self._scratch = np.zeros(keys, dtype=np.int64)  # per-pass scratch, see _first_occurrence
-        self._flag = np.zeros(keys, dtype=bool)  # per-pass scratch, all False between passes
+        self._key_position = np.zeros(keys, dtype=np.int64)
+        self._key_group = np.zeros(keys, dtype=np.int64)
+        # Per-pass scratch: see _first_occurrence; and key flags, all False between passes.
+        self._first_scratch = np.zeros(keys, dtype=np.int64)
+        self._key_flag = np.zeros(keys, dtype=bool)
         self._extra_owners: dict[int, list[int]] = {}
         self._row_keys: dict[int, np.ndarray] = {}
         # Keys that became wanted, appended by callbacks (may repeat or lapse; compacted per scan).
         self._wanted_buf = np.zeros(1024, dtype=np.int64)
-        self._n_wanted = 0
+        self._wanted_buf_len = 0
         self.running_evictions = 0
         self.running_present = 0
 
     # ---- capacity -------------------------------------------------------------------------
 
     def _ensure_keys(self, n: int) -> None:
-        if n <= len(self._present):
+        if n <= len(self._in_cpu):
             return
-        self._present = _grow(self._present, 0, n, False)
-        self._inflight_key = _grow(self._inflight_key, 0, n, False)
+        self._in_cpu = _grow(self._in_cpu, 0, n, False)
+        self._in_flight_key = _grow(self._in_flight_key, 0, n, False)
         self._wanted = _grow(self._wanted, 0, n, False)
-        self._restored = _grow(self._restored, 0, n, 0)
-        self._gpu_of_key = _grow(self._gpu_of_key, 0, n, -1)
-        self._nown = _grow(self._nown, 0, n, 0)
+        self._restore_count = _grow(self._restore_count, 0, n, 0)
+        self._gpu_block_of_key = _grow(self._gpu_block_of_key, 0, n, -1)
+        self._num_owners = _grow(self._num_owners, 0, n, 0)
         self._owner = _grow(self._owner, 0, n, -1)
-        self._pos = _grow(self._pos, 0, n, 0)
-        self._group = _grow(self._group, 0, n, 0)
-        self._scratch = _grow(self._scratch, 0, n, 0)
-        self._flag = _grow(self._flag, 0, n, False)
+        self._key_position = _grow(self._key_position, 0, n, 0)
+        self._key_group = _grow(self._key_group, 0, n, 0)
+        self._first_scratch = _grow(self._first_scratch, 0, n, 0)
+        self._key_flag = _grow(self._key_flag, 0, n, False)
 
     def _ensure_rows(self, n: int) -> None:
-        if n <= self._tbl.shape[1]:
+        if n <= self._block_table.shape[1]:
             return
-        self._tbl = _grow(self._tbl, 1, n, 0)
-        self._keys = _grow(self._keys, 1, n, -1)
-        self._nblk = _grow(self._nblk, 1, n, 0)
-        self._cur = _grow(self._cur, 1, n, 0)
-        self._rank = _grow(self._rank, 0, n, -1)
+        self._block_table = _grow(self._block_table, 1, n, NULL_BLOCK)
+        self._table_keys = _grow(self._table_keys, 1, n, -1)
+        self._num_blocks = _grow(self._num_blocks, 1, n, 0)
+        self._cursor = _grow(self._cursor, 1, n, 0)
+        self._scan_rank = _grow(self._scan_rank, 0, n, -1)
 
     def _ensure_cols(self, n: int) -> None:
-        if n <= self._tbl.shape[2]:
+        if n <= self._block_table.shape[2]:
             return
-        self._tbl = _grow(self._tbl, 2, n, 0)
-        self._keys = _grow(self._keys, 2, n, -1)
+        self._block_table = _grow(self._block_table, 2, n, NULL_BLOCK)
+        self._table_keys = _grow(self._table_keys, 2, n, -1)
 
     # ---- tracking -------------------------------------------------------------------------
 
@@ -126,33 +148,33 @@ class FusedSelector(StoreSelector):
             ks = np.asarray(ks, dtype=np.int64)
             n = len(ks)
             self._ensure_cols(n)
-            self._keys[g, row, :n] = ks
-            self._keys[g, row, n:] = -1
+            self._table_keys[g, row, :n] = ks
+            self._table_keys[g, row, n:] = -1
             if n:
                 self._ensure_keys(int(ks.max()) + 1)
-                self._pos[ks] = np.arange(n)
-                self._group[ks] = g
+                self._key_position[ks] = np.arange(n)
+                self._key_group[ks] = g
                 parts.append(ks)
-        self._nblk[:, row] = 0
-        self._cur[:, row] = 0
+        self._num_blocks[:, row] = 0
+        self._cursor[:, row] = 0
         allk = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
         self._row_keys[row] = allk
-        shared = allk[self._nown[allk] > 0]
-        first = allk[self._nown[allk] == 0]
+        shared = allk[self._num_owners[allk] > 0]
+        first = allk[self._num_owners[allk] == 0]
         self._owner[first] = row
-        self.running_present += int(self._present[first].sum())
+        self.running_present += int(self._in_cpu[first].sum())
         for k in shared.tolist():
             self._extra_owners.setdefault(k, []).append(row)
-        self._nown[allk] += 1
+        self._num_owners[allk] += 1
 
     def release(self, row):
         allk = self._row_keys.pop(row)
-        self._nown[allk] -= 1
+        self._num_owners[allk] -= 1
         mine = self._owner[allk] == row
-        gone = self._nown[allk] == 0
+        gone = self._num_owners[allk] == 0
         self._owner[allk[mine & gone]] = -1
         self._wanted[allk[gone]] = False
-        self.running_present -= int(self._present[allk[gone]].sum())
+        self.running_present -= int(self._in_cpu[allk[gone]].sum())
         extra = self._extra_owners
         for k in allk[mine & ~gone].tolist():  # hand ownership to another holder
             others = extra[k]
@@ -164,40 +186,40 @@ class FusedSelector(StoreSelector):
             others.remove(row)
             if not others:
                 del extra[k]
-        self._nblk[:, row] = 0
-        self._cur[:, row] = 0
+        self._num_blocks[:, row] = 0
+        self._cursor[:, row] = 0
 
     def append_blocks(self, row, group, block_ids):
-        n0 = int(self._nblk[group, row])
+        n0 = int(self._num_blocks[group, row])
         n1 = n0 + len(block_ids)
         self._ensure_cols(n1)
-        self._tbl[group, row, n0:n1] = block_ids
-        self._nblk[group, row] = n1
+        self._block_table[group, row, n0:n1] = block_ids
+        self._num_blocks[group, row] = n1
 
     def table(self, row, group):
-        return self._tbl[group, row, :self._nblk[group, row]].tolist()
+        return self._block_table[group, row, :self._num_blocks[group, row]].tolist()
 
     def cursor(self, row, group):
-        return int(self._cur[group, row])
+        return int(self._cursor[group, row])
 
     # ---- pool events ----------------------------------------------------------------------
 
     def on_cpu_insert(self, key, block):
-        if key >= len(self._present):
+        if key >= len(self._in_cpu):
             self._ensure_keys(key + 1)
-        if not self._present[key] and self._nown[key] > 0:
+        if not self._in_cpu[key] and self._num_owners[key] > 0:
             self.running_present += 1
-        self._present[key] = True
+        self._in_cpu[key] = True
         self._wanted[key] = False
 
     def on_cpu_evict(self, key, block):
-        if key >= len(self._present):
+        if key >= len(self._in_cpu):
             self._ensure_keys(key + 1)
-        if key in self._cpu:  # another CPU block still holds it (`block` already left the map)
+        if key in self._cpu_pool:  # another CPU block still holds it (`block` already left)
             return
-        was_present = self._present[key]
-        self._present[key] = False
-        if self._nown[key] > 0:
+        was_present = self._in_cpu[key]
+        self._in_cpu[key] = False
+        if self._num_owners[key] > 0:
             self.running_present -= int(was_present)
             self.running_evictions += 1
             if self._restore:
@@ -205,44 +227,48 @@ class FusedSelector(StoreSelector):
                 self._push_wanted(key)
 
     def on_gpu_insert(self, key, block):
-        if key >= len(self._present):
+        if key >= len(self._in_cpu):
             self._ensure_keys(key + 1)
-        if self._gpu.block_hash(block) == key:
-            self._gpu_key[block] = key
-        if self._gpu_of_key[key] < 0:
-            self._gpu_of_key[key] = block
+        if self._gpu_pool.block_hash(block) == key:
+            self._gpu_block_key[block] = key
+        if self._gpu_block_of_key[key] < 0:
+            self._gpu_block_of_key[key] = block
 
     def on_gpu_evict(self, key, block):
-        if self._gpu_key[block] == key:
-            self._gpu_key[block] = -1
-        if key < len(self._gpu_of_key) and self._gpu_of_key[key] == block:
-            other = self._gpu.get_cached_block(key)
-            self._gpu_of_key[key] = -1 if other is None else other
+        if self._gpu_block_key[block] == key:
+            self._gpu_block_key[block] = -1
+        if key < len(self._gpu_block_of_key) and self._gpu_block_of_key[key] == block:
+            other = self._gpu_pool.get_cached_block(key)
+            self._gpu_block_of_key[key] = -1 if other is None else other
 
     def set_in_flight(self, gpu_blocks, keys, value):
         if keys:
             self._ensure_keys(max(keys) + 1)
-        self._inflight_gpu[gpu_blocks] = value
-        self._inflight_key[keys] = value
+        self._in_flight_block[gpu_blocks] = value
+        self._in_flight_key[keys] = value
 
     def in_flight(self, gpu_block, key):
-        return bool(self._inflight_gpu[gpu_block]
-                    or (key < len(self._inflight_key) and self._inflight_key[key]))
+        return bool(self._in_flight_block[gpu_block]
+                    or (key < len(self._in_flight_key) and self._in_flight_key[key]))
+
+    def in_flight_flags(self):
+        return (set(np.flatnonzero(self._in_flight_block).tolist()),
+                set(np.flatnonzero(self._in_flight_key).tolist()))
 
     def want(self, keys):
         if not self._restore:
             return
         for k in keys:
-            if k < len(self._nown) and self._nown[k] > 0 and not self._present[k]:
+            if k < len(self._num_owners) and self._num_owners[k] > 0 and not self._in_cpu[k]:
                 self._wanted[k] = True
                 self._push_wanted(k)
 
     def wanted_below_cursor(self, row, group):
-        cur = int(self._cur[group, row])
-        ks = self._keys[group, row, :cur]
+        cur = int(self._cursor[group, row])
+        ks = self._table_keys[group, row, :cur]
         return np.flatnonzero(self._wanted[ks]).tolist()
 
-    # ---- the scan -------------------------------------------------------------------------
+    # ---- wanted keys ----------------------------------------------------------------------
 
     def _first_occurrence(self, keys: np.ndarray) -> np.ndarray:
         """Mask of the first occurrence of each key in ``keys``; O(n), no sort.
@@ -250,21 +276,21 @@ class FusedSelector(StoreSelector):
         Writing positions in reverse leaves each key's scratch slot holding its first position.
         """
         at = np.arange(len(keys))
-        self._scratch[keys[::-1]] = at[::-1]
-        return self._scratch[keys] == at
+        self._first_scratch[keys[::-1]] = at[::-1]
+        return self._first_scratch[keys] == at
 
     def _push_wanted(self, key: int) -> None:
-        if self._n_wanted == len(self._wanted_buf):
-            self._wanted_buf = _grow(self._wanted_buf, 0, 2 * self._n_wanted, 0)
-        self._wanted_buf[self._n_wanted] = key
-        self._n_wanted += 1
+        if self._wanted_buf_len == len(self._wanted_buf):
+            self._wanted_buf = _grow(self._wanted_buf, 0, 2 * self._wanted_buf_len, 0)
+        self._wanted_buf[self._wanted_buf_len] = key
+        self._wanted_buf_len += 1
 
     def _compact_wanted(self) -> np.ndarray:
         """The keys still wanted, once each; the buffer is rewritten to hold just them."""
-        w = self._wanted_buf[:self._n_wanted]
+        w = self._wanted_buf[:self._wanted_buf_len]
         w = w[self._wanted[w]]
         w = w[self._first_occurrence(w)]
-        self._n_wanted = len(w)
+        self._wanted_buf_len = len(w)
         self._wanted_buf[:len(w)] = w
         return w
 
@@ -272,73 +298,104 @@ class FusedSelector(StoreSelector):
         """(row, key) for every owner of every wanted key."""
         w = self._compact_wanted()
         rows, keys = [self._owner[w]], [w]
-        shared = w[self._nown[w] > 1]
+        shared = w[self._num_owners[w] > 1]
         for k in shared.tolist() if len(shared) else ():
             extra = self._extra_owners[k]
             rows.append(np.asarray(extra, dtype=np.int64))
             keys.append(np.full(len(extra), k, dtype=np.int64))
         return np.concatenate(rows), np.concatenate(keys)
 
+    # ---- the scan -------------------------------------------------------------------------
+
     def select(self, rows, ready, budget, restore_budget):
         sel = Selection()
-        out = sel.outcomes
         rows = np.asarray(rows, dtype=np.int64)
-        n = len(rows)
-        if n == 0:
+        if len(rows) == 0:
             return sel
-        G = self._G
-        ready = np.asarray(ready, dtype=np.int64).reshape(n, G)
-        self._rank[rows] = np.arange(n)
+        ready = np.asarray(ready, dtype=np.int64).reshape(len(rows), self._num_groups)
+        cands = self._candidates(rows, ready)
+        if cands is None:
+            return sel
+        firsts, dups = self._classify(cands, sel.outcomes)
+        chosen, deferred = self._apply_budget(cands, firsts, budget, restore_budget,
+                                              sel.outcomes)
+        self._advance_cursors(rows, ready, cands, chosen, deferred, dups)
+        self._take(sel, cands, chosen)
+        return sel
+
+    def _candidates(self, rows: np.ndarray, ready: np.ndarray) -> _Candidates | None:
+        """New positions ``[cursor, ready)`` of every row and group, and with re-store on the
+        positions below the cursor of every scanned owner of a wanted key; None if there are
+        none."""
+        G = self._num_groups
+        self._scan_rank[rows] = np.arange(len(rows))
         ranks, groups, positions, is_restore = [], [], [], []
         for g in range(G):
-            which, pos = _ragged_ranges(self._cur[g, rows], ready[:, g])
+            which, pos = _ragged_ranges(self._cursor[g, rows], ready[:, g])
             ranks.append(which)
             groups.append(np.full(len(pos), g, dtype=np.int64))
             positions.append(pos)
             is_restore.append(np.zeros(len(pos), dtype=bool))
-        if self._restore and self._n_wanted:
-            rrow, rkey = self._restore_candidates()
-            rrank = self._rank[rrow]
-            rgroup = self._group[rkey]
-            rpos = self._pos[rkey]
-            keep = (rrank >= 0) & (rpos < self._cur.ravel()[rgroup * self._cur.shape[1] + rrow])
-            ranks.append(rrank[keep])
-            groups.append(rgroup[keep])
-            positions.append(rpos[keep])
+        if self._restore and self._wanted_buf_len:
+            r_row, r_key = self._restore_candidates()
+            r_rank = self._scan_rank[r_row]
+            r_group = self._key_group[r_key]
+            r_pos = self._key_position[r_key]
+            keep = (r_rank >= 0) & (r_pos < self._cursor[r_group, r_row])
+            ranks.append(r_rank[keep])
+            groups.append(r_group[keep])
+            positions.append(r_pos[keep])
             is_restore.append(np.ones(int(keep.sum()), dtype=bool))
         rank = np.concatenate(ranks)
         grp = np.concatenate(groups)
         pos = np.concatenate(positions)
         isr = np.concatenate(is_restore)
-        self._rank[rows] = -1
+        self._scan_rank[rows] = -1
         if len(rank) == 0:
-            return sel
-        order = np.argsort((rank * G + grp) * self._tbl.shape[2] + pos)  # keys are distinct
+            return None
+        _, n_rows, n_cols = self._block_table.shape
+        order = np.argsort((rank * G + grp) * n_cols + pos)  # keys are distinct
         rank, grp, pos, isr = rank[order], grp[order], pos[order], isr[order]
         row = rows[rank]
-        flat = (grp * self._tbl.shape[1] + row) * self._tbl.shape[2] + pos
-        src = self._tbl.ravel()[flat]
-        key = self._keys.ravel()[flat]
-        lost = (src == 0) & self._sliding[grp]
+        flat = (grp * n_rows + row) * n_cols + pos
+        src = self._block_table.ravel()[flat]
+        key = self._table_keys.ravel()[flat]
+        lost = (src == NULL_BLOCK) & self._is_sliding[grp]
         if lost.any():
-            src[lost] = np.maximum(self._gpu_of_key[key[lost]], 0)
+            found = self._gpu_block_of_key[key[lost]]
+            src[lost] = np.where(found >= 0, found, NULL_BLOCK)
+        return _Candidates(rank, row, grp, pos, isr, src, key)
 
-        null = src == 0
-        not_hashed = ~null & (self._gpu_key[src] != key)
+    def _classify(self, c: _Candidates, out: ScanOutcomes) -> tuple[np.ndarray, np.ndarray]:
+        """Outcomes up to ``duplicate``, first match wins; returns the indices of the surviving
+        candidates that are their key's first occurrence in the pass, and of the duplicates."""
+        null = c.src == NULL_BLOCK
+        not_hashed = ~null & (self._gpu_block_key[c.src] != c.key)
         ok = ~null & ~not_hashed
-        in_flight = ok & (self._inflight_gpu[src] | self._inflight_key[key])
+        in_flight = ok & (self._in_flight_block[c.src] | self._in_flight_key[c.key])
         ok &= ~in_flight
-        cached = ok & self._present[key]
+        cached = ok & self._in_cpu[c.key]
         ok &= ~cached
-
         idx = np.flatnonzero(ok)
-        is_first = self._first_occurrence(key[idx])
+        is_first = self._first_occurrence(c.key[idx])
         firsts, dups = idx[is_first], idx[~is_first]
+        out.null = int(null.sum())
+        out.not_hashed = int(not_hashed.sum())
+        out.in_flight = int(in_flight.sum())
+        out.already_cached = int(cached.sum())
+        out.duplicate = len(dups)
+        return firsts, dups
 
-        f_restore = isr[firsts]
+    def _apply_budget(self, c: _Candidates, firsts: np.ndarray, budget: int,
+                      restore_budget: int | None, out: ScanOutcomes
+                      ) -> tuple[np.ndarray, np.ndarray]:
+        """``restore_capped`` (per-key or per-step bound) and ``deferred`` (no CPU block left)
+        among ``firsts``; returns the indices of the selected and of the deferred candidates."""
+        f_restore = c.is_restore[firsts]
         capped = np.zeros(len(firsts), dtype=bool)
-        if self._max_per_key is not None:
-            capped |= f_restore & (self._restored[key[firsts]] >= self._max_per_key)
+        if self._max_restores_per_key is not None:
+            capped |= f_restore & (self._restore_count[c.key[firsts]]
+                                   >= self._max_restores_per_key)
         # The step cap admits the first `restore_budget` allowed re-stores; later ones are capped
         # only once all of those were selected, otherwise the budget ran out first (deferred).
         late = np.zeros(len(firsts), dtype=bool)
@@ -352,45 +409,119 @@ class FusedSelector(StoreSelector):
             all_in = len(admitted) == 0 or chosen[admitted[-1]]
             capped |= late if all_in else np.zeros_like(late)
         deferred = ~capped & ~chosen
-
-        chosen_idx = firsts[chosen]
-        # Which duplicates repeat a selected key: flag the selected keys, read, clear.
-        self._flag[key[chosen_idx]] = True
-        key_chosen = self._flag[key[dups]]
-        self._flag[key[chosen_idx]] = False
-
-        # Cursor: first deferred new position, or duplicate of an unselected key, else ready.
-        stop_idx = np.concatenate([firsts[deferred], dups[~key_chosen]])
-        stop_idx = stop_idx[~isr[stop_idx]]
-        cur = self._cur
-        for g in range(G):
-            new_cur = ready[:, g].copy()
-            s = stop_idx[grp[stop_idx] == g]
-            np.minimum.at(new_cur, rank[s], pos[s])
-            cur[g, rows] = np.maximum(cur[g, rows], new_cur)
-
-        out.null = int(null.sum())
-        out.not_hashed = int(not_hashed.sum())
-        out.in_flight = int(in_flight.sum())
-        out.already_cached = int(cached.sum())
-        out.duplicate = len(dups)
         out.restore_capped = int(capped.sum())
         out.deferred = int(deferred.sum())
-        r_chosen = isr[chosen_idx]
-        out.restored = int(r_chosen.sum())
-        out.stored = len(chosen_idx) - out.restored
+        return firsts[chosen], firsts[deferred]
 
+    def _advance_cursors(self, rows: np.ndarray, ready: np.ndarray, c: _Candidates,
+                         chosen: np.ndarray, deferred: np.ndarray, dups: np.ndarray) -> None:
+        """Each cursor moves to its first deferred new position, or duplicate of a key not
+        selected, else to ``ready``; never backwards."""
+        # Which duplicates repeat a selected key: flag the selected keys, read, clear.
+        self._key_flag[c.key[chosen]] = True
+        key_chosen = self._key_flag[c.key[dups]]
+        self._key_flag[c.key[chosen]] = False
+        stop_idx = np.concatenate([deferred, dups[~key_chosen]])
+        stop_idx = stop_idx[~c.is_restore[stop_idx]]
+        cursor = self._cursor
+        for g in range(self._num_groups):
+            new_cursor = ready[:, g].copy()
+            s = stop_idx[c.group[stop_idx] == g]
+            np.minimum.at(new_cursor, c.rank[s], c.position[s])
+            cursor[g, rows] = np.maximum(cursor[g, rows], new_cursor)
+
+    def _take(self, sel: Selection, c: _Candidates, chosen: np.ndarray) -> None:
+        """Fill ``sel`` with the selected candidates; count re-stores and thrash; selected keys
+        are no longer wanted."""
+        out = sel.outcomes
+        r_chosen = c.is_restore[chosen]
+        out.restored = int(r_chosen.sum())
+        out.stored = len(chosen) - out.restored
         if out.restored:
-            rk = key[chosen_idx[r_chosen]]
-            sel.thrash = int((self._restored[rk] > 0).sum())
-            self._restored[rk] += 1
-        self._wanted[key[chosen_idx]] = False
-        if self._n_wanted:
+            rk = c.key[chosen[r_chosen]]
+            sel.thrash = int((self._restore_count[rk] > 0).sum())
+            self._restore_count[rk] += 1
+        self._wanted[c.key[chosen]] = False
+        if self._wanted_buf_len:
             self._compact_wanted()
-        sel.rows = row[chosen_idx].tolist()
-        sel.groups = grp[chosen_idx].tolist()
-        sel.positions = pos[chosen_idx].tolist()
-        sel.gpu_blocks = src[chosen_idx].tolist()
-        sel.keys = key[chosen_idx].tolist()
+        sel.rows = c.row[chosen].tolist()
+        sel.groups = c.group[chosen].tolist()
+        sel.positions = c.position[chosen].tolist()
+        sel.gpu_blocks = c.src[chosen].tolist()
+        sel.keys = c.key[chosen].tolist()
         sel.restore = r_chosen.tolist()
-        return sel
+
+    # ---- checks for tests and fuzzing ------------------------------------------------------
+
+    def check_invariants(self, *, idle=False):
+        G, n_rows, n_cols = self._block_table.shape
+        n_keys = len(self._in_cpu)
+        assert self._num_groups == G and self._table_keys.shape == self._block_table.shape
+        assert self._num_blocks.shape == self._cursor.shape == (G, n_rows) == (
+            G, len(self._scan_rank))
+        for a in (self._in_flight_key, self._wanted, self._restore_count, self._gpu_block_of_key,
+                  self._num_owners, self._owner, self._key_position, self._key_group,
+                  self._first_scratch, self._key_flag):
+            assert len(a) == n_keys, "per-key arrays of different lengths"
+        assert (self._scan_rank == -1).all(), "scan ranks left set after a pass"
+        assert not self._key_flag.any(), "key flags left set after a pass"
+        # Tables and cursors: rows not held are empty; cursors stay within their tables.
+        assert (self._num_blocks <= n_cols).all()
+        assert (self._cursor <= self._num_blocks).all(), "a cursor past its table's end"
+        held = np.zeros(n_rows, dtype=bool)
+        held[list(self._row_keys)] = True
+        assert not self._num_blocks[:, ~held].any() and not self._cursor[:, ~held].any(), (
+            "a released row kept its table or cursor")
+        # Ownership: counts, owner and extra owners equal the held rows' keys, which sit at their
+        # recorded group and position in every owner's table.
+        counts = np.zeros(n_keys, dtype=np.int64)
+        holders: dict[int, set[int]] = {}
+        for row, ks in self._row_keys.items():
+            counts[np.unique(ks)] += 1
+            at = self._table_keys[self._key_group[ks], row, self._key_position[ks]]
+            assert (at == ks).all(), f"row {row}: a key is not at its recorded position"
+            for k in ks.tolist():
+                holders.setdefault(k, set()).add(row)
+        assert (self._num_owners == counts).all(), "ownership counts differ from the rows' keys"
+        for k, owners in holders.items():
+            extra = self._extra_owners.get(k, [])
+            assert len(extra) == len(owners) - 1 and {int(self._owner[k]), *extra} == owners, (
+                f"key {k}: owner {self._owner[k]}, extra {extra}, held by {sorted(owners)}")
+        assert set(self._extra_owners) <= set(holders), "extra owners of an unowned key"
+        owned = self._num_owners > 0
+        assert (self._owner[~owned] == -1).all(), "an unowned key has an owner"
+        # Mirrors of the pools.
+        in_cpu = np.zeros(n_keys, dtype=bool)
+        cpu = self._cpu_pool
+        for b in range(1, cpu.num_blocks):
+            for k in cpu.block_keys(b):
+                assert k < n_keys, f"CPU key {k} past the key capacity"
+                in_cpu[k] = True
+        assert (self._in_cpu == in_cpu).all(), "CPU presence mask differs from the CPU pool"
+        assert self.running_present == int((in_cpu & owned).sum()), "running_present drifted"
+        gpu = self._gpu_pool
+        block_key = np.full(len(self._gpu_block_key), -1, dtype=np.int64)
+        block_of_key = np.full(n_keys, -1, dtype=np.int64)
+        for b in range(1, gpu.num_blocks):
+            keys = gpu.block_keys(b)
+            if keys:
+                block_key[b] = keys[0]
+            for k in keys:
+                block_of_key[k] = gpu.get_cached_block(k)
+        assert (self._gpu_block_key == block_key).all(), "GPU block keys differ from the pool"
+        assert (self._gpu_block_of_key == block_of_key).all(), (
+            "GPU blocks of keys differ from the pool")
+        assert not self._in_flight_block[NULL_BLOCK], "the null block is in flight"
+        # Wanted keys are owned and absent from the CPU, and all in the buffer.
+        assert not (self._wanted & ~owned).any(), "a wanted key is owned by no row"
+        assert not (self._wanted & self._in_cpu).any(), "a wanted key is in the CPU"
+        assert self._restore or not self._wanted.any(), "a wanted key with re-store off"
+        buffered = set(self._wanted_buf[:self._wanted_buf_len].tolist())
+        assert set(np.flatnonzero(self._wanted).tolist()) <= buffered, (
+            "a wanted key missing from the wanted buffer")
+        if idle:
+            assert not owned.any() and not self._extra_owners and not self._row_keys, (
+                "rows still held")
+            assert not self._in_flight_block.any() and not self._in_flight_key.any(), (
+                "in-flight flags still set")
+            assert not self._wanted.any(), "keys still wanted"

@@ -11,18 +11,21 @@ Semantics (both implementations follow them exactly; tests compare them on rando
 - Wanted: a key the CPU evicted while some request owned it (or whose store failed or was
   abandoned) is *wanted* until it is stored again, becomes present in the CPU, or is owned by
   no request.
+- Thrash: a selected re-store of a key that was re-stored before.
+
+Each pass runs four phases, in this order:
+
 - Candidates, in (scan rank, group, position) order: for each scanned row and group, positions
   ``[cursor, ready)`` ("new") and, with re-store on, positions below the cursor whose key is
-  wanted ("re-store").
-- Source block: the table entry; a null entry of a sliding-window group is recovered from the GPU
-  prefix cache by key when a block there still holds it.
-- Outcome, first match wins: ``null`` (no source), ``not_hashed`` (the source does not hold the
+  wanted ("re-store"). Source block: the table entry; a null entry of a sliding-window group is
+  recovered from the GPU prefix cache by key when a block there still holds it.
+- Classify, first match wins: ``null`` (no source), ``not_hashed`` (the source does not hold the
   key), ``in_flight`` (source block or key already being stored), ``already_cached`` (key
-  present in the CPU), ``duplicate`` (key met earlier in this pass), ``restore_capped`` (per-key or
-  per-step re-store bound), ``deferred`` (no CPU block left in the budget), else selected.
+  present in the CPU), ``duplicate`` (key met earlier in this pass).
+- Budget, in candidate order: ``restore_capped`` (per-key or per-step re-store bound),
+  ``deferred`` (no CPU block left in the budget), else selected.
 - Cursor: the first position at or past the old cursor that was ``deferred``, or a duplicate
   whose first occurrence was not selected; else ``ready``. Never moves backwards.
-- Thrash: a selected re-store of a key that was re-stored before.
 """
 
 from __future__ import annotations
@@ -108,6 +111,10 @@ class StoreSelector(ABC):
         ...
 
     @abstractmethod
+    def in_flight_flags(self) -> tuple[set[int], set[int]]:
+        """The GPU blocks and the keys flagged in flight now."""
+
+    @abstractmethod
     def want(self, keys: list[int]) -> None:
         """Mark keys whose store failed or was abandoned as wanted (if owned)."""
 
@@ -121,3 +128,10 @@ class StoreSelector(ABC):
         """One scan. ``rows`` in scan order, ``ready[i, g]`` the confirmed positions of
         ``rows[i]`` in group g, ``budget`` the CPU blocks available, ``restore_budget`` the
         re-store cap for this step (None: none)."""
+
+    @abstractmethod
+    def check_invariants(self, *, idle: bool = False) -> None:
+        """Raise ``AssertionError`` if the selector's books are inconsistent: ownership counts
+        equal to the held rows' keys, ``running_present`` equal to the owned keys the CPU holds,
+        wanted keys owned and absent from the CPU, cursors within their tables. With ``idle``,
+        also if it holds any row, in-flight flag or wanted key."""

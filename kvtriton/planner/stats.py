@@ -36,7 +36,12 @@ _OUTCOMES = tuple(f.name for f in fields(ScanOutcomes))
 
 @dataclass(slots=True)
 class PlannerStats:
-    """Cumulative planner figures. Blocks are CPU blocks; tokens are prompt tokens."""
+    """Cumulative planner figures. Blocks are CPU blocks; tokens are prompt tokens.
+
+    ``select_calls`` counts the selector's passes and ``select_s`` is their measured time
+    (``time.perf_counter`` around each pass inside ``build_meta``), the one figure that differs
+    from run to run; every other figure is a count.
+    """
 
     flush_stored: int = 0
     handoff_stored: int = 0
@@ -56,9 +61,16 @@ class PlannerStats:
     stale_reports: int = 0
     failed_transfers: int = 0
     abandoned_stores: int = 0
+    select_calls: int = 0
+    select_s: float = 0.0
     scan: ScanOutcomes = field(default_factory=ScanOutcomes)
 
-    def as_dict(self) -> dict:
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "scan"}
+    def as_dict(self, measured: bool = True) -> dict:
+        """Every figure, flat; ``measured=False`` leaves out the measured seconds."""
+        skip = ("scan",) if measured else ("scan", *_MEASURED)
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
         out.update({f"scan_{k}": v for k, v in asdict(self.scan).items()})
         return out
+
+
+_MEASURED = ("select_s",)

@@ -1,0 +1,300 @@
+"""The load lifecycle: a CPU hit found at lookup, accepted at allocation, issued, reported.
+
+1. ``lookup``: the longest CPU hit past the local prefix; its CPU blocks stay pinned (a *pending
+   hit*) until the scheduler allocates the request.
+2. ``accept``: the accepted part of the hit becomes a load into the request's GPU blocks; the
+   pins of the rest are released.
+3. ``issue``: every accepted load not yet issued goes into the step's one load transfer, under a
+   new load event.
+4. ``finish``: a worker's report (success or failure) releases the load's pins.
+
+``reset`` releases what was never issued; loads already issued are kept, now *abandoned*, until
+their reports arrive.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from kvtriton.lookup import find_longest_hit
+from kvtriton.planner.config import PlannerConfig
+from kvtriton.planner.stats import PlannerStats
+from kvtriton.pool import NULL_BLOCK, BlockPool
+from kvtriton.records import Request, Transfer
+from kvtriton.specs import KVLayout
+
+__all__ = ["Loads"]
+
+# The planner's logger: its records carry one name whichever lifecycle emits them.
+logger = logging.getLogger("kvtriton.planner.planner")
+
+
+@dataclass(slots=True)
+class _PendingHit:
+    """A CPU hit between lookup and allocation: its pinned CPU blocks by group (NULL_BLOCK where
+    a group needs none), its length and the local prefix it starts after."""
+
+    blocks: tuple[list[int], ...]
+    num_tokens: int
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class _Load:
+    """Pairs of one request's load: CPU block ``cpu[i]`` -> GPU block ``gpu[i]`` of a group;
+    ``event`` is None until ``issue``."""
+
+    gpu: list[int]
+    cpu: list[int]
+    groups: list[int]
+    event: int | None = None
+
+
+class Loads:
+    """Pending hits, loads, abandoned loads and load events of one planner."""
+
+    def __init__(self, layout: KVLayout, config: PlannerConfig, gpu_pool: BlockPool,
+                 cpu_pool: BlockPool, stats: PlannerStats) -> None:
+        self._layout = layout
+        self._fine_grained = config.fine_grained
+        self._gpu_pool = gpu_pool
+        self._cpu_pool = cpu_pool
+        self._stats = stats
+        self._ratio = [g.block_size // layout.hash_block_size for g in layout.groups]
+        self._all_full = all(g.kind == "full" for g in layout.groups)
+        self._pending_hits: dict[str, _PendingHit] = {}
+        self._loads: dict[str, _Load] = {}
+        # Loads abandoned by reset() but still in flight, oldest first per request.
+        self._abandoned: dict[str, list[_Load]] = {}
+        self._event_reqs: dict[int, list[str]] = {}
+        self._next_event = 0
+
+    def _unpin_hit(self, hit: _PendingHit) -> None:
+        blocks = [b for grp in hit.blocks for b in grp if b != NULL_BLOCK]
+        if blocks:
+            self._cpu_pool.free_blocks(blocks)
+
+    def _release(self, ld: _Load) -> None:
+        self._cpu_pool.free_blocks(ld.cpu)
+        self._gpu_pool.free_blocks(ld.gpu)
+
+    # ---- lookup and acceptance ------------------------------------------------------------
+
+    def lookup(self, req: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        """The CPU hit of ``req`` past ``num_computed_tokens``, pinned until ``accept``."""
+        rid = req.request_id
+        if (stale := self._pending_hits.pop(rid, None)) is not None:
+            self._unpin_hit(stale)
+        self._stats.lookups += 1
+        layout = self._layout
+        if num_computed_tokens % layout.scheduler_block_size:
+            # A load fills whole blocks, so it cannot start inside a local block.
+            self._stats.lookups_unaligned += 1
+            return 0, False
+        hbs = layout.hash_block_size
+        skip = num_computed_tokens // hbs
+        cap = req.num_tokens - 1 - num_computed_tokens
+        n_keys = min(req.keys.shape[1], req.num_tokens // hbs)
+        if cap <= 0 or skip >= n_keys:
+            return 0, False
+        keys = req.keys[:, skip:n_keys].tolist()
+        hit = find_longest_hit(layout, self._cpu_pool, keys, cap,
+                               fine_grained=self._fine_grained)
+        self._count_holes(keys, hit.num_tokens // hbs)
+        if hit.num_tokens == 0:
+            return 0, False
+        self._cpu_pool.touch([b for grp in hit.blocks for b in grp if b != NULL_BLOCK])
+        self._pending_hits[rid] = _PendingHit(hit.blocks, hit.num_tokens, num_computed_tokens)
+        return hit.num_tokens, True
+
+    def _count_holes(self, keys: list[list[int]], hit_hash_blocks: int) -> None:
+        """Blocks of the first full-attention group present in the CPU past the first miss."""
+        cpu_pool = self._cpu_pool
+        for g, spec in enumerate(self._layout.groups):
+            if spec.kind != "full":
+                continue
+            r = self._ratio[g]
+            primaries = keys[g][r - 1::r]
+            first_miss = hit_hash_blocks // r
+            if first_miss < len(primaries) and primaries[first_miss] not in cpu_pool:
+                holes = sum(k in cpu_pool for k in primaries[first_miss + 1:])
+                self._stats.chain_holes += holes
+                self._stats.lookups_with_holes += holes > 0
+            return
+
+    def accept(self, req: Request, block_ids: tuple[list[int], ...],
+               num_external_tokens: int) -> None:
+        """Turn ``num_external_tokens`` of the pending hit into a load into ``block_ids``."""
+        rid = req.request_id
+        pending = self._pending_hits.pop(rid, None)
+        if num_external_tokens == 0:
+            if pending is not None:
+                self._unpin_hit(pending)
+            return
+        if pending is None:
+            raise ValueError(f"request {rid!r}: {num_external_tokens} external tokens accepted "
+                             "but no CPU hit is pending for it")
+        layout = self._layout
+        hit_blocks, hit_tokens, num_computed = (pending.blocks, pending.num_tokens,
+                                                pending.num_computed_tokens)
+        if num_external_tokens > hit_tokens or num_external_tokens % layout.hash_block_size:
+            self._unpin_hit(pending)
+            raise ValueError(f"request {rid!r}: num_external_tokens={num_external_tokens} is not "
+                             f"a hash-block multiple <= the hit of {hit_tokens}")
+        if num_external_tokens < hit_tokens and not self._all_full:
+            # A shorter hit needs other blocks: the window before its end, the state at its end.
+            hbs = layout.hash_block_size
+            skip = num_computed // hbs
+            keys = req.keys[:, skip:skip + num_external_tokens // hbs].tolist()
+            short = find_longest_hit(layout, self._cpu_pool, keys, num_external_tokens)
+            if short.num_tokens != num_external_tokens:
+                self._unpin_hit(pending)
+                raise ValueError(f"request {rid!r}: the CPU tier cannot supply exactly "
+                                 f"{num_external_tokens} of its {hit_tokens}-token hit (a "
+                                 "sliding-window or Mamba group has no blocks ending there)")
+            hit_blocks = short.blocks
+        gpu, cpu, groups = [], [], []
+        for g, spec in enumerate(layout.groups):
+            take = -(-num_external_tokens // spec.block_size)
+            start = num_computed // spec.block_size
+            table = block_ids[g]
+            if start + take > len(table):
+                self._unpin_hit(pending)
+                raise ValueError(f"request {rid!r}: group {g} table has {len(table)} blocks, "
+                                 f"the load needs {start + take}")
+            for i, cb in enumerate(hit_blocks[g][:take]):
+                if cb == NULL_BLOCK:
+                    continue
+                gpu.append(table[start + i])
+                cpu.append(cb)
+                groups.append(g)
+        self._cpu_pool.touch(cpu)
+        self._unpin_hit(pending)
+        self._gpu_pool.touch(gpu)
+        self._loads[rid] = _Load(gpu, cpu, groups)
+        self._stats.cpu_hit_tokens += num_external_tokens
+
+    # ---- per step ---------------------------------------------------------------------------
+
+    def issue(self) -> Transfer:
+        """The step's load transfer: every accepted load not yet issued, under one new event."""
+        load_rids = [rid for rid, ld in self._loads.items() if ld.event is None]
+        if not load_rids:
+            return Transfer()
+        ev = self._next_event
+        self._next_event += 1
+        load = Transfer(ev)
+        for rid in load_rids:
+            ld = self._loads[rid]
+            ld.event = ev
+            load.gpu_blocks += ld.gpu
+            load.cpu_blocks += ld.cpu
+            load.groups += ld.groups
+        self._event_reqs[ev] = load_rids
+        self._stats.loads_issued += 1
+        return load
+
+    def event_to_reqs(self) -> dict[int, list[str]]:
+        """Every load event in flight -> the requests whose loads it still carries (copies)."""
+        return {e: list(r) for e, r in self._event_reqs.items()}
+
+    # ---- reports, finish, reset ---------------------------------------------------------------
+
+    def finish(self, rid: str, failed: bool) -> None:
+        """A worker reported the load of ``rid`` done (or failed): release its pins."""
+        # A report names a request, not an event. Workers finish a request's loads in the order
+        # they were issued, and a load abandoned by reset() is older than any issued after it
+        # (the same request may be looked up again while it is in flight), so it goes first.
+        abandoned = self._abandoned.get(rid)
+        if abandoned:
+            ld = abandoned.pop(0)
+            if not abandoned:
+                del self._abandoned[rid]
+        else:
+            ld = self._loads.get(rid)
+            if ld is None or ld.event is None:
+                self._stats.stale_reports += 1
+                logger.info("ignoring a load report for request %r with no load in flight", rid)
+                return
+            del self._loads[rid]
+        reqs = self._event_reqs[ld.event]
+        reqs.remove(rid)
+        if not reqs:
+            del self._event_reqs[ld.event]
+        self._release(ld)
+        if failed:
+            self._stats.failed_transfers += 1
+            logger.warning("load of request %r failed on a worker: %d blocks released, the "
+                           "scheduler recomputes them", rid, len(ld.gpu))
+        else:
+            self._stats.blocks_loaded += len(ld.gpu)
+
+    def drop(self, rid: str) -> None:
+        """``rid`` finished: release its pending hit and its load if not yet issued (an issued
+        load completes normally)."""
+        if (pending := self._pending_hits.pop(rid, None)) is not None:
+            self._unpin_hit(pending)
+        ld = self._loads.get(rid)
+        if ld is not None and ld.event is None:
+            del self._loads[rid]
+            self._release(ld)
+
+    def reset(self) -> None:
+        """Release what was never issued; issued loads become abandoned until reported."""
+        for rid, ld in list(self._loads.items()):
+            if ld.event is None:
+                self._release(ld)
+            else:
+                self._abandoned.setdefault(rid, []).append(ld)
+        self._loads.clear()
+        for pending in self._pending_hits.values():
+            self._unpin_hit(pending)
+        self._pending_hits.clear()
+
+    # ---- introspection ----------------------------------------------------------------------
+
+    def pending(self, rid: str) -> bool:
+        """Whether ``rid`` has a load accepted and not yet reported (issued or not)."""
+        return rid in self._loads
+
+    def has_abandoned(self) -> bool:
+        return bool(self._abandoned)
+
+    def has_pending_work(self) -> bool:
+        return bool(self._loads or self._abandoned)
+
+    def pending_hits(self) -> list[str]:
+        """Request ids whose CPU hit is pinned, waiting for ``accept``."""
+        return list(self._pending_hits)
+
+    def in_flight(self) -> list[str]:
+        """Request ids of the loads issued and not yet reported, once per load, abandoned ones
+        included."""
+        out = [rid for rid, ld in self._loads.items() if ld.event is not None]
+        return out + [rid for rid, lds in self._abandoned.items() for _ in lds]
+
+    def queued(self) -> dict[str, Transfer]:
+        """Loads accepted but not yet issued, by request (event -1)."""
+        return {rid: Transfer(-1, list(ld.gpu), list(ld.cpu), list(ld.groups))
+                for rid, ld in self._loads.items() if ld.event is None}
+
+    def check_invariants(self, *, idle: bool = False) -> None:
+        """Raise ``AssertionError`` if the load books disagree with each other; with ``idle``,
+        also if they hold anything."""
+        issued = [(rid, ld) for rid, ld in self._loads.items() if ld.event is not None]
+        issued += [(rid, ld) for rid, lds in self._abandoned.items() for ld in lds]
+        carried: dict[int, list[str]] = {}
+        for rid, ld in issued:
+            assert 0 <= ld.event < self._next_event, f"load of {rid!r}: event {ld.event}"
+            carried.setdefault(ld.event, []).append(rid)
+        assert {e: sorted(r) for e, r in carried.items()} == {
+            e: sorted(r) for e, r in self._event_reqs.items()}, (
+            f"load events {self._event_reqs} != the loads in flight {carried}")
+        for rid, lds in self._abandoned.items():
+            assert lds, f"request {rid!r}: an empty list of abandoned loads"
+        for rid, ld in self._loads.items():
+            assert len(ld.gpu) == len(ld.cpu) == len(ld.groups), f"load of {rid!r}: pairs"
+        if idle:
+            for name in ("_pending_hits", "_loads", "_abandoned", "_event_reqs"):
+                assert not getattr(self, name), f"loads: {name} not empty: {getattr(self, name)}"

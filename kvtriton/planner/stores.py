@@ -1,0 +1,511 @@
+"""The store lifecycle: per-request store state, store batches, worker reports, the finish flush.
+
+1. ``admit``: a request allocated in eager mode gets a *row* in the selector (its block tables,
+   cursors and key ownership); ``track_step`` keeps the tables in step with the scheduler's new
+   blocks, preemptions and resumptions.
+2. Each step, ``add_handoffs`` (Mamba states saved at a boundary) and ``select`` (the selector's
+   scan) add GPU -> CPU pairs to the step's ``StoreJob``; ``allocate`` takes their CPU blocks and
+   pins their GPU sources; ``issue`` adds the queued finish flush and gives the batch its event.
+3. ``apply_reports``: a store event counts once ``world_size`` workers reported it; its blocks are
+   then registered in the CPU pool under every key of their GPU block and freed in the configured
+   order. A failed store releases its pins and caches nothing.
+4. ``finish``: a finished request's confirmed blocks the scan has not stored are queued as the
+   finish flush; its state is dropped once none of its stores is in flight.
+5. ``reset``: issued batches become abandoned (their pins are released at their reports), the
+   queued flush is released, every store state is dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvtriton.planner.config import PlannerConfig
+from kvtriton.planner.selection import StoreSelector
+from kvtriton.planner.stats import PlannerStats
+from kvtriton.pool import NULL_BLOCK, BlockPool
+from kvtriton.records import Request, StepOutput, Transfer
+from kvtriton.specs import KVLayout
+
+__all__ = ["StoreJob", "Stores"]
+
+# The planner's logger: its records carry one name whichever lifecycle emits them.
+logger = logging.getLogger("kvtriton.planner.planner")
+
+
+@dataclass(slots=True)
+class StoreJob:
+    """Pairs of one store batch (or of the queued finish flush): GPU block -> CPU block of a
+    group, with the primary key the CPU block is stored for and the requests it serves."""
+
+    gpu: list[int] = field(default_factory=list)
+    cpu: list[int] = field(default_factory=list)
+    groups: list[int] = field(default_factory=list)
+    keys: list[int] = field(default_factory=list)
+    req_ids: list[str] = field(default_factory=list)
+
+    def extend(self, other: StoreJob) -> None:
+        self.gpu += other.gpu
+        self.cpu += other.cpu
+        self.groups += other.groups
+        self.keys += other.keys
+        self.req_ids += [r for r in other.req_ids if r not in self.req_ids]
+
+
+@dataclass(slots=True)
+class _StoreState:
+    """One request's store state: its selector row, table lengths per group (``num_blocks``),
+    the store events carrying its blocks, and whether it finished or holds a row now."""
+
+    row: int
+    num_blocks: list[int] = field(default_factory=list)
+    events: set[int] = field(default_factory=set)
+    finished: bool = False
+    admitted: bool = False
+
+
+class Stores:
+    """Store states, rows, store batches in flight, worker report counts and the finish flush."""
+
+    def __init__(self, layout: KVLayout, config: PlannerConfig, gpu_pool: BlockPool,
+                 cpu_pool: BlockPool, selector: StoreSelector, stats: PlannerStats) -> None:
+        self._layout = layout
+        self._config = config
+        self._gpu_pool = gpu_pool
+        self._cpu_pool = cpu_pool
+        self._selector = selector
+        self._stats = stats
+        hbs = layout.hash_block_size
+        self._ratio = [g.block_size // hbs for g in layout.groups]
+        self._positional = [g.kind != "mamba" for g in layout.groups]
+        self._align = hbs if config.fine_grained else layout.scheduler_block_size
+        self._states: dict[str, _StoreState] = {}
+        self._row_req: dict[int, str] = {}
+        self._free_rows: list[int] = []
+        self._next_row = 0
+        self._jobs: dict[int, StoreJob] = {}
+        self._abandoned: dict[int, StoreJob] = {}
+        self._flush = StoreJob()
+        self._reports: dict[int, int] = {}
+        self._next_event = 0
+
+    # ---- rows -------------------------------------------------------------------------------
+
+    def _primary_keys(self, req: Request) -> list[np.ndarray]:
+        return [req.keys[g, r - 1::r] if self._positional[g] else req.keys[g, :0]
+                for g, r in enumerate(self._ratio)]
+
+    def _confirmed_positions(self, req: Request, g: int) -> int:
+        """Positions of group g whose tokens are confirmed computed and hashed."""
+        aligned = req.confirmed_tokens // self._align * self._align
+        return min(aligned // self._layout.groups[g].block_size,
+                   req.keys.shape[1] // self._ratio[g])
+
+    def _admit_row(self, req: Request, st: _StoreState) -> None:
+        self._selector.admit(st.row, self._primary_keys(req))
+        st.num_blocks = [0] * self._layout.num_groups
+        st.admitted = True
+
+    def _release_row(self, st: _StoreState) -> None:
+        if st.admitted:
+            self._selector.release(st.row)
+            st.admitted = False
+
+    def _drop_state(self, rid: str) -> None:
+        st = self._states.pop(rid)
+        self._release_row(st)
+        del self._row_req[st.row]
+        self._free_rows.append(st.row)
+
+    def admit(self, req: Request) -> None:
+        """Give ``req`` a row (once: a request keeps its row until it finishes)."""
+        rid = req.request_id
+        if rid in self._states:
+            return
+        row = self._free_rows.pop() if self._free_rows else self._next_row
+        self._next_row = max(self._next_row, row + 1)
+        st = _StoreState(row)
+        self._states[rid] = st
+        self._row_req[row] = rid
+        self._admit_row(req, st)
+
+    def track_step(self, step: StepOutput, requests: Mapping[str, Request]) -> None:
+        """Preempted requests lose their rows; new GPU blocks join the tables (a resumed or
+        preempted request is admitted again, with a table that starts over)."""
+        for rid in step.preempted_req_ids:
+            if (st := self._states.get(rid)) is not None and not st.finished:
+                # Its GPU blocks are gone: table and cursors start over when it resumes.
+                self._release_row(st)
+        for rid, new_ids in step.new_block_ids.items():
+            st = self._states.get(rid)
+            if st is None or st.finished:
+                continue
+            if rid in step.resumed_req_ids and st.admitted:
+                self._release_row(st)
+            if not st.admitted:
+                self._admit_row(requests[rid], st)
+            for g, ids in enumerate(new_ids):
+                if ids and self._positional[g]:
+                    self._selector.append_blocks(st.row, g, list(ids))
+                    st.num_blocks[g] += len(ids)
+
+    # ---- one step's batch -------------------------------------------------------------------
+
+    def add_handoffs(self, step: StepOutput, job: StoreJob) -> None:
+        """Mamba states saved at a boundary this step, stored as state blocks."""
+        gpu_pool, cpu_pool, stats = self._gpu_pool, self._cpu_pool, self._stats
+        free = cpu_pool.num_free_blocks
+        for rid, entries in step.boundary_handoffs.items():
+            st = self._states.get(rid)
+            gone = (st is None or st.finished or rid in step.preempted_req_ids
+                    or rid in step.finished_req_ids)
+            for _boundary, gb, g in entries:
+                key = None if gone or gb == NULL_BLOCK else gpu_pool.block_hash(gb)
+                if key is None:
+                    stats.handoff_dropped += 1
+                    continue
+                if self._selector.in_flight(gb, key) or key in cpu_pool or key in job.keys:
+                    continue
+                if len(job.gpu) >= free:
+                    stats.handoff_dropped += 1
+                    continue
+                job.gpu.append(gb)
+                job.groups.append(g)
+                job.keys.append(key)
+                if rid not in job.req_ids:
+                    job.req_ids.append(rid)
+                stats.handoff_stored += 1
+        self.allocate(job)
+
+    def select(self, step: StepOutput, job: StoreJob, requests: Mapping[str, Request]) -> None:
+        """The selector's scan over this step's requests (in scan order), added to ``job``."""
+        config = self._config
+        order = step.order if step.order is not None else list(step.num_scheduled_tokens)
+        if config.scan_idle:
+            seen = set(order)
+            order = order + [r for r in self._states if r not in seen]
+        rows, ready = [], []
+        G = self._layout.num_groups
+        for rid in order:
+            st = self._states.get(rid)
+            if st is None or st.finished or not st.admitted:
+                continue
+            if not config.scan_idle and not step.num_scheduled_tokens.get(rid, 0):
+                continue
+            req = requests[rid]
+            rows.append(st.row)
+            ready.append([min(self._confirmed_positions(req, g), st.num_blocks[g])
+                          if self._positional[g] else 0 for g in range(G)])
+        if not rows:
+            return
+        ready_arr = np.asarray(ready, dtype=np.int64).reshape(len(rows), G)
+        # Handoffs of this step already took their CPU blocks, so what is free is the budget.
+        budget, restore_budget = self._cpu_pool.num_free_blocks, self._restore_budget()
+        t0 = time.perf_counter()
+        sel = self._selector.select(rows, ready_arr, budget, restore_budget)
+        self._stats.select_s += time.perf_counter() - t0
+        self._stats.select_calls += 1
+        self._stats.scan.add(sel.outcomes)
+        self._stats.restore_thrash += sel.thrash
+        if not len(sel):
+            return
+        start = len(job.gpu)
+        job.gpu += sel.gpu_blocks
+        job.groups += sel.groups
+        job.keys += sel.keys
+        seen = set(job.req_ids)
+        for row in dict.fromkeys(sel.rows):
+            rid = self._row_req[row]
+            if rid not in seen:
+                job.req_ids.append(rid)
+        self.allocate(job, start)
+
+    def _restore_budget(self) -> int | None:
+        """This step's re-store cap: the per-step bound, and the room running requests' blocks
+        have left under ``restore_share`` of the CPU pool."""
+        cap = self._config.max_restores_per_step
+        share = self._config.restore_share
+        if share is not None:
+            room = int(share * (self._cpu_pool.num_blocks - 1)) - self._selector.running_present
+            cap = max(0, room) if cap is None else min(cap, max(0, room))
+        return cap
+
+    def allocate(self, job: StoreJob, start: int = 0) -> None:
+        """CPU blocks for ``job``'s pairs from ``start`` on; pin their GPU sources."""
+        n = len(job.gpu) - start
+        if n <= 0:
+            return
+        job.cpu += self._cpu_pool.get_new_blocks(n)
+        self._gpu_pool.touch(job.gpu[start:])
+        self._selector.set_in_flight(job.gpu[start:], job.keys[start:], True)
+
+    def issue(self, job: StoreJob) -> Transfer:
+        """The step's store transfer: ``job`` plus the queued finish flush, under one new event
+        (an empty transfer when there is nothing to store)."""
+        if self._flush.gpu:
+            job.extend(self._flush)
+            self._flush = StoreJob()
+        if not job.gpu:
+            return Transfer()
+        ev = self._next_event
+        self._next_event += 1
+        self._jobs[ev] = job
+        for rid in job.req_ids:
+            if (st := self._states.get(rid)) is not None:
+                st.events.add(ev)
+        return Transfer(ev, job.gpu, job.cpu, job.groups)
+
+    # ---- reports ----------------------------------------------------------------------------
+
+    def validate_reports(self, completed: Mapping[int, int] | Iterable[int],
+                         failed: Iterable[int]) -> tuple[dict[int, int], list[int]]:
+        """Reports as (event -> report count, failed events); ``ValueError`` for an event never
+        issued or a count that is not positive."""
+        if not isinstance(completed, Mapping):
+            counts: dict[int, int] = {}
+            for ev in completed:
+                counts[ev] = counts.get(ev, 0) + 1
+            completed = counts
+        failed = list(failed)
+        for ev in [*completed, *failed]:
+            if not isinstance(ev, int) or not 0 <= ev < self._next_event:
+                raise ValueError(f"store event {ev!r} was never issued")
+        for ev, count in completed.items():
+            if count <= 0:
+                raise ValueError(f"store event {ev}: report count must be positive, got {count}")
+        return dict(completed), failed
+
+    def apply_reports(self, completed: dict[int, int], failed: list[int]) -> None:
+        """Count reports; a store takes effect once ``world_size`` arrived. Late or repeated
+        reports are counted in ``stats.stale_reports``."""
+        world = self._config.world_size
+        for ev, count in completed.items():
+            if ev not in self._jobs and ev not in self._abandoned:
+                self._stats.stale_reports += 1
+                logger.info("ignoring a report for store event %d, already completed", ev)
+                continue
+            total = self._reports.get(ev, 0) + count
+            if total < world:
+                self._reports[ev] = total
+                continue
+            self._reports.pop(ev, None)
+            if total > world:
+                self._stats.stale_reports += total - world
+            self._complete(ev, failed=False)
+        for ev in failed:
+            if ev in self._jobs or ev in self._abandoned:
+                self._reports.pop(ev, None)
+                self._complete(ev, failed=True)
+            else:
+                self._stats.stale_reports += 1
+
+    def _complete(self, ev: int, failed: bool) -> None:
+        job = self._jobs.pop(ev, None)
+        abandoned = job is None
+        if abandoned:
+            job = self._abandoned.pop(ev)
+        else:
+            self._selector.set_in_flight(job.gpu, job.keys, False)
+        order = range(len(job.gpu) - 1, -1, -1) if self._config.cpu_free_order == "tail_first" \
+            else range(len(job.gpu))
+        if failed:
+            self._stats.failed_transfers += 1
+            logger.warning("store event %d failed on a worker: %d blocks released, nothing "
+                           "cached", ev, len(job.gpu))
+            if not abandoned:
+                self._selector.want(job.keys)
+        elif not abandoned:
+            gpu_pool, cpu_pool = self._gpu_pool, self._cpu_pool
+            for i in order:
+                keys = gpu_pool.block_keys(job.gpu[i])
+                cpu_pool.cache_block(job.cpu[i], keys[0], keys[1:], group_idx=job.groups[i])
+            self._stats.stores_completed += 1
+            self._stats.blocks_stored += len(job.gpu)
+        self._cpu_pool.free_blocks([job.cpu[i] for i in order])
+        self._gpu_pool.free_blocks([job.gpu[i] for i in order])
+        for rid in job.req_ids:
+            st = self._states.get(rid)
+            if st is not None:
+                st.events.discard(ev)
+                if st.finished and not st.events:
+                    self._drop_state(rid)
+
+    # ---- finish and reset ---------------------------------------------------------------------
+
+    def finish(self, req: Request) -> None:
+        """``req`` finished: queue its flush, release its row, drop its state unless a store of
+        it is in flight or queued."""
+        rid = req.request_id
+        st = self._states.get(rid)
+        if st is None or st.finished:
+            return
+        if st.admitted:
+            self._queue_flush(rid, req, st)
+        st.finished = True
+        self._release_row(st)
+        if not st.events and rid not in self._flush.req_ids:
+            self._drop_state(rid)
+
+    def _queue_flush(self, rid: str, req: Request, st: _StoreState) -> None:
+        """Queue confirmed blocks the scan has not stored (past the cursor, and wanted ones
+        below it) for the next store batch; also the prompt-tail block of a fine-grained hit."""
+        job = StoreJob()
+        gpu_pool, cpu_pool, sel = self._gpu_pool, self._cpu_pool, self._selector
+        free = cpu_pool.num_free_blocks
+        pkeys = self._primary_keys(req)
+        queued = set(self._flush.keys)
+        for g, spec in enumerate(self._layout.groups):
+            if not self._positional[g]:
+                continue
+            table = sel.table(st.row, g)
+            cur = sel.cursor(st.row, g)
+            ready = min(self._confirmed_positions(req, g), len(table))
+            positions = (sel.wanted_below_cursor(st.row, g) if self._config.restore else []) \
+                + list(range(cur, ready))
+            for pos in positions:
+                key = int(pkeys[g][pos])
+                src = table[pos]
+                if src == NULL_BLOCK and spec.kind == "sliding_window":
+                    src = gpu_pool.get_cached_block(key) or NULL_BLOCK
+                if (src == NULL_BLOCK or gpu_pool.block_hash(src) != key
+                        or sel.in_flight(src, key) or key in cpu_pool or key in queued):
+                    continue
+                if len(job.gpu) >= free:
+                    break
+                job.gpu.append(src)
+                job.groups.append(g)
+                job.keys.append(key)
+                queued.add(key)
+        tail = self._prompt_tail_block(req, st)
+        if tail is not None and tail[0] not in job.gpu and len(job.gpu) < free:
+            job.gpu.append(tail[0])
+            job.groups.append(0)
+            job.keys.append(tail[1])
+        if job.gpu:
+            job.req_ids.append(rid)
+            self.allocate(job)
+            self._flush.extend(job)
+            self._stats.flush_stored += len(job.gpu)
+
+    def _prompt_tail_block(self, req: Request, st: _StoreState) -> tuple[int, int] | None:
+        """The partial full-attention block holding the prompt's last hash boundary, if the GPU
+        block is registered under that boundary's key (fine-grained hits only)."""
+        if not self._config.fine_grained:
+            return None
+        hbs, B = self._layout.hash_block_size, self._layout.groups[0].block_size
+        boundary = req.num_prompt_tokens // hbs * hbs
+        if boundary == 0 or boundary % B == 0 or boundary > req.num_computed_tokens:
+            return None
+        table = self._selector.table(st.row, 0)
+        idx = boundary // B
+        if idx >= len(table) or boundary // hbs > req.keys.shape[1]:
+            return None
+        gb = table[idx]
+        key = int(req.keys[0, boundary // hbs - 1])
+        if (gb == NULL_BLOCK or key not in self._gpu_pool.block_keys(gb)
+                or key in self._cpu_pool or self._selector.in_flight(gb, key)):
+            return None
+        return gb, key
+
+    def reset(self) -> None:
+        """Abandon the batches in flight, release the queued flush, drop every store state."""
+        for ev, job in self._jobs.items():
+            self._selector.set_in_flight(job.gpu, job.keys, False)
+            self._abandoned[ev] = job
+            self._stats.abandoned_stores += 1
+        self._jobs.clear()
+        flush, self._flush = self._flush, StoreJob()
+        if flush.gpu:
+            self._selector.set_in_flight(flush.gpu, flush.keys, False)
+            self._cpu_pool.free_blocks(flush.cpu)
+            self._gpu_pool.free_blocks(flush.gpu)
+        for rid in list(self._states):
+            self._drop_state(rid)
+        self._reports = {ev: n for ev, n in self._reports.items() if ev in self._abandoned}
+
+    # ---- introspection ----------------------------------------------------------------------
+
+    def has_state(self, rid: str) -> bool:
+        return rid in self._states
+
+    def has_abandoned(self) -> bool:
+        return bool(self._abandoned)
+
+    def has_pending(self) -> bool:
+        return bool(self._flush.gpu or self._jobs or self._abandoned)
+
+    def pending_blocks(self) -> int:
+        return len(self._flush.gpu) + sum(len(j.gpu) for j in self._jobs.values()) + sum(
+            len(j.gpu) for j in self._abandoned.values())
+
+    def cursor(self, rid: str, group: int) -> int:
+        st = self._states.get(rid)
+        if st is None or not st.admitted:
+            raise ValueError(f"request {rid!r} has no store cursor")
+        return self._selector.cursor(st.row, group)
+
+    def events_in_flight(self) -> set[int]:
+        """Store events issued and not yet completed, abandoned ones included."""
+        return set(self._jobs) | set(self._abandoned)
+
+    def queued_flush(self) -> Transfer:
+        """The finish flush queued for the next batch (event -1)."""
+        f = self._flush
+        return Transfer(-1, list(f.gpu), list(f.cpu), list(f.groups))
+
+    def check_invariants(self, requests: Mapping[str, Request], *, idle: bool = False) -> None:
+        """Raise ``AssertionError`` if the store books disagree with each other or with the
+        selector; with ``idle``, also if they hold anything."""
+        rows = {st.row: rid for rid, st in self._states.items()}
+        assert rows == self._row_req, "row table out of step with the store states"
+        assert len(set(self._free_rows)) == len(self._free_rows), "a row freed twice"
+        assert not set(self._free_rows) & set(rows), "a row both free and held"
+        assert all(0 <= r < self._next_row for r in [*rows, *self._free_rows])
+        assert not set(self._jobs) & set(self._abandoned), "an event both live and abandoned"
+        for ev in [*self._jobs, *self._abandoned]:
+            assert 0 <= ev < self._next_event, f"store event {ev} was never issued"
+        world = self._config.world_size
+        for ev, n in self._reports.items():
+            assert ev in self._jobs or ev in self._abandoned, f"reports kept for done event {ev}"
+            assert 0 < n < world, f"store {ev}: {n} reports kept (world_size {world})"
+        for ev, job in [*self._jobs.items(), *self._abandoned.items(), (None, self._flush)]:
+            assert len(job.gpu) == len(job.cpu) == len(job.groups) == len(job.keys), (
+                f"store {ev}: pairs out of step")
+        for rid, st in self._states.items():
+            assert st.events <= set(self._jobs), f"{rid}: events {st.events} not in flight"
+            assert not st.finished or st.events or rid in self._flush.req_ids, (
+                f"{rid}: finished with nothing in flight, never dropped")
+            assert not (st.finished and st.admitted), f"{rid}: finished but holds a row"
+            if st.admitted:
+                assert rid in requests, f"{rid}: holds a row, the request is unknown"
+                assert len(st.num_blocks) == self._layout.num_groups
+                for g, n in enumerate(st.num_blocks):
+                    assert len(self._selector.table(st.row, g)) == n, (
+                        f"{rid}: group {g} table length out of step")
+        # In-flight flags are exactly the live batches' and the queued flush's blocks and keys.
+        live_gpu, live_keys = set(self._flush.gpu), list(self._flush.keys)
+        for job in self._jobs.values():
+            live_gpu.update(job.gpu)
+            live_keys += job.keys
+        assert len(set(live_keys)) == len(live_keys), f"a key is stored twice at once: {live_keys}"
+        flagged_gpu, flagged_keys = self._selector.in_flight_flags()
+        assert flagged_gpu == live_gpu, f"in-flight GPU flags {flagged_gpu} != {live_gpu}"
+        assert flagged_keys == set(live_keys), (
+            f"in-flight key flags {flagged_keys} != {set(live_keys)}")
+        # The running_present gauge (behind restore_share), from the admitted requests' keys.
+        owned: set[int] = set()
+        for rid, st in self._states.items():
+            if st.admitted:
+                for ks in self._primary_keys(requests[rid]):
+                    owned.update(ks.tolist())
+        present = sum(k in self._cpu_pool for k in owned)
+        assert self._selector.running_present == present, (
+            f"running_present {self._selector.running_present}, recomputed {present}")
+        if idle:
+            for name in ("_states", "_row_req", "_jobs", "_abandoned", "_reports"):
+                assert not getattr(self, name), f"stores: {name} not empty: {getattr(self, name)}"
+            assert not self._flush.gpu, "stores: a finish flush is still queued"
