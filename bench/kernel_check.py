@@ -1,13 +1,17 @@
-"""Kernel correctness, run as part of the harness: the Triton copy kernel against the torch
-reference on every preset's real per-block segment sizes (with fewer layers), whole pools
-compared byte for byte. Under ``TRITON_INTERPRET=1`` on a machine without CUDA, on the GPU
-otherwise. Writes ``bench/results/kernel_check.json``.
+"""Kernel correctness, run as part of the harness: the Triton copy kernel, the copy-engine path
+and ``backend="auto"`` against the torch reference on every preset's real per-block segment sizes
+(with fewer layers), whole pools and whole KV tensors compared byte for byte. Under
+``TRITON_INTERPRET=1`` on a machine without CUDA, on the GPU otherwise, where every engine's side
+streams are synchronized (``flush``) before anything is compared. Writes
+``bench/results/kernel_check.json`` (``--results-dir`` elsewhere).
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import time
+from pathlib import Path
 
 import torch
 
@@ -40,38 +44,60 @@ def _fill_random(kv, gen: torch.Generator) -> None:
         t.copy_(torch.randint(0, 256, t.shape, generator=gen, dtype=torch.uint8))
 
 
+BACKENDS = ("torch", "triton", "copy_engine", "auto")  # the first is the reference
+
+
+def _step(engine: TransferEngine, meta: PlannerMeta) -> tuple[list[int], list[str]]:
+    """Run one step and wait for it: on CUDA the copies run on the engine's side streams, which
+    neither ``poll`` nor a later read on the current stream waits for."""
+    engine.execute(meta)
+    engine.flush()
+    return engine.poll()
+
+
 def check(name: str, device: str, seed: int = 0) -> dict:
     layout = _shrunk(name)
     gen = torch.Generator().manual_seed(seed)
     n_gpu, n_cpu = 16, 12
-    kv = {b: allocate_kv_caches(layout, n_gpu, device=device) for b in ("triton", "torch")}
-    _fill_random(kv["torch"], gen)
-    for ta, tb in zip(_tensors(kv["triton"]), _tensors(kv["torch"]), strict=True):
-        ta.copy_(tb)
-    engines = {b: TransferEngine(layout, kv[b], n_cpu, backend=b) for b in kv}
+    kv = {b: allocate_kv_caches(layout, n_gpu, device=device) for b in BACKENDS}
+    ref = BACKENDS[0]
+    _fill_random(kv[ref], gen)
+    for b in BACKENDS[1:]:
+        for ta, tb in zip(_tensors(kv[b]), _tensors(kv[ref]), strict=True):
+            ta.copy_(tb)
+    engines = {b: TransferEngine(layout, kv[b], n_cpu, backend=b) for b in BACKENDS}
     for e in engines.values():
         e.cpu_pool.fill_(0xA5)
     gpu = torch.randperm(n_gpu - 1, generator=gen)[:PAIRS].add(1).tolist()
     cpu = torch.randperm(n_cpu, generator=gen)[:PAIRS].tolist()
     groups = [i % layout.num_groups for i in range(PAIRS)]
     t0 = time.perf_counter()
-    for e in engines.values():
-        e.execute(PlannerMeta(Transfer(0, gpu, cpu, groups), Transfer(), {}))
-        e.poll()
-    store_ok = torch.equal(engines["triton"].cpu_pool.cpu(), engines["torch"].cpu_pool.cpu())
+    reported = {b: _step(e, PlannerMeta(Transfer(0, gpu, cpu, groups), Transfer(), {}))
+                for b, e in engines.items()}
+    store_ok = {b: torch.equal(engines[b].cpu_pool, engines[ref].cpu_pool)
+                and reported[b] == ([0], []) for b in BACKENDS[1:]}
     # Load the stored blocks into other GPU blocks and compare every KV tensor.
     dst = [b for b in range(1, n_gpu) if b not in gpu][:PAIRS]
+    reported = {b: _step(e, PlannerMeta(Transfer(), Transfer(0, dst, cpu, groups), {0: ["r"]}))
+                for b, e in engines.items()}
+    load_ok = {b: all(torch.equal(ta.cpu(), tb.cpu())
+                      for ta, tb in zip(_tensors(kv[b]), _tensors(kv[ref]), strict=True))
+               and reported[b] == ([], ["r"]) for b in BACKENDS[1:]}
+    copy_engine_groups = engines["auto"].copy_engine_groups(groups).tolist()
     for e in engines.values():
-        e.execute(PlannerMeta(Transfer(), Transfer(0, dst, cpu, groups), {0: ["r"]}))
-        e.poll()
-    load_ok = all(torch.equal(ta.cpu(), tb.cpu())
-                  for ta, tb in zip(_tensors(kv["triton"]), _tensors(kv["torch"]), strict=True))
+        e.close()
     return {"preset": name, "layout": layout.describe(), "pairs": PAIRS,
-            "store_bit_exact": store_ok, "load_bit_exact": load_ok,
+            "store_bit_exact": all(store_ok.values()), "load_bit_exact": all(load_ok.values()),
+            "store_bit_exact_by_backend": store_ok, "load_bit_exact_by_backend": load_ok,
+            "auto_copy_engine_groups": copy_engine_groups,
             "seconds": time.perf_counter() - t0}
 
 
-def main() -> dict:
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--results-dir", type=Path, default=None)
+    # The harness calls main() with no arguments: never read its own command line.
+    args = ap.parse_args([] if argv is None else argv)
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     mode = "cuda" if cuda else "TRITON_INTERPRET=1 on CPU"
@@ -80,14 +106,20 @@ def main() -> dict:
         row = check(name, device)
         rows.append(row)
         ok = row["store_bit_exact"] and row["load_bit_exact"]
-        print(f"  kernel vs torch reference, {name:14s} ({mode}): "
-              f"{'bit-exact' if ok else 'MISMATCH'} in {row['seconds']:.1f}s")
-    path = write_result("kernel_check", {"mode": mode, "rows": rows})
+        bad = [b for b in BACKENDS[1:] if not (row["store_bit_exact_by_backend"][b]
+                                               and row["load_bit_exact_by_backend"][b])]
+        print(f"  {', '.join(BACKENDS[1:])} vs torch reference, {name:14s} ({mode}): "
+              f"{'bit-exact' if ok else 'MISMATCH in ' + ', '.join(bad)} in "
+              f"{row['seconds']:.1f}s")
+    payload = {"mode": mode, "backends": list(BACKENDS), "rows": rows}
+    path = write_result("kernel_check", payload, args.results_dir)
     print(f"wrote {path}")
     if not all(r["store_bit_exact"] and r["load_bit_exact"] for r in rows):
-        raise SystemExit("kernel check failed: the Triton kernel and the torch reference differ")
-    return {"mode": mode, "rows": rows}
+        raise SystemExit("kernel check failed: a backend and the torch reference differ")
+    return payload
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    main(sys.argv[1:])

@@ -3,7 +3,10 @@
 - ``copy_blocks``: the one-launch store (gather into the CPU pool) and load (scatter into GPU
   blocks) kernel, its tables (``CopyTable``) and its validating launcher;
 - ``reference``: pure-torch references (vectorized, and a per-block loop) used by the engine's
-  ``backend="torch"``, the tests and the benchmark.
+  ``backend="torch"``, the tests and the benchmark;
+- ``compiled``: the kernel compiled ahead of time for sm_90 / sm_80 without a GPU, and the
+  registers, spills and instructions read from the artifact
+  (``python -m kvtriton.kernels.compiled``).
 
 Set ``TRITON_INTERPRET=1`` before importing ``copy_blocks`` to run the kernel on CPU tensors.
 """

@@ -1,19 +1,29 @@
-"""One-launch block copies between paged GPU KV tensors and the block-major CPU pool.
+"""Block copies between paged GPU KV tensors and the block-major CPU pool, one launch per step.
 
 A step's store (GPU -> CPU, gather) or load (CPU -> GPU, scatter) is a list of pairs
 ``(gpu_block, cpu_block, group)``. Every group and every layer moves in one launch of
-``_copy_blocks_kernel``, driven by int64 tables that are built once per engine (``CopyTable``):
+``_copy_blocks_kernel`` per access width present (one launch for every shipped preset, whose
+segments are all 16-byte aligned), driven by int64 tables that are built once per engine
+(``CopyTable``):
 
 - ``rows``  ``[R, 5]``: one row per segment (a layer's K or V page, a Mamba conv or SSM state):
   GPU base address, GPU block stride (bytes), segment bytes, offset in the CPU block, and the
   access width in bytes (16, 4 or 1) that every address of that row is aligned to;
-- ``units`` ``[U, 3]``: the work units of one block, per group: row, first byte, bytes. Large
-  segments (Mamba SSM states, MiBs) are cut into chunks so that a few pairs still spread over
-  every program;
-- ``group_units`` ``[G, 2]``: each group's unit range in ``units``.
+- ``units`` ``[U, 3]``: the work units of one block: row, first byte, bytes; ordered by width
+  class, then group. Large segments (Mamba SSM states, MiBs) are cut into chunks so that a few
+  pairs still spread over every program;
+- ``group_units`` ``[W, G, 2]``: for width class w (``WIDTHS[w]``) and group g, the range of
+  g's units of that width in ``units``.
 
-Per step the host sends only the pairs, sorted by group, and each group's pair range: two small
-int tensors, not one descriptor per (block x layer) as a batched memcpy needs.
+The access width is a ``constexpr`` of the launch: a runtime branch over the three widths inlined
+three copy loops into one kernel and took 255 registers per thread plus spills on sm_90 at 8 warps
+(a whole SM's register file for each of the persistent programs); one width per launch takes
+about 48. ``tests/test_kernel_compile.py`` checks this on the compiled artifact.
+
+Per step the host sends only the pairs, sorted by group, and each width class's per-group unit and
+pair ranges: one small int64 buffer, not one descriptor per (block x layer) as a batched memcpy
+needs. ``prepare_copy`` does that host work once and ``launch_copy`` enqueues the launches, so a
+benchmark can time launches of a prepared step back to back; ``copy_blocks`` does both.
 """
 
 from __future__ import annotations
@@ -26,28 +36,43 @@ import triton
 import triton.language as tl
 from triton import knobs
 
-__all__ = ["DEFAULT_SM_BUDGET", "CopyTable", "copy_blocks", "validate_pairs"]
+__all__ = [
+    "DEFAULT_SM_BUDGET",
+    "CopyLaunch",
+    "CopyTable",
+    "copy_blocks",
+    "launch_copy",
+    "prepare_copy",
+    "tile_bytes_for",
+    "validate_pairs",
+]
 
 # Copies compete with the model for SMs: a few programs saturate a PCIe link (vLLM tuned 12 on
 # an H100 for 8-32 KiB pieces), so the default grid stays small.
 DEFAULT_SM_BUDGET = 16
-# Bytes one program moves per loop iteration: 16 KiB is four 16-byte vectors per thread at 8 warps,
-# so each SM keeps enough reads in flight to cover host-memory latency (~1-2 us) on loads.
+# Bytes one program moves per loop iteration on the 16-byte path: four 16-byte vectors per thread
+# at 8 warps, so each SM keeps enough reads in flight to cover host-memory latency (~1-2 us) on
+# loads. Narrower paths move the same number of accesses per thread (tile_bytes_for), which keeps
+# their registers below the 16-byte path's.
 TILE_BYTES = 16384
 NUM_WARPS = 8
 # Units of work are at most this many bytes of one segment.
 CHUNK_BYTES = 256 * 1024
+# Access widths in bytes, widest first; a row gets the widest its addresses allow.
 WIDTHS = (16, 4, 1)
 
 INTERPRETED = bool(knobs.runtime.interpret)
 
 
 @triton.jit
-def _copy_span(src_addr, dst_addr, n_bytes, WIDTH: tl.constexpr, TILE: tl.constexpr):
+def _copy_span(src_addr, dst_addr, n_bytes, WIDTH: tl.constexpr, TILE: tl.constexpr,
+               STREAM_STORE: tl.constexpr):
     """Copy ``n_bytes`` from address ``src_addr`` to ``dst_addr`` (int64 scalars) in tiles of
-    ``TILE`` bytes, ``WIDTH``-byte aligned; full tiles unmasked so they vectorize."""
+    ``TILE`` bytes, every address ``WIDTH``-byte aligned; full tiles unmasked so they vectorize.
+    ``STREAM_STORE`` marks the stores streaming (``st.global.cs``): bytes written to the host pool
+    are not read again by the GPU, so they should not displace the model's lines in L2."""
     if WIDTH == 16:
-        # 16-byte rows: 4 x int32 per thread; the hints let the compiler emit 128-bit accesses.
+        # 4 x int32 per access; the hints let the compiler emit 128-bit accesses.
         p_src = tl.multiple_of(src_addr.to(tl.pointer_type(tl.int32)), 16)
         p_dst = tl.multiple_of(dst_addr.to(tl.pointer_type(tl.int32)), 16)
         n = tl.multiple_of(n_bytes // 4, 4)
@@ -65,13 +90,19 @@ def _copy_span(src_addr, dst_addr, n_bytes, WIDTH: tl.constexpr, TILE: tl.conste
     o_t = tl.arange(0, ELEMS)  # [ELEMS]
     n_full = n // ELEMS * ELEMS
     for start in range(0, n_full, ELEMS):
-        b_x = tl.load(p_src + start + o_t, eviction_policy="evict_first")
-        tl.store(p_dst + start + o_t, b_x)
+        b_x = tl.load(p_src + start + o_t, eviction_policy="evict_first")  # [ELEMS]
+        if STREAM_STORE:
+            tl.store(p_dst + start + o_t, b_x, cache_modifier=".cs")
+        else:
+            tl.store(p_dst + start + o_t, b_x)
     if n_full < n:
-        o_tail = n_full + o_t
+        o_tail = n_full + o_t  # [ELEMS]
         m_tail = o_tail < n
         b_x = tl.load(p_src + o_tail, mask=m_tail, eviction_policy="evict_first")
-        tl.store(p_dst + o_tail, b_x, mask=m_tail)
+        if STREAM_STORE:
+            tl.store(p_dst + o_tail, b_x, mask=m_tail, cache_modifier=".cs")
+        else:
+            tl.store(p_dst + o_tail, b_x, mask=m_tail)
 
 
 @triton.jit
@@ -84,19 +115,22 @@ def _copy_blocks_kernel(
     cpu_block_bytes,
     num_groups,
     TO_CPU: tl.constexpr,
+    WIDTH: tl.constexpr,
     TILE: tl.constexpr,
 ):
-    """Copy every (pair, unit) of one step between GPU blocks and CPU blocks.
+    """Copy every (pair, unit) of one step and one access width between GPU and CPU blocks.
 
     Grid: ``(num_programs,)``, persistent. The work of group g is ``pair_count[g] x unit_count[g]``
     items (item w: pair ``w // unit_count``, unit ``w % unit_count``); items are numbered across
     groups and program i takes the items congruent to i modulo the grid size.
 
     Pointers (all int64): ``p_pairs`` ``[n, 2]`` (gpu block, cpu block), sorted by group;
-    ``p_step_groups`` ``[G, 4]`` (unit start, unit count, pair start, pair count);
-    ``p_rows`` ``[R, 5]`` and ``p_units`` ``[U, 3]`` as in the module docstring. ``cpu_addr`` is
-    the device address of CPU block 0 and ``cpu_block_bytes`` the pool's row pitch.
-    ``TO_CPU`` selects the store (gather into the CPU pool) or the load (scatter into GPU blocks).
+    ``p_step_groups`` ``[G, 4]`` (unit start, unit count, pair start, pair count) of this width
+    class; ``p_rows`` ``[R, 5]`` and ``p_units`` ``[U, 3]`` as in the module docstring.
+    ``cpu_addr`` is the device address of CPU block 0 and ``cpu_block_bytes`` the pool's row
+    pitch, both in bytes. ``TO_CPU`` selects the store (gather into the CPU pool) or the load
+    (scatter into GPU blocks); ``WIDTH`` (16, 4 or 1) the access width every unit of this launch
+    allows; ``TILE`` the bytes per loop iteration.
     """
     i_prog = tl.program_id(0).to(tl.int64)
     n_prog = tl.num_programs(0).to(tl.int64)
@@ -121,30 +155,28 @@ def _copy_blocks_kernel(
             gpu_base = tl.load(p_rows + row * 5 + 0)
             gpu_stride = tl.load(p_rows + row * 5 + 1)
             cpu_offset = tl.load(p_rows + row * 5 + 3)
-            width = tl.load(p_rows + row * 5 + 4)
             gpu_at = gpu_base + gpu_block * gpu_stride + byte_start
             cpu_at = cpu_addr + cpu_block * cpu_block_bytes + cpu_offset + byte_start
             if TO_CPU:
-                src_at = gpu_at
-                dst_at = cpu_at
+                _copy_span(gpu_at, cpu_at, n_bytes, WIDTH, TILE, True)
             else:
-                src_at = cpu_at
-                dst_at = gpu_at
-            if width == 16:
-                _copy_span(src_at, dst_at, n_bytes, 16, TILE)
-            elif width == 4:
-                _copy_span(src_at, dst_at, n_bytes, 4, TILE)
-            else:
-                _copy_span(src_at, dst_at, n_bytes, 1, TILE)
+                _copy_span(cpu_at, gpu_at, n_bytes, WIDTH, TILE, False)
         done += n_work
+
+
+def tile_bytes_for(width: int, tile_bytes: int = TILE_BYTES) -> int:
+    """Bytes per loop iteration on the ``width``-byte path: as many accesses per thread as the
+    16-byte path makes with ``tile_bytes``."""
+    return tile_bytes * width // WIDTHS[0]
 
 
 @dataclass(frozen=True, slots=True)
 class CopyTable:
     """The static tables of one engine (see the module docstring), on the GPU tensors' device.
 
-    ``num_gpu_blocks[g]`` bounds group g's GPU ids; ``group_units_host`` is ``group_units`` on the
-    host, so a launch needs no device read.
+    ``group_units_host`` ``[len(WIDTHS), G, 2]`` is ``group_units`` on the host, so a launch needs
+    no device read; ``num_gpu_blocks[g]`` bounds group g's GPU ids; ``cpu_block_bytes`` is the
+    pool's row pitch in bytes.
     """
 
     rows: torch.Tensor
@@ -237,6 +269,114 @@ def _check_pool(table: CopyTable, cpu_pool: torch.Tensor) -> None:
                          "address pageable host memory")
 
 
+@dataclass(frozen=True, slots=True)
+class CopyLaunch:
+    """One step's copies, prepared on the host and ready to launch (``prepare_copy``).
+
+    ``step`` is an int64 device tensor: ``[len(WIDTHS), G, 4]`` per-class group ranges followed by
+    the ``[n, 2]`` sorted pairs; ``grids`` lists ``(width class, programs)`` of each launch;
+    ``cpu_addr`` is the device address of CPU block 0 (bytes).
+    """
+
+    to_cpu: bool
+    table: CopyTable
+    step: torch.Tensor
+    grids: tuple[tuple[int, int], ...]
+    cpu_addr: int
+    num_pairs: int
+    tile_bytes: int
+    num_warps: int
+
+
+def _check_launch_args(direction: str, sm_budget, tile_bytes, num_warps) -> None:
+    if direction not in ("store", "load"):
+        raise ValueError(f"direction must be 'store' or 'load', got {direction!r}")
+    if not isinstance(sm_budget, int) or isinstance(sm_budget, bool) or sm_budget <= 0:
+        raise ValueError(f"sm_budget must be a positive int, got {sm_budget!r}")
+    if not isinstance(tile_bytes, int) or tile_bytes < 16 or tile_bytes & (tile_bytes - 1):
+        raise ValueError(f"tile_bytes must be a power of two multiple of 16, got {tile_bytes!r}")
+    if num_warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {num_warps!r}")
+
+
+def prepare_copy(
+    direction: str,
+    table: CopyTable,
+    cpu_pool: torch.Tensor,
+    gpu_blocks,
+    cpu_blocks,
+    groups,
+    *,
+    sm_budget: int = DEFAULT_SM_BUDGET,
+    cpu_pool_device_ptr: int | None = None,
+    tile_bytes: int = TILE_BYTES,
+    num_warps: int = NUM_WARPS,
+    ids_checked: bool = False,
+) -> CopyLaunch:
+    """The host half of ``copy_blocks``: validate, sort the pairs by group, build the per-width
+    ranges and send them to the device in one copy (queued on the current stream). Raises
+    ``ValueError`` naming the bad value; see ``copy_blocks`` for the arguments."""
+    _check_launch_args(direction, sm_budget, tile_bytes, num_warps)
+    _check_pool(table, cpu_pool)
+    cpu_addr = cpu_pool.data_ptr() if cpu_pool_device_ptr is None else cpu_pool_device_ptr
+    if not isinstance(cpu_addr, int) or isinstance(cpu_addr, bool) or cpu_addr <= 0 \
+            or cpu_addr % 16:
+        raise ValueError(f"cpu_pool_device_ptr must be a positive, 16-byte aligned address, "
+                         f"got {cpu_pool_device_ptr!r}")
+    if ids_checked:
+        gpu, cpu, grp = gpu_blocks, cpu_blocks, groups
+    else:
+        gpu, cpu, grp = validate_pairs(table, cpu_pool.shape[0], direction,
+                                       gpu_blocks, cpu_blocks, groups)
+    n = len(gpu)
+    if n and table.device.type != "cuda" and not INTERPRETED:
+        raise ValueError(f"the Triton copy kernel needs CUDA tensors or TRITON_INTERPRET=1; the "
+                         f"KV tensors are on {table.device}")
+
+    num_classes, num_groups = table.group_units_host.shape[:2]
+    counts = np.bincount(grp, minlength=num_groups)
+    step = np.empty((num_classes, num_groups, 4), dtype=np.int64)
+    step[:, :, :2] = table.group_units_host
+    step[:, :, 2] = np.cumsum(counts) - counts
+    step[:, :, 3] = counts
+    work = (step[:, :, 1] * step[:, :, 3]).sum(axis=1)
+    grids = tuple((w, min(sm_budget, int(work[w]))) for w in range(num_classes) if work[w])
+    if not grids:
+        return CopyLaunch(direction == "store", table, torch.zeros(0, dtype=torch.int64), (),
+                          cpu_addr, n, tile_bytes, num_warps)
+
+    # One host buffer, one host-to-device copy per step, whatever the number of launches.
+    header = step.size
+    host = torch.empty(header + 2 * n, dtype=torch.int64,
+                       pin_memory=table.device.type == "cuda")
+    host_np = host.numpy()
+    host_np[:header] = step.reshape(-1)
+    order = np.argsort(grp, kind="stable")
+    pairs_np = host_np[header:].reshape(n, 2)
+    pairs_np[:, 0] = gpu[order]
+    pairs_np[:, 1] = cpu[order]
+    dev = host.to(table.device, non_blocking=True)
+    return CopyLaunch(direction == "store", table, dev, grids, cpu_addr, n, tile_bytes, num_warps)
+
+
+def launch_copy(launch: CopyLaunch) -> int:
+    """Enqueue the kernel launches of a prepared step on the current stream, one per access
+    width present; they may be enqueued again (benchmarks). Returns the number of pairs."""
+    table = launch.table
+    num_classes, num_groups = table.group_units_host.shape[:2]
+    header = num_classes * num_groups * 4
+    pairs = launch.step[header:]
+    for w, programs in launch.grids:
+        width = WIDTHS[w]
+        _copy_blocks_kernel[(programs,)](
+            pairs, launch.step[w * num_groups * 4:(w + 1) * num_groups * 4], table.rows,
+            table.units, launch.cpu_addr, table.cpu_block_bytes, num_groups,
+            TO_CPU=launch.to_cpu, WIDTH=width, TILE=tile_bytes_for(width, launch.tile_bytes),
+            num_warps=launch.num_warps,
+        )
+    return launch.num_pairs
+
+
 def copy_blocks(
     direction: str,
     table: CopyTable,
@@ -251,63 +391,21 @@ def copy_blocks(
     num_warps: int = NUM_WARPS,
     ids_checked: bool = False,
 ) -> int:
-    """Move blocks between GPU KV tensors and ``cpu_pool`` in one launch on the current stream.
+    """Move blocks between GPU KV tensors and ``cpu_pool`` on the current stream: one launch
+    per access width present in the step (one for the shipped presets).
 
     ``direction`` is ``"store"`` (GPU block ``gpu_blocks[i]`` of group ``groups[i]`` -> CPU block
     ``cpu_blocks[i]``) or ``"load"`` (the reverse). Ids are host sequences (lists, numpy or CPU
     tensors). ``cpu_pool`` is the ``[num_cpu_blocks, cpu_block_bytes]`` uint8 pool; with CUDA it
     must be pinned, and ``cpu_pool_device_ptr`` is its device address when that differs from the
-    host one. At most ``sm_budget`` programs run. Everything is validated before the launch
+    host one. At most ``sm_budget`` programs run per launch; ``tile_bytes`` is the bytes a program
+    moves per loop iteration on the 16-byte path. Everything is validated before the launch
     (``ValueError`` naming the bad value; nothing is written then). ``ids_checked=True`` skips
     the id checks for int64 arrays that ``validate_pairs`` already returned for this table and
     pool (the engine validates a whole step before starting either direction). Returns the
     number of pairs.
     """
-    if direction not in ("store", "load"):
-        raise ValueError(f"direction must be 'store' or 'load', got {direction!r}")
-    if not isinstance(sm_budget, int) or isinstance(sm_budget, bool) or sm_budget <= 0:
-        raise ValueError(f"sm_budget must be a positive int, got {sm_budget!r}")
-    if tile_bytes <= 0 or tile_bytes % 16 or tile_bytes & (tile_bytes - 1):
-        raise ValueError(f"tile_bytes must be a power of two multiple of 16, got {tile_bytes}")
-    _check_pool(table, cpu_pool)
-    if ids_checked:
-        gpu, cpu, grp = gpu_blocks, cpu_blocks, groups
-    else:
-        gpu, cpu, grp = validate_pairs(table, cpu_pool.shape[0], direction,
-                                       gpu_blocks, cpu_blocks, groups)
-    n = len(gpu)
-    if n == 0:
-        return 0
-    if table.device.type != "cuda" and not INTERPRETED:
-        raise ValueError(f"the Triton copy kernel needs CUDA tensors or TRITON_INTERPRET=1; the "
-                         f"KV tensors are on {table.device}")
-
-    num_groups = table.num_groups
-    order = np.argsort(grp, kind="stable")
-    counts = np.bincount(grp, minlength=num_groups)
-    step = np.empty((num_groups, 4), dtype=np.int64)
-    step[:, :2] = table.group_units_host
-    step[:, 2] = np.cumsum(counts) - counts
-    step[:, 3] = counts
-    total_work = int((step[:, 1] * step[:, 3]).sum())
-    if total_work == 0:
-        return n
-
-    # One host buffer, one host-to-device copy per launch.
-    host = torch.empty(num_groups * 4 + 2 * n, dtype=torch.int64,
-                       pin_memory=table.device.type == "cuda")
-    host_np = host.numpy()
-    host_np[: num_groups * 4] = step.reshape(-1)
-    pairs_np = host_np[num_groups * 4:].reshape(n, 2)
-    pairs_np[:, 0] = gpu[order]
-    pairs_np[:, 1] = cpu[order]
-    dev = host.to(table.device, non_blocking=True)
-
-    cpu_addr = cpu_pool.data_ptr() if cpu_pool_device_ptr is None else int(cpu_pool_device_ptr)
-    grid = (min(sm_budget, total_work),)
-    _copy_blocks_kernel[grid](
-        dev[num_groups * 4:], dev[: num_groups * 4], table.rows, table.units,
-        cpu_addr, table.cpu_block_bytes, num_groups,
-        TO_CPU=direction == "store", TILE=tile_bytes, num_warps=num_warps,
-    )
-    return n
+    return launch_copy(prepare_copy(
+        direction, table, cpu_pool, gpu_blocks, cpu_blocks, groups, sm_budget=sm_budget,
+        cpu_pool_device_ptr=cpu_pool_device_ptr, tile_bytes=tile_bytes, num_warps=num_warps,
+        ids_checked=ids_checked))

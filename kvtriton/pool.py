@@ -182,8 +182,9 @@ class BlockPool:
 
     def get_new_blocks(self, n: int) -> list[int]:
         """Hand out ``n`` blocks with ref count 1, evicting the hashes they still carried."""
-        if not isinstance(n, int) or n < 0:
+        if (type(n) is not int and not is_int(n)) or n < 0:  # the common case first: hot path
             raise ValueError(f"get_new_blocks: n must be a non-negative int, got {n!r}")
+        n = int(n)
         if n > len(self._eviction):
             raise ValueError(f"get_new_blocks: asked for {n} blocks, {len(self._eviction)} free")
         out = self._eviction.pop_many(n)

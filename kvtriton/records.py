@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvtriton.validation import is_int
+
 __all__ = ["PlannerMeta", "Request", "StepOutput", "Transfer"]
 
 
@@ -35,15 +37,26 @@ class Request:
     lora_id: int | None = None
 
     def __post_init__(self) -> None:
-        if self.num_prompt_tokens <= 0:
-            raise ValueError(f"request {self.request_id!r}: num_prompt_tokens must be positive, "
-                             f"got {self.num_prompt_tokens}")
+        rid = self.request_id
+        for name in ("num_prompt_tokens", "num_tokens", "num_computed_tokens",
+                     "num_output_placeholders"):
+            v = getattr(self, name)
+            if (type(v) is not int and not is_int(v)) or v < 0:  # plain ints first: cheap
+                raise ValueError(f"request {rid!r}: {name} must be a non-negative int, got {v!r}")
+        if self.num_prompt_tokens == 0:
+            raise ValueError(f"request {rid!r}: num_prompt_tokens must be positive, got 0")
         if self.num_tokens < self.num_prompt_tokens:
-            raise ValueError(f"request {self.request_id!r}: num_tokens={self.num_tokens} < "
+            raise ValueError(f"request {rid!r}: num_tokens={self.num_tokens} < "
                              f"num_prompt_tokens={self.num_prompt_tokens}")
-        if self.keys.ndim != 2:
-            raise ValueError(f"request {self.request_id!r}: keys must be [groups, n], "
-                             f"got shape {self.keys.shape}")
+        keys = self.keys
+        if not isinstance(keys, np.ndarray) or keys.dtype != np.int64 or keys.ndim != 2:
+            got = (f"dtype {keys.dtype}, shape {keys.shape}" if isinstance(keys, np.ndarray)
+                   else type(keys).__name__)
+            raise ValueError(f"request {rid!r}: keys must be an int64 array [groups, n], "
+                             f"got {got}")
+        # Keys index the pools' and the planner's per-key arrays: a negative one would wrap.
+        if keys.size and (low := int(keys.min())) < 0:
+            raise ValueError(f"request {rid!r}: keys must be non-negative ids, got {low}")
 
     @property
     def confirmed_tokens(self) -> int:

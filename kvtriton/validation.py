@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Sequence
 
-__all__ = ["is_finite_number", "is_int"]
+import numpy as np
+
+__all__ = ["block_id_array", "check_block_ids", "is_finite_number", "is_int"]
 
 
 def is_int(value: object) -> bool:
@@ -23,3 +26,42 @@ def is_finite_number(value: object) -> bool:
         return math.isfinite(value)
     except OverflowError:
         return False
+
+
+def check_block_ids(ids: Sequence[int] | np.ndarray, num_blocks: int, what: str) -> None:
+    """``ValueError`` naming ``what`` and a bad id unless ``ids`` is a list, tuple or 1-D integer
+    array of block ids in ``[0, num_blocks)`` (the null block allowed).
+
+    No Python-level loop over the ids: a list is checked by the set of its element types (ints
+    only: a bool or a float is refused, not truncated) and its ``min``/``max``, an array by its
+    dtype and its ``min``/``max``.
+    """
+    if isinstance(ids, np.ndarray):
+        if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
+            raise ValueError(f"{what}: expected a 1-D array of integer block ids, got dtype "
+                             f"{ids.dtype} and shape {ids.shape}")
+        if not ids.size:
+            return
+        lo, hi = ids.min().item(), ids.max().item()
+    elif isinstance(ids, list | tuple):
+        if not ids:
+            return
+        if set(map(type, ids)) - _INT:  # NumPy ints pass; anything else is named
+            bad = next((b for b in ids if not is_int(b)), None)
+            if bad is not None:
+                raise ValueError(f"{what}: block id {bad!r} is not an int")
+        lo, hi = min(ids), max(ids)
+    else:
+        raise ValueError(f"{what}: expected a list of block ids, got {type(ids).__name__}")
+    if lo < 0 or hi >= num_blocks:
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"{what}: block id {bad!r} out of range [0, {num_blocks})")
+
+
+def block_id_array(ids: Sequence[int] | np.ndarray, num_blocks: int, what: str) -> np.ndarray:
+    """``ids`` checked by ``check_block_ids``, as an int64 array."""
+    check_block_ids(ids, num_blocks, what)
+    return np.asarray(ids, dtype=np.int64) if len(ids) else np.zeros(0, dtype=np.int64)
+
+
+_INT = {int}

@@ -1,24 +1,26 @@
 """A tiny scheduler around ``OffloadPlanner`` for tests: exact control over every step.
 
-It does what a vLLM scheduler does around a connector, and nothing more: a GPU prefix-cache
-lookup, the planner's lookup, allocation (null pages for sliding-window blocks already out of the
-window), ``update_state_after_alloc``, ``build_meta`` before the step's tokens count as computed,
-caching of full blocks, optional freeing of sliding-window blocks that left the window, preemption
-and resumption, and finish (blocks freed tail first). Transfers complete only when the test says
-so; the harness remembers every transfer in flight so that ``check_invariants`` can account for
-every reference the planner holds.
+It drives the scheduler core the simulator uses (``kvtriton.sim.scheduler.KVScheduler``) call by
+call, as a vLLM scheduler drives a connector, and nothing more: a GPU prefix-cache lookup, the
+planner's lookup, allocation (null pages for sliding-window blocks already out of the window),
+``update_state_after_alloc``, ``build_meta`` before the step's tokens count as computed, caching
+of full blocks, optional freeing of sliding-window blocks that left the window, preemption and
+resumption, and finish (blocks freed tail first). The test chooses the tokens of every request in
+every step, may accept less than a CPU hit, and completes transfers when it says so; the harness
+remembers every transfer in flight so that ``check_invariants`` can account for every reference
+the planner holds.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from kvtriton.hashing import HashIndex, chain_hashes, request_keys
-from kvtriton.lookup import find_longest_hit
-from kvtriton.planner import OffloadPlanner, PlannerConfig, PlannerMeta, Request, StepOutput
+from kvtriton.planner import OffloadPlanner, PlannerConfig, PlannerMeta, Request
 from kvtriton.pool import NULL_BLOCK, BlockPool
+from kvtriton.sim.scheduler import KVScheduler, SeqBlocks
 from kvtriton.specs import FullAttentionSpec, KVLayout, SlidingWindowSpec
 
 LLAMA_TINY = KVLayout([FullAttentionSpec(16, 1, 8, 1)], name="tiny")
@@ -34,13 +36,11 @@ def tokens_for(prefix: int, n: int) -> list[int]:
     return list(range(prefix * 1_000_003, prefix * 1_000_003 + n))
 
 
-@dataclass
-class Running:
-    req: Request
-    tables: list[list[int]]  # the scheduler's view: NULL where a page was never or no longer held
-    new: list[list[int]] = field(default_factory=list)  # block ids not yet sent to the planner
-    cached: list[int] = field(default_factory=list)  # leading positions already hashed, per group
-    resumed: bool = False
+@dataclass(eq=False)
+class Running(SeqBlocks):
+    """A scheduled request: ``tables`` is the scheduler's view (NULL where a page was never or
+    no longer held), ``cached`` the leading positions already hashed, per group."""
+
     local: int = 0  # tokens of the GPU prefix hit at admission
 
 
@@ -65,6 +65,7 @@ class Harness:
         self.gpu = BlockPool(num_gpu_blocks)
         self.planner = OffloadPlanner(layout, self.gpu, cpu, config)
         self.cpu = self.planner.cpu_pool
+        self.kv = KVScheduler(layout, self.gpu, self.planner, null_out_of_window=True)
         self.free_out_of_window = free_out_of_window
         self.running: dict[str, Running] = {}
         self.preempted: dict[str, Request] = {}
@@ -89,13 +90,6 @@ class Harness:
 
     # ---- scheduling -----------------------------------------------------------------------
 
-    def _skipped(self, g: int, computed: int) -> int:
-        """Leading blocks of group g a sliding window no longer needs at ``computed`` tokens."""
-        spec = self.layout.groups[g]
-        if spec.kind != "sliding_window":
-            return 0
-        return max(0, computed - spec.sliding_window + 1) // spec.block_size
-
     def blocks_needed(self, req: Request, num_tokens: int | None = None) -> int:
         """GPU blocks ``req`` holds at ``num_tokens`` tokens (default: its current length)."""
         n = req.num_tokens if num_tokens is None else num_tokens
@@ -103,9 +97,7 @@ class Harness:
 
     def gpu_hit(self, req: Request):
         """The GPU prefix-cache hit of ``req`` (capped so its last token is recomputed)."""
-        hbs = self.layout.hash_block_size
-        keys = req.keys[:, :min(req.keys.shape[1], req.num_tokens // hbs)].tolist()
-        return find_longest_hit(self.layout, self.gpu, keys, req.num_tokens - 1)
+        return self.kv.gpu_hit(req)
 
     def admit(self, req: Request, accept: int | None = None,
               ext: int | None = None) -> tuple[int, int]:
@@ -119,24 +111,15 @@ class Harness:
         hit = self.gpu_hit(req)
         local = hit.num_tokens
         if ext is None:
-            ext, _ = self.planner.get_num_new_matched_tokens(req, local)
+            ext = self.kv.cpu_hit(req, local)
         if accept is not None:
             ext = min(ext, accept)
         computed = local + ext
-        tables, cached = [], []
-        for g, spec in enumerate(self.layout.groups):
-            held = hit.blocks[g]
-            self.gpu.touch([b for b in held if b != NULL_BLOCK])
-            n_blocks = max(len(held), -(-computed // spec.block_size))
-            skip = self._skipped(g, computed)
-            nulls = max(0, min(skip, n_blocks) - len(held))
-            fresh = self.gpu.get_new_blocks(n_blocks - len(held) - nulls)
-            tables.append(list(held) + [NULL_BLOCK] * nulls + fresh)
-            cached.append(len(held))
-        self.planner.update_state_after_alloc(req, tuple(tables), ext)
+        run = Running(req, resumed=resumed, local=local)
+        self.kv.install_hit(run, hit)
+        self.kv.grow(run, computed, computed=computed)
+        self.kv.after_alloc(run, ext)
         req.num_computed_tokens = computed
-        run = Running(req, tables, [list(t) for t in tables], cached, resumed=resumed,
-                      local=local)
         self.running[rid] = run
         self.order.append(rid)
         self._cache_full(run, upto=local)
@@ -146,40 +129,21 @@ class Harness:
         return self.admit(self.preempted[rid], accept)
 
     def _cache_full(self, run: Running, upto: int) -> None:
-        hbs = self.layout.hash_block_size
-        for g, spec in enumerate(self.layout.groups):
-            r = spec.block_size // hbs
-            table = run.tables[g]
-            while run.cached[g] < min(upto // spec.block_size, len(table),
-                                      run.req.keys.shape[1] // r):
-                i = run.cached[g]
-                b = table[i]
-                if b != NULL_BLOCK and self.gpu.block_hash(b) is None:
-                    keys = run.req.keys[g, i * r:(i + 1) * r].tolist()
-                    self.gpu.cache_block(b, keys[-1], keys[:-1])
-                run.cached[g] += 1
-
-    def _drop_out_of_window(self, run: Running) -> None:
-        for g in range(self.G):
-            table = run.tables[g]
-            for i in range(min(self._skipped(g, run.req.num_computed_tokens), len(table))):
-                if table[i] != NULL_BLOCK and i < run.cached[g]:
-                    self.gpu.free_blocks([table[i]])
-                    table[i] = NULL_BLOCK
+        """Register ``run``'s blocks full at ``upto`` tokens in the GPU prefix cache."""
+        self.kv.cache_full_blocks(run, upto)
 
     def grow_need(self, rid: str, n: int) -> int:
         """GPU blocks that scheduling ``n`` more tokens of ``rid`` would allocate."""
         run = self.running[rid]
-        total = run.req.num_computed_tokens + n
-        return sum(max(0, -(-total // spec.block_size) - len(run.tables[g]))
-                   for g, spec in enumerate(self.layout.groups))
+        return sum(self.kv.blocks_needed(run.tables, run.req.num_computed_tokens + n))
 
     def step(self, scheduled: dict[str, int] | None = None, decode: bool = False,
              **extra) -> PlannerMeta:
         """One step: ``scheduled[rid]`` tokens per request (default: the rest of the prompt, or 1
         when ``decode``; nothing for a request waiting for its CPU load). build_meta sees the
-        tokens computed before this step. Sliding-window blocks out of the window are freed after
-        the step when ``free_out_of_window``."""
+        tokens computed before this step; ``extra`` sets further ``StepOutput`` fields (its
+        preempted and resumed ids join the harness's own). Sliding-window blocks out of the
+        window are freed after the step when ``free_out_of_window``."""
         if scheduled is None:
             scheduled = {}
             for rid, run in self.running.items():
@@ -187,31 +151,21 @@ class Harness:
                     continue
                 left = run.req.num_tokens - run.req.num_computed_tokens
                 scheduled[rid] = left if left > 0 else (1 if decode else 0)
-        new_ids, resumed = {}, set()
         for rid, n in scheduled.items():
             run = self.running[rid]
             req = run.req
             total = req.num_computed_tokens + n
             req.num_tokens = max(req.num_tokens, total)  # decode: the sequence gets longer
-            for g, spec in enumerate(self.layout.groups):
-                need = -(-total // spec.block_size) - len(run.tables[g])
-                if need > 0:
-                    blocks = self.gpu.get_new_blocks(need)
-                    run.tables[g] += blocks
-                    run.new[g] += blocks
-            if any(run.new):
-                new_ids[rid] = tuple(run.new)
-                run.new = [[] for _ in range(self.G)]
-                if run.resumed:
-                    resumed.add(rid)
-                    run.resumed = False
-        order = [r for r in self.order if r in scheduled]
+            self.kv.grow(run, total)
         preempted, self._preempted_now = self._preempted_now, set()
-        step = StepOutput(num_scheduled_tokens=dict(scheduled), new_block_ids=new_ids,
-                          order=order, preempted_req_ids=preempted | extra.pop(
-                              "preempted_req_ids", set()),
-                          resumed_req_ids=resumed | extra.pop("resumed_req_ids", set()), **extra)
-        meta = self.planner.build_meta(step)
+        step = self.kv.step_output(
+            [self.running[rid] for rid in scheduled], dict(scheduled),
+            preempted=preempted | extra.pop("preempted_req_ids", set()),
+            order=[r for r in self.order if r in scheduled])
+        step.resumed_req_ids |= extra.pop("resumed_req_ids", set())
+        for name, value in extra.items():
+            setattr(step, name, value)
+        meta = self.kv.build_meta(step)
         self._record(meta)
         for rid, n in scheduled.items():
             run = self.running[rid]
@@ -220,7 +174,7 @@ class Harness:
             run.req.num_computed_tokens += n
             self._cache_full(run, run.req.num_computed_tokens)
             if self.free_out_of_window:
-                self._drop_out_of_window(run)
+                self.kv.drop_unneeded(run)
         return meta
 
     def _record(self, meta: PlannerMeta) -> None:
@@ -241,7 +195,7 @@ class Harness:
         world = self.planner.config.world_size
         n = world if reports is None else reports
         done = {ev: n for ev in events}
-        self.planner.update_connector_output(completed_stores=done, failed_stores=list(failed))
+        self.kv.apply_reports(completed_stores=done, failed_stores=list(failed))
         for ev in events:
             st = self.stores[ev]
             st.reports += n
@@ -260,9 +214,9 @@ class Harness:
     def complete_loads(self, events, failed: bool = False) -> None:
         rids = [r for ev in events for r in self.loads.pop(ev)[2]]
         if failed:
-            self.planner.update_connector_output(failed_loads=rids)
+            self.kv.apply_reports(failed_loads=rids)
         else:
-            self.planner.update_connector_output(finished_loads=rids)
+            self.kv.apply_reports(finished_loads=rids)
         for rid in rids:
             run = self.running.get(rid)
             if run is None or self.planner.load_pending(rid):
@@ -285,15 +239,11 @@ class Harness:
         """After ``planner.reset()``: the harness forgets its requests (their GPU blocks are
         freed); transfers in flight stay tracked until completed."""
         for rid in list(self.running):
-            self._free_tables(self.running.pop(rid))
+            self.kv.free_seq_blocks(self.running.pop(rid))
         self.preempted.clear()
         self.order.clear()
 
     # ---- finish and preemption ----------------------------------------------------------------
-
-    def _free_tables(self, run: Running) -> None:
-        for table in run.tables:
-            self.gpu.free_blocks([b for b in reversed(table) if b != NULL_BLOCK])
 
     def finish(self, rid: str) -> None:
         if rid in self.preempted:
@@ -301,16 +251,13 @@ class Harness:
             return
         run = self.running.pop(rid)
         self.order.remove(rid)
-        self.planner.request_finished(run.req)
-        self._free_tables(run)
+        self.kv.finish(run)
 
     def preempt(self, rid: str) -> None:
         """Preempt by recompute: blocks freed now, the next step reports it preempted."""
         run = self.running.pop(rid)
         self.order.remove(rid)
-        self._free_tables(run)
-        run.req.num_computed_tokens = 0
-        run.req.num_output_placeholders = 0
+        self.kv.preempt(run)
         self.preempted[rid] = run.req
         self._preempted_now.add(rid)
 

@@ -20,12 +20,15 @@ import logging
 import numpy as np
 import pytest
 import torch
+from device_lane import DEVICE
 from planner_harness import Harness, tokens_for
 
 import kvtriton.engine.transfer as transfer_mod
 from kvtriton.engine import TransferEngine, allocate_kv_caches
 from kvtriton.planner import PlannerConfig
 from kvtriton.specs import FullAttentionSpec, KVLayout
+
+pytestmark = pytest.mark.device_lane
 
 LAYOUT = KVLayout([FullAttentionSpec(4, 1, 4, 1, dtype=torch.int32)], name="faults")
 B = LAYOUT.scheduler_block_size
@@ -53,7 +56,7 @@ class Node:
 
     def __init__(self, backend: str, cpu_blocks: int = 8, **config) -> None:
         self.h = Harness(LAYOUT, GPU_BLOCKS, cpu_blocks, PlannerConfig(**config))
-        kv = allocate_kv_caches(LAYOUT, GPU_BLOCKS)
+        kv = allocate_kv_caches(LAYOUT, GPU_BLOCKS, device=DEVICE)
         for t in kv[0]:
             t.fill_(-1)
         self.engine = TransferEngine(LAYOUT, kv, self.h.cpu.num_blocks, backend=backend)
@@ -86,7 +89,7 @@ class Node:
                 self.filled[b] = k
 
     def holds(self, gpu_block: int, key: int) -> bool:
-        return all(torch.equal(view[gpu_block], pattern(key, s, view.shape[1]))
+        return all(torch.equal(view[gpu_block].cpu(), pattern(key, s, view.shape[1]))
                    for s, view in enumerate(self.views))
 
     def cpu_holds(self, cpu_block: int, key: int) -> bool:
@@ -98,6 +101,7 @@ class Node:
     def report(self, store_reports: int | None = None) -> tuple[list[int], list[str]]:
         """The worker's completions and failures, back to the planner (through the harness,
         which also keeps its own books). Returns what failed."""
+        self.engine.flush()  # under CUDA the copies run on side streams; a no-op on CPU
         stored, loaded = self.engine.poll()
         failed_stores, failed_loads = self.engine.poll_failures()
         h = self.h

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 import torch
+from device_lane import DEVICE
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -64,6 +65,8 @@ from kvtriton.lookup import find_longest_hit
 from kvtriton.planner import PlannerConfig, PlannerMeta
 from kvtriton.pool import NULL_BLOCK
 from kvtriton.specs import FullAttentionSpec, KVLayout, SlidingWindowSpec
+
+pytestmark = pytest.mark.device_lane
 
 I32 = torch.int32
 LAYOUTS = {
@@ -140,7 +143,7 @@ class Rig(Harness):
     def __init__(self, layout: KVLayout, gpu_blocks: int, cpu_blocks: int,
                  config: PlannerConfig, backend: str) -> None:
         super().__init__(layout, gpu_blocks, cpu_blocks, config, free_out_of_window=True)
-        kv = allocate_kv_caches(layout, gpu_blocks)
+        kv = allocate_kv_caches(layout, gpu_blocks, device=DEVICE)
         for group in kv:
             for t in group:
                 t.fill_(SENTINEL)
@@ -194,7 +197,7 @@ class Rig(Harness):
         bad = np.zeros(len(blocks), dtype=bool)
         idx = torch.tensor(blocks, dtype=torch.int64)
         for s, (view, _) in enumerate(self.engine.segments[g]):
-            got = view[idx].numpy()
+            got = view[idx].cpu().numpy()
             bad |= (got != pattern(keys, s, view.shape[1])).any(axis=1)
         return [b for b, x in zip(blocks, bad, strict=True) if x]
 
@@ -286,7 +289,8 @@ class Rig(Harness):
                 p.copy = (list(ld.gpu_blocks), list(ld.cpu_blocks), list(ld.groups), rids)
                 immediate = PlannerMeta(immediate.store, type(ld)(), {}, meta.need_flush)
         self.engine.execute(immediate)
-        self.engine.poll()  # on CPU tensors a copy is done when submitted
+        self.engine.flush()  # under CUDA the copies run on side streams; a no-op on CPU
+        self.engine.poll()
         failed_stores, failed_loads = self.engine.poll_failures()
         for ev in failed_stores:  # this worker failed (which one varies); the others succeed
             self.pending["store", ev].reports[ev % self.world] = "fail"
@@ -300,6 +304,7 @@ class Rig(Harness):
             self.engine.store(p.event, gpu, cpu, groups)
         else:
             self.engine.load(p.event, rids, gpu, cpu, groups)
+        self.engine.flush()
         failed_stores, failed_loads = self.engine.poll_failures()
         self.engine.poll()
         if failed_stores or failed_loads:

@@ -1,7 +1,9 @@
-"""The copy kernel (under ``TRITON_INTERPRET=1`` on CPU) and the torch references, bit-exact.
+"""The copy kernel, the copy-engine path and the torch references, bit-exact, on the lane's device.
 
-Every check compares the whole destination, pre-filled with a sentinel, against the per-block
-loop reference, so both stray and missing writes fail.
+The KV tensors live on the ``device`` fixture (CPU with the kernel under ``TRITON_INTERPRET=1``
+here, CUDA on a GPU box): the same tests in both lanes. Every check compares the whole destination,
+pre-filled with a sentinel, against the per-block loop reference, so both stray and missing writes
+fail.
 """
 
 from __future__ import annotations
@@ -10,13 +12,16 @@ import itertools
 import json
 import math
 import re
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
 import torch
+from device_lane import host_pool, synchronize
 
-from kvtriton.engine import allocate_host_pool, allocate_kv_caches, build_copy_table, segment_views
-from kvtriton.kernels.copy_blocks import copy_blocks
+from kvtriton.engine import allocate_kv_caches, build_copy_table, segment_views
+from kvtriton.engine.copy_engine import build_piece_table, copy_pieces
+from kvtriton.kernels.copy_blocks import WIDTHS, copy_blocks, prepare_copy
 from kvtriton.kernels.reference import (
     load_blocks_loop,
     load_blocks_ref,
@@ -24,6 +29,8 @@ from kvtriton.kernels.reference import (
     store_blocks_ref,
 )
 from kvtriton.specs import FullAttentionSpec, KVLayout, MambaSpec, SlidingWindowSpec
+
+pytestmark = pytest.mark.device_lane
 
 SENTINEL = 0xA5
 FP8 = torch.uint8  # fp8 KV caches are registered as their uint8 bits
@@ -58,8 +65,7 @@ NUM_CPU_BLOCKS = 6
 
 
 def _random_bytes(t: torch.Tensor, low: int = 0) -> None:
-    t.view(torch.uint8).copy_(torch.randint(low, 256, t.view(torch.uint8).shape,
-                                            dtype=torch.uint8))
+    t.view(torch.uint8).random_(low, 256)
 
 
 def _tensors(caches) -> list[torch.Tensor]:
@@ -70,16 +76,39 @@ def _tensors(caches) -> list[torch.Tensor]:
     return out
 
 
-def _setup(case: str, num_gpu_blocks: int = NUM_GPU_BLOCKS, num_cpu_blocks: int = NUM_CPU_BLOCKS):
+@dataclass
+class Rig:
+    """KV tensors of one case on the lane's device, their segment views and a sentinel pool the
+    lane's kernel can address (``pool_ptr``: its device address)."""
+
+    layout: KVLayout
+    caches: list
+    segments: list
+    pool: torch.Tensor
+    pool_ptr: int
+
+    def table(self, **kwargs):
+        return build_copy_table(self.layout, self.segments, **kwargs)
+
+    def copy(self, direction: str, *ids, table=None, **kwargs) -> int:
+        """The Triton launcher on this rig's pool; synchronized, so the host may compare."""
+        n = copy_blocks(direction, table or self.table(), self.pool, *ids,
+                        cpu_pool_device_ptr=self.pool_ptr, **kwargs)
+        synchronize()
+        return n
+
+
+def _setup(case: str, device, num_gpu_blocks: int = NUM_GPU_BLOCKS,
+           num_cpu_blocks: int = NUM_CPU_BLOCKS) -> Rig:
     groups, attn_layout = CASES[case]
     layout = KVLayout(groups)
-    caches = allocate_kv_caches(layout, num_gpu_blocks, attn_layout=attn_layout)
+    caches = allocate_kv_caches(layout, num_gpu_blocks, attn_layout=attn_layout, device=device)
     for t in _tensors(caches):
         _random_bytes(t)
     segments = segment_views(layout, caches, attn_layout)
-    pool = allocate_host_pool(num_cpu_blocks, layout.cpu_block_bytes, pin=False).tensor
-    pool.fill_(SENTINEL)
-    return layout, caches, segments, pool
+    hp = host_pool(num_cpu_blocks, layout.cpu_block_bytes)
+    hp.tensor.fill_(SENTINEL)
+    return Rig(layout, caches, segments, hp.tensor, hp.device_ptr)
 
 
 def _store_pairs(layout: KVLayout):
@@ -104,49 +133,65 @@ def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
                for x, y in zip(a, b, strict=True))
 
 
-BACKENDS = {
-    "triton": lambda d, t, segs, pool, *ids, **kw: copy_blocks(d, t, pool, *ids, **kw),
-    "torch": lambda d, t, segs, pool, *ids, **kw: (store_blocks_ref if d == "store"
-                                                    else load_blocks_ref)(segs, pool, *ids),
-}
+def _ids(*ids):
+    return [np.asarray(x, dtype=np.int64) for x in ids]
+
+
+def _run_triton(direction, rig, ids, sm_budget):
+    rig.copy(direction, *ids, sm_budget=sm_budget)
+
+
+def _run_copy_engine(direction, rig, ids, sm_budget):
+    copy_pieces(direction, build_piece_table(rig.segments), rig.pool, *_ids(*ids),
+                non_blocking=True)
+    synchronize()
+
+
+def _run_torch(direction, rig, ids, sm_budget):
+    fn = store_blocks_ref if direction == "store" else load_blocks_ref
+    fn(rig.segments, rig.pool, *ids)
+    synchronize()
+
+
+BACKENDS = {"triton": _run_triton, "copy_engine": _run_copy_engine, "torch": _run_torch}
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
 @pytest.mark.parametrize("case", list(CASES))
-def test_store_matches_loop_reference(case, backend):
-    layout, caches, segments, pool = _setup(case)
-    table = build_copy_table(layout, segments)
-    gpu, cpu, grp = _store_pairs(layout)
-    expected = pool.clone()
-    store_blocks_loop(segments, expected, gpu, cpu, grp)
-    before = _snapshot(caches)
+def test_store_matches_loop_reference(case, backend, device):
+    rig = _setup(case, device)
+    ids = _store_pairs(rig.layout)
+    expected = rig.pool.clone()
+    store_blocks_loop(rig.segments, expected, *ids)
+    before = _snapshot(rig.caches)
 
     sm_budget = 1 + len(case) % 5  # a few grid sizes across cases
-    BACKENDS[backend]("store", table, segments, pool, gpu, cpu, grp, sm_budget=sm_budget)
+    BACKENDS[backend]("store", rig, ids, sm_budget)
 
-    assert torch.equal(pool, expected)
-    assert _same(_tensors(caches), before), "a store wrote to the GPU side"
-    assert not torch.equal(pool, torch.full_like(pool, SENTINEL))
+    assert torch.equal(rig.pool, expected)
+    assert _same(_tensors(rig.caches), before), "a store wrote to the GPU side"
+    assert not torch.equal(rig.pool, torch.full_like(rig.pool, SENTINEL))
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
 @pytest.mark.parametrize("case", list(CASES))
-def test_load_matches_loop_reference(case, backend):
-    layout, caches, segments, pool = _setup(case)
-    _random_bytes(pool)
-    for t in _tensors(caches):
+def test_load_matches_loop_reference(case, backend, device):
+    rig = _setup(case, device)
+    _random_bytes(rig.pool)
+    for t in _tensors(rig.caches):
         t.view(torch.uint8).fill_(SENTINEL)
-    table = build_copy_table(layout, segments)
-    gpu, cpu, grp = _load_pairs(layout)
-    expected = [t.clone() for t in _tensors(caches)]
-    exp_segments = segment_views(layout, _rebuild(caches, expected), CASES[case][1])
-    load_blocks_loop(exp_segments, pool, gpu, cpu, grp)
-    pool_before = pool.clone()
+    ids = _load_pairs(rig.layout)
+    sentinel = _snapshot(rig.caches)
+    expected = [t.clone() for t in _tensors(rig.caches)]
+    exp_segments = segment_views(rig.layout, _rebuild(rig.caches, expected), CASES[case][1])
+    load_blocks_loop(exp_segments, rig.pool, *ids)
+    pool_before = rig.pool.clone()
 
-    BACKENDS[backend]("load", table, segments, pool, gpu, cpu, grp, sm_budget=3)
+    BACKENDS[backend]("load", rig, ids, 3)
 
-    assert _same(_tensors(caches), expected)
-    assert torch.equal(pool, pool_before), "a load wrote to the CPU pool"
+    assert _same(_tensors(rig.caches), expected)
+    assert not _same(_tensors(rig.caches), sentinel), "nothing was loaded"
+    assert torch.equal(rig.pool, pool_before), "a load wrote to the CPU pool"
 
 
 def _rebuild(caches, flat: list[torch.Tensor]):
@@ -157,80 +202,102 @@ def _rebuild(caches, flat: list[torch.Tensor]):
 
 
 @pytest.mark.parametrize("case", ["swa+full-bf16-h128-fa", "mamba+full-fp16-fp32-fi"])
-def test_store_then_load_round_trip(case):
-    layout, caches, segments, pool = _setup(case)
-    table = build_copy_table(layout, segments)
-    original = _snapshot(caches)
+def test_store_then_load_round_trip(case, device):
+    rig = _setup(case, device)
+    table = rig.table()
+    original = _snapshot(rig.caches)
     src = [NUM_GPU_BLOCKS - 1, 2]
-    for g in range(layout.num_groups):
+    for g in range(rig.layout.num_groups):
         cpu = [2 * g, 2 * g + 1]
-        copy_blocks("store", table, pool, src, cpu, [g, g], sm_budget=4)
-        for view, _ in segments[g]:
-            view[src].fill_(SENTINEL)
-        copy_blocks("load", table, pool, src, cpu, [g, g], sm_budget=4)
-    assert _same(_tensors(caches), original)
+        rig.copy("store", src, cpu, [g, g], table=table, sm_budget=4)
+        for view, _ in rig.segments[g]:
+            view[src] = SENTINEL  # index_put: view[list] would be a copy
+        assert not _same(_tensors(rig.caches), original), "negative control: blocks cleared"
+        rig.copy("load", src, cpu, [g, g], table=table, sm_budget=4)
+    assert _same(_tensors(rig.caches), original)
 
 
-def test_chunked_units_and_small_tiles_match():
+def test_chunked_units_and_small_tiles_match(device):
     """Segments cut into many units (odd tail chunks) and tiles smaller than a segment."""
-    layout, _, segments, pool = _setup("mamba+full-fp16-fp32-fi")
-    table = build_copy_table(layout, segments, chunk_bytes=48)
-    assert table.units.shape[0] > sum(len(s) for s in segments)
-    gpu, cpu, grp = _store_pairs(layout)
-    expected = pool.clone()
-    store_blocks_loop(segments, expected, gpu, cpu, grp)
-    copy_blocks("store", table, pool, gpu, cpu, grp, sm_budget=5, tile_bytes=64)
-    assert torch.equal(pool, expected)
+    rig = _setup("mamba+full-fp16-fp32-fi", device)
+    table = rig.table(chunk_bytes=48)
+    assert table.units.shape[0] > sum(len(s) for s in rig.segments)
+    ids = _store_pairs(rig.layout)
+    expected = rig.pool.clone()
+    store_blocks_loop(rig.segments, expected, *ids)
+    rig.copy("store", *ids, table=table, sm_budget=5, tile_bytes=64)
+    assert torch.equal(rig.pool, expected)
 
 
-def test_access_widths_follow_alignment():
-    _, _, segments, _ = _setup("mamba+full-fp16-fp32-fi")
-    layout = KVLayout(CASES["mamba+full-fp16-fp32-fi"][0])
-    widths = build_copy_table(layout, segments).rows[:, 4].tolist()
+def test_access_widths_follow_alignment(device):
+    rig = _setup("mamba+full-fp16-fp32-fi", device)
+    widths = rig.table().rows[:, 4].tolist()
     # Attention pages are 16-byte multiples; the 60-byte conv state pushes offsets to 4 bytes.
     assert widths == [16] * 4 + [4] * 4
-    layout = KVLayout(CASES["mamba-uint8-odd"][0])
-    _, _, segments, _ = _setup("mamba-uint8-odd")
-    assert set(build_copy_table(layout, segments).rows[:, 4].tolist()) == {1}
+    rig = _setup("mamba-uint8-odd", device)
+    assert set(rig.table().rows[:, 4].tolist()) == {1}
 
 
-def test_zero_pairs_touch_nothing():
-    layout, caches, segments, pool = _setup("swa+full-bf16-h128-fa")
-    table = build_copy_table(layout, segments)
-    before = _snapshot(caches)
-    assert copy_blocks("store", table, pool, [], [], []) == 0
-    assert copy_blocks("load", table, pool, np.zeros(0, np.int64), [], []) == 0
-    assert torch.equal(pool, torch.full_like(pool, SENTINEL))
-    assert _same(_tensors(caches), before)
+@pytest.mark.parametrize(("case", "widths"), [
+    ("full-fp16-h64-bs16-fa", (16,)),
+    ("mamba+full-fp16-fp32-fi", (16, 4)),
+    ("mamba-uint8-odd", (1,)),
+])
+def test_one_launch_per_width_class_present(case, widths, device):
+    """The access width is a constexpr of the launch: a step launches once per width class its
+    groups need, never a kernel that branches over widths at run time."""
+    rig = _setup(case, device)
+    table = rig.table()
+    launch = prepare_copy("store", table, rig.pool, *_store_pairs(rig.layout), sm_budget=64,
+                          cpu_pool_device_ptr=rig.pool_ptr)
+    assert tuple(WIDTHS[w] for w, _ in launch.grids) == widths
+    units = table.units.cpu()
+    rows = table.rows.cpu()
+    for w, width in enumerate(WIDTHS):  # each class's unit ranges hold only rows of its width
+        for start, count in table.group_units_host[w].tolist():
+            assert set(rows[units[start:start + count, 0], 4].tolist()) <= {width}
+    # Only the first group's pairs: the width classes of the other group launch nothing.
+    only_attention = prepare_copy("store", table, rig.pool, [1], [0], [0],
+                                  cpu_pool_device_ptr=rig.pool_ptr)
+    assert [WIDTHS[w] for w, _ in only_attention.grids] == [widths[0]]
 
 
-def test_one_pair_last_blocks():
-    layout, _, segments, pool = _setup("full-fp32-h128-bs16-fi")
-    table = build_copy_table(layout, segments)
-    expected = pool.clone()
-    store_blocks_loop(segments, expected, [NUM_GPU_BLOCKS - 1], [NUM_CPU_BLOCKS - 1], [0])
-    copy_blocks("store", table, pool, torch.tensor([NUM_GPU_BLOCKS - 1]),
-                torch.tensor([NUM_CPU_BLOCKS - 1]), torch.tensor([0]), sm_budget=64)
-    assert torch.equal(pool, expected)
+def test_zero_pairs_touch_nothing(device):
+    rig = _setup("swa+full-bf16-h128-fa", device)
+    before = _snapshot(rig.caches)
+    assert rig.copy("store", [], [], []) == 0
+    assert rig.copy("load", np.zeros(0, np.int64), [], []) == 0
+    assert torch.equal(rig.pool, torch.full_like(rig.pool, SENTINEL))
+    assert _same(_tensors(rig.caches), before)
 
 
-def test_offset_past_2_gib_uses_int64_addressing():
+def test_one_pair_last_blocks(device):
+    rig = _setup("full-fp32-h128-bs16-fi", device)
+    expected = rig.pool.clone()
+    store_blocks_loop(rig.segments, expected, [NUM_GPU_BLOCKS - 1], [NUM_CPU_BLOCKS - 1], [0])
+    rig.copy("store", torch.tensor([NUM_GPU_BLOCKS - 1]), torch.tensor([NUM_CPU_BLOCKS - 1]),
+             torch.tensor([0]), sm_budget=64)
+    assert torch.equal(rig.pool, expected)
+
+
+def test_offset_past_2_gib_uses_int64_addressing(device):
     """A pool just over 2 GiB: the last CPU blocks start past 2^31 bytes."""
     layout = KVLayout([FullAttentionSpec(16, 1, 128, 8, dtype=torch.float16)])  # 64 KiB blocks
     block = layout.cpu_block_bytes
     num_cpu = 2**31 // block + 3
     last = num_cpu - 1
     assert last * block > 2**31
-    caches = allocate_kv_caches(layout, 4)
+    caches = allocate_kv_caches(layout, 4, device=device)
     for t in _tensors(caches):
         _random_bytes(t, low=1)  # no zero bytes: the untouched pool stays all zero
     segments = segment_views(layout, caches)
-    table = build_copy_table(layout, segments)
     # Freshly mapped pages read as zero without being committed: the sentinel here is 0.
-    pool = allocate_host_pool(num_cpu, block, pin=False).tensor
+    hp = host_pool(num_cpu, block)
+    rig = Rig(layout, caches, segments, hp.tensor, hp.device_ptr)
+    pool = hp.tensor
     try:
         cpu = [last, 2**31 // block, 5]
-        copy_blocks("store", table, pool, [0, 1, 2], cpu, [0, 0, 0], sm_budget=3)
+        rig.copy("store", [0, 1, 2], cpu, [0, 0, 0], sm_budget=3)
         expected = torch.zeros((3, block), dtype=torch.uint8)
         store_blocks_loop(segments, expected, [0, 1, 2], [0, 1, 2], [0, 0, 0])
         for i, c in enumerate(cpu):
@@ -240,11 +307,13 @@ def test_offset_past_2_gib_uses_int64_addressing():
             rest = pool[lo + (lo > 0):hi]
             if rest.numel():
                 assert torch.aminmax(rest) == (0, 0), f"stray write in blocks [{lo}, {hi})"
-        copy_blocks("load", table, pool, [3], [last], [0])
+        for view, _ in segments[0]:
+            assert not torch.equal(view[3], view[0]), "negative control: blocks 0 and 3 differ"
+        rig.copy("load", [3], [last], [0])
         for view, _ in segments[0]:
             assert torch.equal(view[3], view[0])
     finally:
-        del pool
+        del pool, rig, hp
 
 
 def _error_cases(n_gpu, n_cpu):
@@ -264,20 +333,20 @@ def _error_cases(n_gpu, n_cpu):
 
 
 @pytest.mark.parametrize("name", list(_error_cases(NUM_GPU_BLOCKS, NUM_CPU_BLOCKS)))
-def test_launcher_rejects_bad_input_and_writes_nothing(name):
-    layout, caches, segments, pool = _setup("swa+full-bf16-h128-fa")
-    table = build_copy_table(layout, segments)
-    before = _snapshot(caches)
+def test_launcher_rejects_bad_input_and_writes_nothing(name, device):
+    rig = _setup("swa+full-bf16-h128-fa", device)
+    before = _snapshot(rig.caches)
     args, message = _error_cases(NUM_GPU_BLOCKS, NUM_CPU_BLOCKS)[name]
     with pytest.raises(ValueError, match=re.escape(message)):
-        copy_blocks(args[0], table, pool, *args[1:])
-    assert torch.equal(pool, torch.full_like(pool, SENTINEL))
-    assert _same(_tensors(caches), before)
+        rig.copy(*args)
+    assert torch.equal(rig.pool, torch.full_like(rig.pool, SENTINEL))
+    assert _same(_tensors(rig.caches), before)
 
 
-def test_launcher_rejects_bad_pool_and_budget():
-    layout, _, segments, pool = _setup("full-fp16-h64-bs16-fa")
-    table = build_copy_table(layout, segments)
+def test_launcher_rejects_bad_pool_budget_and_tiles(device):
+    rig = _setup("full-fp16-h64-bs16-fa", device)
+    table = rig.table()
+    pool = rig.pool
     ids = ([0], [0], [0])
     raw = torch.zeros(pool.numel() + 16, dtype=torch.uint8)
     bad_pools = {
@@ -293,12 +362,21 @@ def test_launcher_rejects_bad_pool_and_budget():
                                                 dtype=torch.uint8).t(), *ids)
     for budget in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match=rf"sm_budget.*{budget!r}"):
-            copy_blocks("store", table, pool, *ids, sm_budget=budget)
+            rig.copy("store", *ids, sm_budget=budget)
+    for tile in (0, 8, 48, 100.0):
+        with pytest.raises(ValueError, match=rf"tile_bytes.*{tile!r}"):
+            rig.copy("store", *ids, tile_bytes=tile)
+    with pytest.raises(ValueError, match=r"num_warps must be .* got 3"):
+        rig.copy("store", *ids, num_warps=3)
+    for ptr in (rig.pool_ptr + 4, 0):
+        with pytest.raises(ValueError, match=rf"cpu_pool_device_ptr.*{ptr}"):
+            copy_blocks("store", table, pool, *ids, cpu_pool_device_ptr=ptr)
     assert raw.count_nonzero() == 0 and torch.equal(pool, torch.full_like(pool, SENTINEL))
 
 
-def test_vectorized_reference_matches_loop_on_random_schedules():
-    layout, caches, segments, pool = _setup("mamba+full-fp16-fp32-fi", 9, 12)
+def test_vectorized_reference_matches_loop_on_random_schedules(device):
+    rig = _setup("mamba+full-fp16-fp32-fi", device, 9, 12)
+    layout, caches, segments, pool = rig.layout, rig.caches, rig.segments, rig.pool
     rng = np.random.default_rng(0)
     for _ in range(20):
         n = int(rng.integers(0, 12))

@@ -11,7 +11,10 @@ planner step's store and load:
   ``wait_for_loads`` (or simply runs after ``poll`` reported the load, which implies completion);
 - ``poll`` reports completed store events and the request ids whose loads finished.
 
-On CPU tensors every transfer runs synchronously and is reported by the next ``poll``.
+Backends: ``"triton"`` (the one-launch copy kernel), ``"copy_engine"`` (one DMA copy per contiguous
+piece, ``copy_engine.py``), ``"auto"`` (per step and group, the copy engine where pieces are large
+and few enough, the kernel otherwise) and ``"torch"`` (vectorized index copies, the fast path on
+CPU). On CPU tensors every transfer runs synchronously and is reported by the next ``poll``.
 """
 
 from __future__ import annotations
@@ -23,6 +26,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kvtriton.engine.copy_engine import (
+    COPY_ENGINE_MAX_PIECES,
+    COPY_ENGINE_MIN_PIECE_BYTES,
+    build_piece_table,
+    choose_copy_engine,
+    copy_pieces,
+)
 from kvtriton.engine.descriptors import ATTN_LAYOUTS, build_copy_table, segment_views
 from kvtriton.engine.host_memory import allocate_host_pool
 from kvtriton.kernels.copy_blocks import DEFAULT_SM_BUDGET, copy_blocks, validate_pairs
@@ -34,7 +44,7 @@ __all__ = ["BACKENDS", "TransferEngine"]
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("triton", "torch")
+BACKENDS = ("triton", "torch", "copy_engine", "auto")
 
 
 @dataclass(slots=True)
@@ -61,12 +71,16 @@ def _check_event(direction: str, event) -> int:
 class TransferEngine:
     """Moves KV blocks between the GPU KV tensors of ``layout`` and a pinned CPU pool.
 
-    ``kv_caches[g][layer]``: an attention tensor ``[2, num_gpu_blocks, block_size, heads,
-    head_dim]`` (``attn_layout="flash_attn"``) or ``[num_gpu_blocks, 2, ...]``
-    (``"flashinfer"``); for a Mamba group a pair ``(conv, ssm)`` of ``[num_gpu_blocks, ...]``
-    tensors. Any dtype whose bytes per block match the layout; copies are byte copies.
-    ``backend`` is ``"triton"`` (one launch per direction per step) or ``"torch"`` (vectorized
-    index copies, the fast path on CPU). ``sm_budget`` bounds the kernel's programs.
+    ``kv_caches[g][layer]``: an attention tensor per layer in ``attn_layout``
+    (``[2, num_gpu_blocks, ...]`` for ``"flash_attn"``, ``[num_gpu_blocks, 2, ...]`` for
+    ``"flashinfer"``, ``[num_gpu_blocks, ...]`` with K and V in one range per block for
+    ``"block_major"``); for a Mamba group a pair ``(conv, ssm)`` of ``[num_gpu_blocks, ...]``
+    tensors. Any dtype and strides whose blocks are each one dense byte range of the layout's
+    bytes per block; copies are byte copies. ``backend`` is one of ``BACKENDS`` (module
+    docstring). ``sm_budget`` bounds the kernel's programs. With ``backend="auto"`` a group's
+    pairs go through the copy engine when its smallest piece has at least
+    ``copy_engine_min_piece_bytes`` bytes, while the step's copy-engine pieces stay within
+    ``copy_engine_max_pieces`` (``choose_copy_engine``).
 
     Example::
 
@@ -77,7 +91,9 @@ class TransferEngine:
 
     def __init__(self, layout: KVLayout, kv_caches: Sequence, num_cpu_blocks: int, *,
                  backend: str = "triton", attn_layout: str = "flash_attn",
-                 sm_budget: int | None = None):
+                 sm_budget: int | None = None,
+                 copy_engine_min_piece_bytes: int = COPY_ENGINE_MIN_PIECE_BYTES,
+                 copy_engine_max_pieces: int = COPY_ENGINE_MAX_PIECES):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if attn_layout not in ATTN_LAYOUTS:
@@ -88,19 +104,26 @@ class TransferEngine:
         if sm_budget is not None and (not isinstance(sm_budget, int)
                                       or isinstance(sm_budget, bool) or sm_budget <= 0):
             raise ValueError(f"sm_budget must be a positive int or None, got {sm_budget!r}")
+        for name, value in (("copy_engine_min_piece_bytes", copy_engine_min_piece_bytes),
+                            ("copy_engine_max_pieces", copy_engine_max_pieces)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
         self.layout = layout
         self.backend = backend
         self.attn_layout = attn_layout
         self.num_cpu_blocks = num_cpu_blocks
+        self.copy_engine_min_piece_bytes = copy_engine_min_piece_bytes
+        self.copy_engine_max_pieces = copy_engine_max_pieces
         self.segments = segment_views(layout, kv_caches, attn_layout)
         self.table = build_copy_table(layout, self.segments)
+        self.pieces = build_piece_table(self.segments)
         self.device = self.table.device
         self._cuda = self.device.type == "cuda"
-        if backend == "triton" and not self._cuda:
+        if backend in ("triton", "auto") and not self._cuda:
             from kvtriton.kernels.copy_blocks import INTERPRETED
 
             if not INTERPRETED:
-                raise ValueError("backend='triton' needs CUDA KV tensors or TRITON_INTERPRET=1 "
+                raise ValueError(f"backend={backend!r} needs CUDA KV tensors or TRITON_INTERPRET=1 "
                                  f"(tensors are on {self.device}); use backend='torch' on CPU")
         if sm_budget is None:
             sm_budget = DEFAULT_SM_BUDGET
@@ -142,16 +165,41 @@ class TransferEngine:
                                        gpu_blocks, cpu_blocks, groups)
         return _Pairs(gpu, cpu, grp)
 
+    def copy_engine_groups(self, groups) -> np.ndarray:
+        """``[G]`` bool: the groups whose pairs in a step with these group ids (host ints) the
+        copy engine moves; what ``backend`` decides, whichever it is."""
+        counts = np.bincount(np.asarray(groups, dtype=np.int64), minlength=self.layout.num_groups)
+        if self.backend == "copy_engine":
+            return counts > 0
+        if self.backend != "auto":
+            return np.zeros(self.layout.num_groups, dtype=bool)
+        return choose_copy_engine(self.pieces, counts,
+                                  min_piece_bytes=self.copy_engine_min_piece_bytes,
+                                  max_pieces=self.copy_engine_max_pieces)
+
     def _copy(self, direction: str, pairs: _Pairs) -> None:
         if len(pairs.gpu) == 0:
             return
         if self.backend == "torch":
             fn = store_blocks_ref if direction == "store" else load_blocks_ref
             fn(self.segments, self.cpu_pool, pairs.gpu, pairs.cpu, pairs.grp)
-        else:
-            copy_blocks(direction, self.table, self.cpu_pool, pairs.gpu, pairs.cpu, pairs.grp,
-                        sm_budget=self.sm_budget, cpu_pool_device_ptr=self._pool.device_ptr,
-                        ids_checked=True)
+            return
+        dma = self.copy_engine_groups(pairs.grp)[pairs.grp]
+        parts = [(self._copy_dma, dma), (self._copy_kernel, ~dma)]
+        for run, mask in parts:
+            if mask.all():
+                run(direction, pairs)
+            elif mask.any():
+                run(direction, _Pairs(pairs.gpu[mask], pairs.cpu[mask], pairs.grp[mask]))
+
+    def _copy_dma(self, direction: str, pairs: _Pairs) -> None:
+        copy_pieces(direction, self.pieces, self.cpu_pool, pairs.gpu, pairs.cpu, pairs.grp,
+                    non_blocking=self._cuda)
+
+    def _copy_kernel(self, direction: str, pairs: _Pairs) -> None:
+        copy_blocks(direction, self.table, self.cpu_pool, pairs.gpu, pairs.cpu, pairs.grp,
+                    sm_budget=self.sm_budget, cpu_pool_device_ptr=self._pool.device_ptr,
+                    ids_checked=True)
 
     def _submit(self, job: _InFlight, pairs: _Pairs, after: torch.cuda.Event | None,
                 barrier: Sequence[torch.cuda.Event] = ()) -> None:

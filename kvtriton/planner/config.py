@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from kvtriton.validation import is_finite_number, is_int
+
 __all__ = ["PlannerConfig"]
 
 
@@ -53,14 +55,19 @@ class PlannerConfig:
         if self.cpu_free_order not in ("tail_first", "head_first"):
             raise ValueError(
                 f"cpu_free_order must be 'tail_first' or 'head_first', got {self.cpu_free_order!r}")
+        for name in ("restore", "scan_idle", "lazy", "fine_grained"):
+            v = getattr(self, name)
+            if not isinstance(v, bool):
+                raise ValueError(f"{name} must be a bool, got {v!r}")
         for name in ("max_restores_per_step", "max_restores_per_key", "lazy_target_blocks"):
             v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or v < 0):
+            if v is not None and (not is_int(v) or v < 0):
                 raise ValueError(f"{name} must be None or a non-negative int, got {v!r}")
-        if self.restore_share is not None and not 0 <= self.restore_share <= 1:
-            raise ValueError(f"restore_share must be None or in [0, 1], got {self.restore_share!r}")
-        if not isinstance(self.world_size, int) or self.world_size < 1:
+        share = self.restore_share
+        if share is not None and (not is_finite_number(share) or not 0 <= share <= 1):
+            raise ValueError(f"restore_share must be None or a number in [0, 1], got {share!r}")
+        if not is_int(self.world_size) or self.world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {self.world_size!r}")
-        if self.max_num_batched_tokens <= 0:
-            raise ValueError(
-                f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+        if not is_int(self.max_num_batched_tokens) or self.max_num_batched_tokens <= 0:
+            raise ValueError(f"max_num_batched_tokens must be a positive int, got "
+                             f"{self.max_num_batched_tokens!r}")

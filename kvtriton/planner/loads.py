@@ -2,8 +2,9 @@
 
 1. ``lookup``: the longest CPU hit past the local prefix; its CPU blocks stay pinned (a *pending
    hit*) until the scheduler allocates the request.
-2. ``accept``: the accepted part of the hit becomes a load into the request's GPU blocks; the
-   pins of the rest are released.
+2. ``plan`` then ``commit``: the accepted part of the hit becomes a load into the request's GPU
+   blocks; the pins of the rest are released. ``plan`` checks the allocation and changes
+   nothing, so a bad one leaves every pin where it was.
 3. ``issue``: every accepted load not yet issued goes into the step's one load transfer, under a
    new load event.
 4. ``finish``: a worker's report (success or failure) releases the load's pins.
@@ -17,17 +18,25 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
+
 from kvtriton.lookup import find_longest_hit
 from kvtriton.planner.config import PlannerConfig
 from kvtriton.planner.stats import PlannerStats
 from kvtriton.pool import NULL_BLOCK, BlockPool
 from kvtriton.records import Request, Transfer
 from kvtriton.specs import KVLayout
+from kvtriton.validation import block_id_array
 
-__all__ = ["Loads"]
+__all__ = ["Loads", "UnservableHit"]
 
 # The planner's logger: its records carry one name whichever lifecycle emits them.
 logger = logging.getLogger("kvtriton.planner.planner")
+
+
+class UnservableHit(ValueError):
+    """An allocation whose accepted CPU tokens no pending hit can serve: none is pending, or a
+    sliding-window or Mamba group has no CPU blocks ending at the shorter hit accepted."""
 
 
 @dataclass(slots=True)
@@ -82,8 +91,15 @@ class Loads:
     # ---- lookup and acceptance ------------------------------------------------------------
 
     def lookup(self, req: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        """The CPU hit of ``req`` past ``num_computed_tokens``, pinned until ``accept``."""
+        """The CPU hit of ``req`` past ``num_computed_tokens``, pinned until ``commit``.
+
+        ``ValueError``, changing nothing, while a load of ``req`` is accepted and not yet
+        reported: a request waiting for its load is not looked up again (vLLM keeps it in
+        ``WAITING_FOR_REMOTE_KVS``), and a second hit could not become a second load."""
         rid = req.request_id
+        if (ld := self._loads.get(rid)) is not None:
+            raise ValueError(f"request {rid!r} waits for its CPU load ({self._describe(ld)}); "
+                             "look it up again once that load is reported")
         if (stale := self._pending_hits.pop(rid, None)) is not None:
             self._unpin_hit(stale)
         self._stats.lookups += 1
@@ -123,23 +139,41 @@ class Loads:
                 self._stats.lookups_with_holes += holes > 0
             return
 
-    def accept(self, req: Request, block_ids: tuple[list[int], ...],
-               num_external_tokens: int) -> None:
-        """Turn ``num_external_tokens`` of the pending hit into a load into ``block_ids``."""
+    def plan(self, req: Request, block_ids: tuple[list[int], ...], num_external_tokens: int
+             ) -> _Load | None:
+        """Check an allocation of ``req`` and turn ``num_external_tokens`` of its pending hit into
+        the load ``commit`` applies (None: no load). Changes nothing.
+
+        ``ValueError`` for a GPU table that is not one list of block ids in the GPU pool per group,
+        a load that needs a block the table does not hold (too short, the null block, a block
+        named twice or one not allocated), a token count that is not a hash-block multiple within
+        the hit, or a second load while one of ``req`` is not yet reported. ``UnservableHit`` (a
+        ``ValueError``) when no hit is pending or the CPU cannot supply the shorter hit accepted.
+        """
         rid = req.request_id
-        pending = self._pending_hits.pop(rid, None)
-        if num_external_tokens == 0:
-            if pending is not None:
-                self._unpin_hit(pending)
-            return
-        if pending is None:
-            raise ValueError(f"request {rid!r}: {num_external_tokens} external tokens accepted "
-                             "but no CPU hit is pending for it")
         layout = self._layout
+        G = layout.num_groups
+        if not isinstance(block_ids, tuple | list) or len(block_ids) != G:
+            got = (f"{len(block_ids)} tables" if isinstance(block_ids, tuple | list)
+                   else repr(block_ids))
+            raise ValueError(f"request {rid!r}: block_ids must hold one GPU table per group "
+                             f"({G}), got {got}")
+        n_gpu = self._gpu_pool.num_blocks
+        tables = [block_id_array(t, n_gpu, f"request {rid!r}: group {g} GPU table")
+                  for g, t in enumerate(block_ids)]
+        if num_external_tokens == 0:
+            return None
+        if (ld := self._loads.get(rid)) is not None:
+            raise ValueError(f"request {rid!r}: num_external_tokens={num_external_tokens}, but "
+                             f"its CPU load ({self._describe(ld)}) is not reported yet; a "
+                             "request takes one load at a time")
+        pending = self._pending_hits.get(rid)
+        if pending is None:
+            raise UnservableHit(f"request {rid!r}: {num_external_tokens} external tokens "
+                                "accepted but no CPU hit is pending for it")
         hit_blocks, hit_tokens, num_computed = (pending.blocks, pending.num_tokens,
                                                 pending.num_computed_tokens)
         if num_external_tokens > hit_tokens or num_external_tokens % layout.hash_block_size:
-            self._unpin_hit(pending)
             raise ValueError(f"request {rid!r}: num_external_tokens={num_external_tokens} is not "
                              f"a hash-block multiple <= the hit of {hit_tokens}")
         if num_external_tokens < hit_tokens and not self._all_full:
@@ -149,31 +183,68 @@ class Loads:
             keys = req.keys[:, skip:skip + num_external_tokens // hbs].tolist()
             short = find_longest_hit(layout, self._cpu_pool, keys, num_external_tokens)
             if short.num_tokens != num_external_tokens:
-                self._unpin_hit(pending)
-                raise ValueError(f"request {rid!r}: the CPU tier cannot supply exactly "
-                                 f"{num_external_tokens} of its {hit_tokens}-token hit (a "
-                                 "sliding-window or Mamba group has no blocks ending there)")
+                raise UnservableHit(f"request {rid!r}: the CPU tier cannot supply exactly "
+                                    f"{num_external_tokens} of its {hit_tokens}-token hit (a "
+                                    "sliding-window or Mamba group has no blocks ending there)")
             hit_blocks = short.blocks
         gpu, cpu, groups = [], [], []
         for g, spec in enumerate(layout.groups):
             take = -(-num_external_tokens // spec.block_size)
             start = num_computed // spec.block_size
-            table = block_ids[g]
+            table = tables[g]
             if start + take > len(table):
-                self._unpin_hit(pending)
                 raise ValueError(f"request {rid!r}: group {g} table has {len(table)} blocks, "
                                  f"the load needs {start + take}")
-            for i, cb in enumerate(hit_blocks[g][:take]):
-                if cb == NULL_BLOCK:
-                    continue
-                gpu.append(table[start + i])
-                cpu.append(cb)
-                groups.append(g)
-        self._cpu_pool.touch(cpu)
+            src = np.asarray(hit_blocks[g][:take], dtype=np.int64)
+            needed = np.flatnonzero(src != NULL_BLOCK)
+            dst = table[start + needed]
+            if (null := dst == NULL_BLOCK).any():
+                pos = start + int(needed[np.argmax(null)])
+                raise ValueError(f"request {rid!r}: group {g} table holds block id 0 (the null "
+                                 f"block) at position {pos}, where the load needs a GPU block")
+            gpu.append(dst)
+            cpu.append(src[needed])
+            groups.append(np.full(len(needed), g, dtype=np.int64))
+        dst = np.concatenate(gpu)
+        if len(np.unique(dst)) != len(dst):
+            twice = dst[self._first_dup(dst)].item()
+            raise ValueError(f"request {rid!r}: GPU block {twice} is named twice where the load "
+                             "writes")
+        load = _Load(dst.tolist(), np.concatenate(cpu).tolist(), np.concatenate(groups).tolist())
+        ref = self._gpu_pool.ref_cnt
+        if (free := next((b for b in load.gpu if not ref[b]), None)) is not None:
+            raise ValueError(f"request {rid!r}: GPU block {free} is free; a load writes only "
+                             "blocks allocated to the request")
+        return load
+
+    @staticmethod
+    def _first_dup(a: np.ndarray) -> int:
+        _, first, counts = np.unique(a, return_index=True, return_counts=True)
+        return int(first[np.argmax(counts > 1)])
+
+    def commit(self, rid: str, load: _Load | None, num_external_tokens: int) -> None:
+        """Apply what ``plan`` returned: the pending hit's pins pass to the load (the rest are
+        released)."""
+        pending = self._pending_hits.pop(rid, None)
+        if load is None:
+            if pending is not None:
+                self._unpin_hit(pending)
+            return
+        self._cpu_pool.touch(load.cpu)
         self._unpin_hit(pending)
-        self._gpu_pool.touch(gpu)
-        self._loads[rid] = _Load(gpu, cpu, groups)
+        self._gpu_pool.touch(load.gpu)
+        self._loads[rid] = load
         self._stats.cpu_hit_tokens += num_external_tokens
+
+    def release_hit(self, rid: str) -> None:
+        """Release the pending hit of ``rid``, if any."""
+        if (pending := self._pending_hits.pop(rid, None)) is not None:
+            self._unpin_hit(pending)
+
+    @staticmethod
+    def _describe(ld: _Load) -> str:
+        when = "queued" if ld.event is None else f"in load event {ld.event}"
+        return f"{len(ld.gpu)} blocks, {when}"
 
     # ---- per step ---------------------------------------------------------------------------
 
@@ -265,7 +336,7 @@ class Loads:
         return bool(self._loads or self._abandoned)
 
     def pending_hits(self) -> list[str]:
-        """Request ids whose CPU hit is pinned, waiting for ``accept``."""
+        """Request ids whose CPU hit is pinned, waiting for ``commit``."""
         return list(self._pending_hits)
 
     def in_flight(self) -> list[str]:

@@ -9,7 +9,8 @@ A scheduler calls it in the order vLLM calls a KV connector:
    ``num_external_tokens`` become a load into the request's GPU blocks; the rest are unpinned. A
    scheduler may accept less than the hit; with a sliding-window or Mamba group that shorter hit
    needs other blocks (its own window, its own state), which must be in the CPU, else
-   ``ValueError``.
+   ``ValueError``. A request takes one load at a time: while its load is not reported it is
+   neither looked up again nor given a second load.
 3. ``build_meta(step)``: one store and one load transfer for the workers.
 4. ``update_connector_output(...)``: completions. A store counts once all ``world_size`` workers
    reported it; its blocks are then registered in the CPU pool under every key of their GPU block
@@ -18,6 +19,11 @@ A scheduler calls it in the order vLLM calls a KV connector:
    flight keep their pins and are completed normally.
 6. ``reset()``: abandon in-flight transfers (their pins are released at completion, nothing is
    cached) and clear the CPU cache when nothing is in flight.
+
+Each call checks its input at entry and raises ``ValueError`` naming the bad value before it
+changes anything: the planner, both pools and the selector are left as they were, and no pin is
+taken (the one exception, an allocation no pending hit can serve, is described on
+``update_state_after_alloc``).
 
 The front class keeps the requests and delegates each lifecycle: loads (``loads.Loads``: pending
 hits, loads, load events), stores (``stores.Stores``: store states, batches, reports, the finish
@@ -31,7 +37,7 @@ from collections.abc import Iterable, Mapping
 
 from kvtriton.planner.config import PlannerConfig
 from kvtriton.planner.lazy import LazyOffload
-from kvtriton.planner.loads import Loads
+from kvtriton.planner.loads import Loads, UnservableHit
 from kvtriton.planner.reference import LoopSelector
 from kvtriton.planner.scan import FusedSelector
 from kvtriton.planner.stats import PlannerStats
@@ -39,6 +45,7 @@ from kvtriton.planner.stores import StoreJob, Stores
 from kvtriton.pool import BlockPool
 from kvtriton.records import PlannerMeta, Request, StepOutput, Transfer
 from kvtriton.specs import KVLayout
+from kvtriton.validation import is_int
 
 __all__ = ["OffloadPlanner"]
 
@@ -56,27 +63,41 @@ class OffloadPlanner:
 
     def __init__(self, layout: KVLayout, gpu_pool: BlockPool, cpu_pool: BlockPool | int,
                  config: PlannerConfig | None = None) -> None:
-        self.layout = layout
-        self.config = config or PlannerConfig()
-        self.gpu_pool = gpu_pool
-        if isinstance(cpu_pool, int):
+        # Every argument is checked before the planner listens to either pool.
+        if not isinstance(layout, KVLayout):
+            raise ValueError(f"layout must be a KVLayout, got {type(layout).__name__}")
+        if config is not None and not isinstance(config, PlannerConfig):
+            raise ValueError(f"config must be a PlannerConfig or None, got "
+                             f"{type(config).__name__}")
+        if not callable(getattr(gpu_pool, "add_listener", None)) \
+                or not is_int(getattr(gpu_pool, "num_blocks", None)):
+            raise ValueError(f"gpu_pool must be a block pool, got {type(gpu_pool).__name__}")
+        if is_int(cpu_pool):
             if cpu_pool < 1:
                 raise ValueError(f"cpu_pool must hold at least one block, got {cpu_pool}")
-            cpu_pool = BlockPool(cpu_pool + 1, medium="CPU")
-        self.cpu_pool = cpu_pool
-        cfg = self.config
+            cpu_pool = BlockPool(int(cpu_pool) + 1, medium="CPU")
+        elif not isinstance(cpu_pool, BlockPool):
+            raise ValueError(f"cpu_pool must be a BlockPool or a number of blocks, got "
+                             f"{cpu_pool!r}")
+        if cpu_pool is gpu_pool:
+            raise ValueError("cpu_pool must be another pool than gpu_pool")
+        cfg = config or PlannerConfig()
         if cfg.fine_grained and any(g.kind != "full" for g in layout.groups):
             raise ValueError("fine_grained hits need a layout of full-attention groups only")
+        self.layout = layout
+        self.config = cfg
+        self.gpu_pool = gpu_pool
+        self.cpu_pool = cpu_pool
         selector_cls = FusedSelector if cfg.scan == "fused" else LoopSelector
         self.selector = selector_cls(layout, gpu_pool, cpu_pool, restore=cfg.restore,
                                      max_restores_per_key=cfg.max_restores_per_key)
-        gpu_pool.add_listener(self.selector.on_gpu_insert, self.selector.on_gpu_evict)
-        cpu_pool.add_listener(self.selector.on_cpu_insert, self.selector.on_cpu_evict)
         self.stats = PlannerStats()
         self._requests: dict[str, Request] = {}
         self._loads = Loads(layout, cfg, gpu_pool, cpu_pool, self.stats)
         self._stores = Stores(layout, cfg, gpu_pool, cpu_pool, self.selector, self.stats)
         self._lazy = LazyOffload(layout, cfg, gpu_pool, cpu_pool, self.selector, self.stats)
+        gpu_pool.add_listener(self.selector.on_gpu_insert, self.selector.on_gpu_evict)
+        cpu_pool.add_listener(self.selector.on_cpu_insert, self.selector.on_cpu_evict)
 
     def _request(self, req_id: str) -> Request:
         try:
@@ -84,29 +105,72 @@ class OffloadPlanner:
         except KeyError:
             raise ValueError(f"unknown request id {req_id!r}") from None
 
+    def _check_request(self, req: Request, what: str) -> None:
+        if not isinstance(req, Request):
+            raise ValueError(f"{what}: expected a kvtriton Request, got {type(req).__name__}")
+        if req.keys.shape[0] != self.layout.num_groups:
+            raise ValueError(f"{what}: request {req.request_id!r} has keys for "
+                             f"{req.keys.shape[0]} groups, the layout has "
+                             f"{self.layout.num_groups}")
+
     # ---- 1. lookup ------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, req: Request, num_computed_tokens: int
                                    ) -> tuple[int, bool]:
         """Tokens past ``num_computed_tokens`` the CPU tier can supply, and whether the hit is
-        asynchronous (always, when non-zero: the request waits a step for its load)."""
+        asynchronous (always, when non-zero: the request waits a step for its load).
+
+        ``ValueError``, changing nothing, for ``num_computed_tokens`` that is not an int in
+        ``[0, req.num_tokens]``, or while a load of ``req`` is not yet reported."""
+        self._check_request(req, "get_num_new_matched_tokens")
+        if not is_int(num_computed_tokens) or not 0 <= num_computed_tokens <= req.num_tokens:
+            raise ValueError(f"request {req.request_id!r}: num_computed_tokens must be an int in "
+                             f"[0, {req.num_tokens}], got {num_computed_tokens!r}")
+        hit = self._loads.lookup(req, int(num_computed_tokens))
         self._requests[req.request_id] = req
-        return self._loads.lookup(req, num_computed_tokens)
+        return hit
 
     # ---- 2. after allocation --------------------------------------------------------------
 
     def update_state_after_alloc(self, req: Request, block_ids: tuple[list[int], ...],
                                  num_external_tokens: int) -> None:
-        """``block_ids[g]``: the request's whole GPU table for group g after allocation."""
+        """``block_ids[g]``: the request's whole GPU table for group g after allocation.
+
+        Everything is checked before anything changes: a ``ValueError`` for a bad table (not one
+        list of GPU block ids per group, the null block or a free block where the load writes,
+        too short for the load), a bad ``num_external_tokens`` (not a hash-block multiple within
+        the hit) or a second load while one of ``req`` is not yet reported leaves the planner and
+        both pools as they were, the hit still pinned. An allocation no pending hit can serve (no
+        hit pending, or a shorter hybrid hit the CPU lacks) is recorded, its hit released, and
+        then refused with a ``ValueError``."""
+        self._check_request(req, "update_state_after_alloc")
+        rid = req.request_id
+        if not is_int(num_external_tokens) or num_external_tokens < 0:
+            raise ValueError(f"request {rid!r}: num_external_tokens must be a non-negative int, "
+                             f"got {num_external_tokens!r}")
+        num_external_tokens = int(num_external_tokens)
+        try:
+            load = self._loads.plan(req, block_ids, num_external_tokens)
+        except UnservableHit:
+            # The scheduler did allocate the request; the hit it named cannot be loaded.
+            self._admit(req)
+            self._loads.release_hit(rid)
+            raise
+        self._admit(req)
+        self._loads.commit(rid, load, num_external_tokens)
+
+    def _admit(self, req: Request) -> None:
         self._requests[req.request_id] = req
         if not self.config.lazy:
             self._stores.admit(req)
-        self._loads.accept(req, block_ids, num_external_tokens)
 
     # ---- 3. per step ----------------------------------------------------------------------
 
     def build_meta(self, step: StepOutput) -> PlannerMeta:
-        """The step's store and load transfers (event ids, or -1 when a direction is empty)."""
+        """The step's store and load transfers (event ids, or -1 when a direction is empty).
+        A step whose new blocks or hand-offs are not GPU block ids of the layout's groups is
+        refused with a ``ValueError`` before any of it is applied."""
+        self._stores.validate_step(step)
         job = StoreJob()
         if self.config.lazy:
             self._lazy.select(job)

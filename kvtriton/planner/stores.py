@@ -21,6 +21,7 @@ import logging
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from itertools import chain
 
 import numpy as np
 
@@ -30,11 +31,15 @@ from kvtriton.planner.stats import PlannerStats
 from kvtriton.pool import NULL_BLOCK, BlockPool
 from kvtriton.records import Request, StepOutput, Transfer
 from kvtriton.specs import KVLayout
+from kvtriton.validation import check_block_ids, is_int
 
 __all__ = ["StoreJob", "Stores"]
 
 # The planner's logger: its records carry one name whichever lifecycle emits them.
 logger = logging.getLogger("kvtriton.planner.planner")
+
+_SEQUENCES = {tuple, list}
+_ID_SEQUENCES = {tuple, list, np.ndarray}
 
 
 @dataclass(slots=True)
@@ -132,6 +137,44 @@ class Stores:
         self._states[rid] = st
         self._row_req[row] = rid
         self._admit_row(req, st)
+
+    def validate_step(self, step: StepOutput) -> None:
+        """``ValueError`` for a step whose new blocks or hand-offs are not block ids of the GPU
+        pool in the layout's groups, raised before anything of the step is applied. The step's
+        new blocks are checked all at once, with no Python-level loop over them."""
+        G, n_gpu = self._layout.num_groups, self._gpu_pool.num_blocks
+        new = step.new_block_ids.values()
+        if new:
+            per_group = list(chain.from_iterable(new)) \
+                if not set(map(type, new)) - _SEQUENCES and set(map(len, new)) == {G} else None
+            if per_group is None or set(map(type, per_group)) - _ID_SEQUENCES:
+                self._explain_new_blocks(step)
+            try:
+                check_block_ids(list(chain.from_iterable(per_group)), n_gpu, "new_block_ids")
+            except ValueError:
+                self._explain_new_blocks(step)
+                raise
+        for rid, entries in step.boundary_handoffs.items():
+            for entry in entries:
+                what = f"step.boundary_handoffs[{rid!r}] entry {entry!r}"
+                if not isinstance(entry, tuple | list) or len(entry) != 3:
+                    raise ValueError(f"{what}: expected (boundary_tokens, gpu_block_id, group)")
+                _, gb, g = entry
+                if not is_int(g) or not 0 <= g < G:
+                    raise ValueError(f"{what}: group {g!r} out of range [0, {G})")
+                check_block_ids([gb], n_gpu, what)
+
+    def _explain_new_blocks(self, step: StepOutput) -> None:
+        """Raise the ``ValueError`` naming the request, group and id of a bad step."""
+        G, n_gpu = self._layout.num_groups, self._gpu_pool.num_blocks
+        for rid, new_ids in step.new_block_ids.items():
+            if not isinstance(new_ids, tuple | list) or len(new_ids) != G:
+                got = (f"{len(new_ids)} lists" if isinstance(new_ids, tuple | list)
+                       else repr(new_ids))
+                raise ValueError(f"step.new_block_ids[{rid!r}] must hold one list of new GPU "
+                                 f"blocks per group ({G}), got {got}")
+            for g, ids in enumerate(new_ids):
+                check_block_ids(ids, n_gpu, f"step.new_block_ids[{rid!r}] group {g}")
 
     def track_step(self, step: StepOutput, requests: Mapping[str, Request]) -> None:
         """Preempted requests lose their rows; new GPU blocks join the tables (a resumed or

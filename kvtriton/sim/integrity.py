@@ -9,24 +9,19 @@ Mamba states), so the check costs little while exercising the same descriptor ta
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from kvtriton.engine import TransferEngine
 from kvtriton.engine.descriptors import allocate_kv_caches
-from kvtriton.planner import PlannerMeta
 from kvtriton.pool import NULL_BLOCK
+from kvtriton.records import PlannerMeta
+from kvtriton.sim.errors import IntegrityError
 from kvtriton.specs import FullAttentionSpec, KVLayout, MambaSpec, SlidingWindowSpec
 
-if TYPE_CHECKING:
-    from kvtriton.sim.loop import ServingLoop, _Seq
-
 __all__ = ["IntegrityChecker", "IntegrityError", "miniature"]
-
-
-class IntegrityError(RuntimeError):
-    """A loaded block does not hold the data of its key."""
 
 
 def miniature(layout: KVLayout) -> KVLayout:
@@ -51,7 +46,8 @@ def _pattern(key: int, segment: int, nbytes: int) -> torch.Tensor:
 
 
 class IntegrityChecker:
-    """Owns the miniature KV tensors and the engine; the serving loop calls it."""
+    """Owns the miniature KV tensors and the engine; the scheduler calls it as its
+    ``kvtriton.sim.hooks.IntegrityHook``."""
 
     def __init__(self, layout: KVLayout, num_gpu_blocks: int, num_cpu_blocks: int,
                  backend: str = "torch") -> None:
@@ -66,10 +62,12 @@ class IntegrityChecker:
         self.blocks_checked = 0
         self.blocks_filled = 0
 
-    def attach(self, gpu_pool) -> None:
-        if gpu_pool.num_blocks > self.engine.segments[0][0][0].shape[0]:
-            raise ValueError(f"integrity tensors hold {self.engine.segments[0][0][0].shape[0]} "
-                             f"GPU blocks, the pool has {gpu_pool.num_blocks}")
+    def attach(self, num_gpu_blocks: int) -> None:
+        """Raises ``ValueError`` if a GPU pool of ``num_gpu_blocks`` blocks does not fit."""
+        held = self.engine.segments[0][0][0].shape[0]
+        if num_gpu_blocks > held:
+            raise ValueError(f"integrity tensors hold {held} GPU blocks, the pool has "
+                             f"{num_gpu_blocks}")
 
     def fill(self, group: int, block: int, key: int) -> None:
         """The model computed ``block`` of ``group``: write its key's bytes."""
@@ -78,27 +76,29 @@ class IntegrityChecker:
         self.blocks_filled += 1
 
     def execute(self, meta: PlannerMeta) -> None:
+        """Run one step's copies (done when submitted, on CPU tensors)."""
         self.engine.execute(meta)
         self.engine.poll()
         self._loaded.update(meta.load.gpu_blocks)
 
-    def check_load(self, loop: ServingLoop, seq: _Seq, step: int) -> None:
-        """Compare every block loaded for ``seq`` with the bytes of its position's key."""
-        req = seq.req
-        start, end = req.num_computed_tokens, req.num_computed_tokens + seq.pending_ext
+    def check_load(self, request_id: str, keys: np.ndarray, tables: Sequence[Sequence[int]],
+                   start: int, end: int, step: int) -> None:
+        """Compare every block loaded for tokens ``[start, end)`` of ``request_id`` (its tables
+        and keys ``[groups, hash blocks]``) with the bytes of its position's key."""
+        hbs = self.layout.hash_block_size
         for g, spec in enumerate(self.layout.groups):
-            r = spec.block_size // self.layout.hash_block_size
-            table = seq.tables[g]
+            r = spec.block_size // hbs
+            table = tables[g]
             for pos in range(start // spec.block_size, -(-end // spec.block_size)):
                 b = table[pos]
                 if b == NULL_BLOCK or b not in self._loaded:
                     continue
-                j = min((pos + 1) * r, end // self.layout.hash_block_size) - 1
-                key = int(req.keys[g, j])
+                j = min((pos + 1) * r, end // hbs) - 1
+                key = int(keys[g, j])
                 for s, (view, _) in enumerate(self.engine.segments[g]):
                     if not torch.equal(view[b], _pattern(key, s, view.shape[1])):
                         raise IntegrityError(
-                            f"step {step}: request {req.request_id!r}: GPU block {b} (group {g}, "
+                            f"step {step}: request {request_id!r}: GPU block {b} (group {g}, "
                             f"position {pos}, segment {s}) does not hold key {key} after its "
                             "CPU load")
                 self._loaded.discard(b)

@@ -6,7 +6,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvtriton.sim.cost import CostModel
-from kvtriton.sim.integrity import IntegrityChecker
 from kvtriton.sim.keys import workload_keys
 from kvtriton.sim.loop import ServingLoop
 from kvtriton.sim.metrics import format_table
@@ -117,6 +116,9 @@ def simulate(
             "d2h_bytes_per_s": cost.gpu.d2h_bytes_per_s},
     }
     result = SimulationResult(workload.name, conditions)
+    if integrity:
+        # Imported only when asked for: it brings torch's transfer engine and Triton.
+        from kvtriton.sim.integrity import IntegrityChecker
     for pol in chosen:
         checker = IntegrityChecker(layout, n_gpu, n_cpu, integrity_backend) if integrity else None
         loop = ServingLoop(workload, keys, layout, pol, cost, gpu_blocks=n_gpu, cpu_blocks=n_cpu,

@@ -1,0 +1,494 @@
+"""The KV side of a vLLM-like scheduler step, around ``OffloadPlanner`` as vLLM drives a connector.
+
+One implementation, used by the serving-loop simulator (``kvtriton.sim.loop``), the test harness
+(``tests/planner_harness.py``) and the memory soak (``bench/bench_soak.py``):
+
+- ``KVScheduler``: the GPU pool, the planner and per-request block tables (``SeqBlocks``), and the
+  operations a caller sequences itself: a GPU prefix-cache lookup and the planner's CPU lookup,
+  allocation, registering newly full blocks in the GPU prefix cache (and dropping what a group no
+  longer needs: sliding-window pages left behind, Mamba states before the last one, whose saved
+  boundaries are handed to the planner), preemption, finish (blocks freed tail first), the
+  ``StepOutput`` and delivering worker reports to the planner. The test harness drives it call by
+  call.
+- ``BatchScheduler``: the same plus the step policy: running requests first (decode, or the next
+  chunk of a prefill), then waiting ones in arrival order while the token budget, the GPU blocks
+  and ``max_running`` allow; when the GPU runs out of blocks the newest running request is
+  preempted (recompute). A CPU hit waits for its load and is computed from the step after the load
+  landed. The simulator and the soak drive it step by step, each with its own clock, workload and
+  report delays.
+
+Lengths are in tokens unless named blocks (of the group's own block size); ``planner_s`` and
+``last_build_meta_s`` are measured wall time in seconds spent inside planner calls.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvtriton.lookup import Hit, find_longest_hit
+from kvtriton.planner import OffloadPlanner
+from kvtriton.pool import NULL_BLOCK, BlockPool
+from kvtriton.records import PlannerMeta, Request, StepOutput
+from kvtriton.sim.hooks import IntegrityHook
+from kvtriton.specs import KVLayout
+
+__all__ = ["BatchScheduler", "KVScheduler", "SeqBlocks"]
+
+
+@dataclass(slots=True, eq=False)
+class SeqBlocks:
+    """A request and the GPU blocks the scheduler holds for it, per group (empty until admitted).
+
+    ``tables[g]``: group g's block table, ``NULL_BLOCK`` where a page was never held or was
+    dropped; ``new[g]``: its blocks not yet reported to the planner; ``cached[g]``: leading
+    positions already registered in the GPU prefix cache; ``handoffs``: Mamba states saved at a
+    boundary this step, as (boundary token, GPU block, group); ``pending_ext``: tokens its CPU
+    load brings, counted as computed once the load lands; ``admitted_once``: its prompt and hits
+    were counted (a resumption after preemption is not a new prompt).
+    """
+
+    req: Request
+    tables: list[list[int]] = field(default_factory=list)
+    new: list[list[int]] = field(default_factory=list)
+    cached: list[int] = field(default_factory=list)
+    resumed: bool = False  # preempted: its next new blocks are reported as a resumption
+    pending_ext: int = 0
+    admitted_once: bool = False
+    handoffs: list[tuple[int, int, int]] = field(default_factory=list)
+
+
+class KVScheduler:
+    """Block tables, the GPU prefix cache and the planner calls of a scheduler step.
+
+    ``null_out_of_window``: at allocation, positions of a sliding-window group whose tokens are
+    already out of the window at the request's computed tokens get ``NULL_BLOCK`` instead of a
+    real block (the harness's allocation; the simulator still allocates real blocks there).
+    ``count_recomputed``: count in ``recomputed_tokens`` the tokens of blocks computed whose key
+    was computed before. ``integrity``: told of every block computed and handed every step's
+    transfers; a ``BatchScheduler`` also asks it to check every load as it lands.
+    """
+
+    def __init__(self, layout: KVLayout, gpu: BlockPool, planner: OffloadPlanner | None, *,
+                 null_out_of_window: bool = False, count_recomputed: bool = False,
+                 integrity: IntegrityHook | None = None) -> None:
+        self.layout = layout
+        self.gpu = gpu
+        self.planner = planner
+        self.null_out_of_window = null_out_of_window
+        self.integrity = integrity
+        self.planner_s = 0.0
+        self.last_build_meta_s = 0.0
+        self.recomputed_tokens = 0
+        # Key id -> computed before; grown on demand (key ids are dense).
+        self._ever_computed = np.zeros(0, dtype=bool) if count_recomputed else None
+        self._ratio = [g.block_size // layout.hash_block_size for g in layout.groups]
+
+    def empty_tables(self, seq: SeqBlocks) -> None:
+        """Give ``seq`` one empty table per group."""
+        G = self.layout.num_groups
+        seq.tables = [[] for _ in range(G)]
+        seq.new = [[] for _ in range(G)]
+        seq.cached = [0] * G
+
+    # ---- lookups ----------------------------------------------------------------------------
+
+    def gpu_hit(self, req: Request) -> Hit:
+        """The GPU prefix-cache hit of ``req``, capped so its last token is recomputed."""
+        hbs = self.layout.hash_block_size
+        keys = req.keys[:, :min(req.keys.shape[1], req.num_tokens // hbs)].tolist()
+        return find_longest_hit(self.layout, self.gpu, keys, req.num_tokens - 1)
+
+    def cpu_hit(self, req: Request, local: int) -> int:
+        """Tokens past the ``local`` GPU-hit tokens the CPU tier offers (0 without a planner)."""
+        if self.planner is None:
+            return 0
+        t0 = time.perf_counter()
+        ext, _ = self.planner.get_num_new_matched_tokens(req, local)
+        self.planner_s += time.perf_counter() - t0
+        return ext
+
+    # ---- allocation ---------------------------------------------------------------------------
+
+    def _out_of_window(self, g: int, held: int, n: int, computed: int) -> int:
+        """How many of the ``n`` positions after the ``held`` ones get null pages."""
+        spec = self.layout.groups[g]
+        if not self.null_out_of_window or spec.kind != "sliding_window":
+            return 0
+        skip = max(0, computed - spec.sliding_window + 1) // spec.block_size
+        return max(0, min(skip, held + n) - held)
+
+    def blocks_needed(self, tables: Iterable[list[int]], tokens: int, computed: int = 0
+                      ) -> list[int]:
+        """Per group, the GPU blocks ``grow(seq, tokens, computed=computed)`` would take from
+        the pool for a request holding ``tables``."""
+        need = []
+        for g, (spec, table) in enumerate(zip(self.layout.groups, tables, strict=True)):
+            n = max(0, -(-tokens // spec.block_size) - len(table))
+            need.append(n - self._out_of_window(g, len(table), n, computed) if n else 0)
+        return need
+
+    def install_hit(self, seq: SeqBlocks, hit: Hit) -> None:
+        """Take the GPU hit's blocks as ``seq``'s tables (a free cached block leaves the free
+        queue), all of them reported as new, the hit's positions as already cached."""
+        self.gpu.touch([b for blocks in hit.blocks for b in blocks if b != NULL_BLOCK])
+        seq.tables = [list(blocks) for blocks in hit.blocks]
+        seq.new = [list(blocks) for blocks in hit.blocks]
+        seq.cached = [len(blocks) for blocks in hit.blocks]
+
+    def grow(self, seq: SeqBlocks, tokens: int, *, computed: int = 0) -> None:
+        """Extend ``seq``'s tables to hold ``tokens`` tokens (the blocks must be free: see
+        ``blocks_needed``). With ``null_out_of_window``, sliding-window positions whose tokens are
+        out of the window at ``computed`` tokens (already computed: a GPU or CPU hit) get null
+        pages."""
+        for g, spec in enumerate(self.layout.groups):
+            table = seq.tables[g]
+            n = -(-tokens // spec.block_size) - len(table)
+            if n <= 0:
+                continue
+            nulls = self._out_of_window(g, len(table), n, computed)
+            blocks = [NULL_BLOCK] * nulls + self.gpu.get_new_blocks(n - nulls)
+            table += blocks
+            seq.new[g] += blocks
+
+    def try_grow(self, seq: SeqBlocks, tokens: int) -> bool:
+        """``grow`` if the free blocks allow it; whether they did."""
+        if sum(self.blocks_needed(seq.tables, tokens)) > self.gpu.num_free_blocks:
+            return False
+        self.grow(seq, tokens)
+        return True
+
+    def after_alloc(self, seq: SeqBlocks, ext: int) -> None:
+        """Tell the planner ``seq``'s tables after allocation and the ``ext`` CPU-hit tokens it
+        accepted."""
+        if self.planner is None:
+            return
+        t0 = time.perf_counter()
+        self.planner.update_state_after_alloc(seq.req, tuple(seq.tables), ext)
+        self.planner_s += time.perf_counter() - t0
+
+    # ---- the GPU prefix cache ---------------------------------------------------------------
+
+    def cache_full_blocks(self, seq: SeqBlocks, upto: int, *, computed_here: bool = True
+                          ) -> None:
+        """Register the blocks full at ``upto`` tokens in the GPU prefix cache (Mamba states are
+        also queued as boundary hand-offs). ``computed_here``: False for blocks that came from a
+        CPU load (not computed, and their bytes already arrived)."""
+        req, gpu = seq.req, self.gpu
+        for g, spec in enumerate(self.layout.groups):
+            table, r = seq.tables[g], self._ratio[g]
+            full = min(upto // spec.block_size, len(table), req.keys.shape[1] // r)
+            for pos in range(seq.cached[g], full):
+                b = table[pos]
+                if b != NULL_BLOCK and gpu.block_hash(b) is None:
+                    keys = req.keys[g, pos * r:(pos + 1) * r].tolist()
+                    if computed_here:
+                        self._computed(g, b, keys[-1], spec.block_size)
+                    gpu.cache_block(b, keys[-1], keys[:-1])
+                    if spec.kind == "mamba":
+                        seq.handoffs.append(((pos + 1) * spec.block_size, b, g))
+            seq.cached[g] = max(seq.cached[g], full)
+
+    def _computed(self, g: int, block: int, key: int, tokens: int) -> None:
+        seen = self._ever_computed
+        if seen is not None:
+            if key >= len(seen):
+                grown = np.zeros(max(key + 1, 2 * len(seen)), dtype=bool)
+                grown[:len(seen)] = seen
+                self._ever_computed = seen = grown
+            if seen[key]:
+                self.recomputed_tokens += tokens
+            seen[key] = True
+        if self.integrity is not None:
+            self.integrity.fill(g, block, key)
+
+    def drop_unneeded(self, seq: SeqBlocks) -> None:
+        """Free what a group no longer needs at the request's computed tokens: sliding-window
+        pages out of the window, Mamba states before the last full one. Only positions already
+        registered are dropped, so the prefix cache keeps every block computed; the pages are
+        freed last position first, as vLLM's ``remove_skipped_blocks`` does."""
+        req, gpu = seq.req, self.gpu
+        computed = req.num_computed_tokens
+        for g, spec in enumerate(self.layout.groups):
+            table = seq.tables[g]
+            if spec.kind == "sliding_window":
+                keep_from = max(0, computed - spec.sliding_window + 1) // spec.block_size
+            elif spec.kind == "mamba":
+                full = min(computed // spec.block_size, len(table),
+                           req.keys.shape[1] // self._ratio[g])
+                keep_from = max(0, full - 1)
+            else:
+                continue
+            stop = min(keep_from, seq.cached[g], len(table))
+            drop = [table[p] for p in range(stop) if table[p] != NULL_BLOCK]
+            if drop:
+                for p in range(stop):
+                    table[p] = NULL_BLOCK
+                gpu.free_blocks(drop[::-1])
+
+    def cache_computed(self, seq: SeqBlocks, *, computed_here: bool = True) -> None:
+        """``cache_full_blocks`` at the request's computed tokens, then ``drop_unneeded``."""
+        self.cache_full_blocks(seq, seq.req.num_computed_tokens, computed_here=computed_here)
+        self.drop_unneeded(seq)
+
+    # ---- leaving the GPU --------------------------------------------------------------------
+
+    def free_seq_blocks(self, seq: SeqBlocks) -> None:
+        """Free every block ``seq`` holds, each table tail first (a chain's head, shared by
+        most prefixes, is the last to be evicted), and empty its tables."""
+        for table in seq.tables:
+            live = [b for b in reversed(table) if b != NULL_BLOCK]
+            if live:
+                self.gpu.free_blocks(live)
+        self.empty_tables(seq)
+
+    def preempt(self, seq: SeqBlocks) -> None:
+        """Preempt by recompute: its blocks are freed and it starts over; its next table is
+        reported as a resumption."""
+        self.free_seq_blocks(seq)
+        seq.req.num_computed_tokens = 0
+        seq.req.num_output_placeholders = 0
+        seq.handoffs.clear()
+        seq.resumed = True
+
+    def finish(self, seq: SeqBlocks) -> None:
+        """``seq`` finished or was aborted: the planner is told first, then its blocks are
+        freed."""
+        if self.planner is not None:
+            t0 = time.perf_counter()
+            self.planner.request_finished(seq.req)
+            self.planner_s += time.perf_counter() - t0
+        self.free_seq_blocks(seq)
+
+    # ---- one step ---------------------------------------------------------------------------
+
+    def step_output(self, seqs: Iterable[SeqBlocks], scheduled: dict[str, int], *,
+                    preempted: set[str], finished: set[str] | None = None,
+                    order: list[str] | None = None) -> StepOutput:
+        """The step as the planner sees it: ``scheduled`` tokens per request id, the new blocks,
+        resumptions and Mamba hand-offs of ``seqs`` (taken: the next step reports only what
+        follows), ``preempted`` and ``finished`` request ids, and the batch ``order`` (default:
+        that of ``scheduled``)."""
+        new_ids, resumed, handoffs = {}, set(), {}
+        for seq in seqs:
+            rid = seq.req.request_id
+            if any(seq.new):
+                new_ids[rid] = tuple(seq.new)
+                seq.new = [[] for _ in seq.new]
+                if seq.resumed:
+                    resumed.add(rid)
+                    seq.resumed = False
+            if seq.handoffs:
+                handoffs[rid] = seq.handoffs
+                seq.handoffs = []
+        return StepOutput(num_scheduled_tokens=scheduled, new_block_ids=new_ids,
+                          preempted_req_ids=preempted, resumed_req_ids=resumed,
+                          finished_req_ids=set() if finished is None else finished,
+                          boundary_handoffs=handoffs,
+                          order=list(scheduled) if order is None else order)
+
+    def build_meta(self, step: StepOutput) -> PlannerMeta:
+        """The planner's transfers for ``step`` (its duration in ``last_build_meta_s``), handed
+        to the integrity hook to execute."""
+        t0 = time.perf_counter()
+        meta = self.planner.build_meta(step)
+        self.last_build_meta_s = time.perf_counter() - t0
+        self.planner_s += self.last_build_meta_s
+        if self.integrity is not None:
+            self.integrity.execute(meta)
+        return meta
+
+    def apply_reports(self, *, finished_loads: Iterable[str] = (),
+                      completed_stores: Mapping[int, int] | Iterable[int] = (),
+                      failed_loads: Iterable[str] = (), failed_stores: Iterable[int] = ()
+                      ) -> None:
+        """Worker reports, to the planner (``OffloadPlanner.update_connector_output``)."""
+        t0 = time.perf_counter()
+        self.planner.update_connector_output(
+            finished_loads=finished_loads, completed_stores=completed_stores,
+            failed_stores=failed_stores, failed_loads=failed_loads)
+        self.planner_s += time.perf_counter() - t0
+
+
+class BatchScheduler(KVScheduler):
+    """``KVScheduler`` with waiting, running and loading queues and vLLM's step policy.
+
+    A caller ``add``s requests as they arrive, then per step: ``schedule_step`` (which requests
+    run how many tokens, and the planner's transfers for the step), its own compute and transfer
+    timing, ``advance`` (the scheduled tokens count as computed; sampled tokens, finishes) and
+    ``deliver`` (worker reports that arrived). ``prompt_tokens``, ``gpu_hit_tokens`` and
+    ``cpu_hit_tokens`` count each request's first admission; ``prefill_tokens`` the prompt tokens
+    computed (recomputation after a preemption included); ``token_budget`` caps the tokens of a
+    step, ``max_running`` the running requests.
+    """
+
+    def __init__(self, layout: KVLayout, gpu: BlockPool, planner: OffloadPlanner | None, *,
+                 token_budget: int, max_running: int, null_out_of_window: bool = False,
+                 count_recomputed: bool = False, integrity: IntegrityHook | None = None) -> None:
+        super().__init__(layout, gpu, planner, null_out_of_window=null_out_of_window,
+                         count_recomputed=count_recomputed, integrity=integrity)
+        self.token_budget = token_budget
+        self.max_running = max_running
+        self.seqs: dict[str, SeqBlocks] = {}  # every request not finished, in arrival order
+        self.waiting: deque[SeqBlocks] = deque()
+        self.running: list[SeqBlocks] = []
+        self.loading: dict[str, SeqBlocks] = {}
+        self._finished_last: set[str] = set()
+        self.prompt_tokens = 0
+        self.gpu_hit_tokens = 0
+        self.cpu_hit_tokens = 0
+        self.prefill_tokens = 0
+        self.preemptions = 0
+
+    @property
+    def busy(self) -> bool:
+        """Whether a request waits, runs or waits for its load."""
+        return bool(self.waiting or self.running or self.loading)
+
+    def add(self, seq: SeqBlocks) -> None:
+        """A request arrives: it waits behind those already waiting."""
+        self.empty_tables(seq)
+        self.seqs[seq.req.request_id] = seq
+        self.waiting.append(seq)
+
+    # ---- scheduling -------------------------------------------------------------------------
+
+    def _admit(self, seq: SeqBlocks, budget: int) -> int | None:
+        """Schedule a waiting request; the tokens scheduled (0 while its load runs), or None if
+        it does not fit."""
+        req = seq.req
+        hit = self.gpu_hit(req)
+        local = hit.num_tokens
+        hit_blocks = [b for blocks in hit.blocks for b in blocks if b != NULL_BLOCK]
+        # Even one more token must fit, whatever the CPU offers: skip the CPU lookup otherwise.
+        if sum(self.blocks_needed(hit.blocks, local + 1, computed=local)) \
+                > self.gpu.num_free_blocks:
+            return None
+        ext = self.cpu_hit(req, local)
+        target = local + ext if ext else local + min(req.num_tokens - local, budget)
+        reserve = sum(self.blocks_needed(hit.blocks, target, computed=local + ext))
+        free = self.gpu.num_free_blocks
+        # Touching a free cached hit block takes it out of the free count too.
+        if reserve > free - len(hit_blocks) and \
+                reserve > free - sum(map(self.gpu.is_free, hit_blocks)):
+            return None
+        self.install_hit(seq, hit)
+        self.grow(seq, target, computed=local + ext)
+        self.after_alloc(seq, ext)
+        req.num_computed_tokens = local
+        if not seq.admitted_once:
+            seq.admitted_once = True
+            self.prompt_tokens += req.num_prompt_tokens
+            self.gpu_hit_tokens += local
+            self.cpu_hit_tokens += ext
+        if ext:
+            seq.pending_ext = ext
+            self.loading[req.request_id] = seq
+            return 0
+        self.running.append(seq)
+        return target - local
+
+    def preempt(self, seq: SeqBlocks) -> None:
+        """Preempt a running request by recompute: it waits again, ahead of every other."""
+        self.running.remove(seq)
+        super().preempt(seq)
+        self.waiting.appendleft(seq)
+        self.preemptions += 1
+
+    def _schedule(self) -> tuple[dict[str, int], set[str]]:
+        budget = self.token_budget
+        scheduled: dict[str, int] = {}
+        preempted: set[str] = set()
+        for seq in list(self.running):
+            rid = seq.req.request_id
+            if rid in preempted or budget <= 0:
+                continue
+            req = seq.req
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.try_grow(seq, req.num_computed_tokens + n):
+                victim = self.running[-1]
+                self.preempt(victim)
+                preempted.add(victim.req.request_id)
+                if victim is seq:
+                    break
+            if rid in preempted:
+                continue
+            scheduled[rid] = n
+            budget -= n
+        if not preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.max_running:
+                seq = self.waiting[0]
+                n = self._admit(seq, budget)
+                if n is None:
+                    break
+                self.waiting.popleft()
+                if n:
+                    scheduled[seq.req.request_id] = n
+                    budget -= n
+        return scheduled, preempted
+
+    def schedule_step(self) -> tuple[dict[str, int], PlannerMeta | None]:
+        """Tokens scheduled per request id this step, and the planner's transfers for it (None
+        without a planner). ``build_meta`` runs before the step's tokens count as computed."""
+        scheduled, preempted = self._schedule()
+        finished, self._finished_last = self._finished_last, set()
+        step = self.step_output(self.seqs.values(), scheduled, preempted=preempted,
+                                finished=finished)
+        meta = self.build_meta(step) if self.planner is not None else None
+        return scheduled, meta
+
+    # ---- after the step's compute -----------------------------------------------------------
+
+    def advance(self, scheduled: dict[str, int], sampled: Callable[[SeqBlocks], bool]
+                ) -> list[SeqBlocks]:
+        """The scheduled tokens are computed: full blocks join the GPU prefix cache. A request
+        whose tokens are all computed samples one; ``sampled(seq)`` says whether that was its
+        last (it finishes) or the sequence grows by it. Returns the finished requests."""
+        done = []
+        for rid, n in scheduled.items():
+            seq = self.seqs[rid]
+            req = seq.req
+            if req.num_computed_tokens < req.num_prompt_tokens:
+                self.prefill_tokens += n
+            req.num_computed_tokens += n
+            self.cache_computed(seq)
+            if req.num_computed_tokens == req.num_tokens:
+                if sampled(seq):
+                    self.finish(seq)
+                    done.append(seq)
+                else:
+                    req.num_tokens += 1
+        return done
+
+    def finish(self, seq: SeqBlocks) -> None:
+        """A running request finished: the next step reports it."""
+        rid = seq.req.request_id
+        self.running.remove(seq)
+        super().finish(seq)
+        self._finished_last.add(rid)
+        del self.seqs[rid]
+
+    def deliver(self, finished_loads: list[str],
+                completed_stores: Mapping[int, int] | Iterable[int], step: int) -> None:
+        """Worker reports to the planner; each finished load is checked by the integrity hook
+        (``step`` names the step in its errors), then its tokens count as computed and the
+        request runs from the next step."""
+        if not finished_loads and not completed_stores:
+            return
+        if self.integrity is not None:
+            for rid in finished_loads:
+                seq = self.loading[rid]
+                start = seq.req.num_computed_tokens
+                self.integrity.check_load(rid, seq.req.keys, seq.tables, start,
+                                          start + seq.pending_ext, step)
+        self.apply_reports(finished_loads=finished_loads, completed_stores=completed_stores)
+        for rid in finished_loads:
+            seq = self.loading.pop(rid)
+            seq.req.num_computed_tokens += seq.pending_ext
+            seq.pending_ext = 0
+            self.cache_computed(seq, computed_here=False)
+            self.running.append(seq)
