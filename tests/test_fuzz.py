@@ -783,16 +783,20 @@ def test_partial_accept_of_a_hybrid_hit_loads_the_window_of_the_shorter_hit():
 
 
 def test_partial_accept_the_cpu_cannot_serve_is_refused():
-    """Without the window blocks of the shorter hit in the CPU, accepting it is an error (and
-    the hit's pins are released), not a load that silently misses them."""
+    """Without the window blocks of the shorter hit in the CPU, accepting it is an error that
+    changes nothing (the hit stays pinned), not a load that silently misses them; accepting
+    none of it then releases the hit."""
     rig = _hybrid_prompt_in_cpu_only()
     req = rig.request("b", tokens_for(1, 28))
     window_key = int(req.keys[1, 0])  # sliding-window block 0: out of the 24-token hit's window
     rig.cpu.evict_cached(rig.cpu.get_cached_block(window_key))
     assert rig.planner.get_num_new_matched_tokens(req, 0) == (24, True)
     table = (rig.gpu.get_new_blocks(3), rig.gpu.get_new_blocks(3))
+    pinned = rig.cpu.num_used_blocks
     with pytest.raises(ValueError, match="cannot supply exactly 12 of its 24-token hit"):
         rig.planner.update_state_after_alloc(req, table, 12)
+    assert pinned > 0 and rig.cpu.num_used_blocks == pinned
+    rig.planner.update_state_after_alloc(req, table, 0)
     assert rig.cpu.num_used_blocks == 0
     rig.gpu.free_blocks(table[0] + table[1])
     rig.planner.request_finished(req)

@@ -757,7 +757,10 @@ def test_unknown_request_ids_raise():
         h.planner.cursor("a")
     with pytest.raises(ValueError, match="no CPU hit is pending"):
         h.planner.update_state_after_alloc(a, ([1, 2, 3, 4, 5],), 16)
-    h.planner.request_finished(a)  # now known (allocation registered it): finish is fine
+    with pytest.raises(ValueError, match="unknown request id 'a'"):  # the refusal changed nothing
+        h.planner.request_finished(a)
+    h.planner.update_state_after_alloc(a, ([1, 2, 3, 4, 5],), 0)
+    h.planner.request_finished(a)  # now known: finish is fine
     with pytest.raises(ValueError, match="unknown request id"):
         h.planner.request_finished(a)  # twice
 

@@ -28,15 +28,10 @@ from kvtriton.records import Request, Transfer
 from kvtriton.specs import KVLayout
 from kvtriton.validation import block_id_array
 
-__all__ = ["Loads", "UnservableHit"]
+__all__ = ["Loads"]
 
 # The planner's logger: its records carry one name whichever lifecycle emits them.
 logger = logging.getLogger("kvtriton.planner.planner")
-
-
-class UnservableHit(ValueError):
-    """An allocation whose accepted CPU tokens no pending hit can serve: none is pending, or a
-    sliding-window or Mamba group has no CPU blocks ending at the shorter hit accepted."""
 
 
 @dataclass(slots=True)
@@ -147,8 +142,8 @@ class Loads:
         ``ValueError`` for a GPU table that is not one list of block ids in the GPU pool per group,
         a load that needs a block the table does not hold (too short, the null block, a block
         named twice or one not allocated), a token count that is not a hash-block multiple within
-        the hit, or a second load while one of ``req`` is not yet reported. ``UnservableHit`` (a
-        ``ValueError``) when no hit is pending or the CPU cannot supply the shorter hit accepted.
+        the hit, a second load while one of ``req`` is not yet reported, no pending hit, or a
+        shorter hit accepted that the CPU cannot supply.
         """
         rid = req.request_id
         layout = self._layout
@@ -169,7 +164,7 @@ class Loads:
                              "request takes one load at a time")
         pending = self._pending_hits.get(rid)
         if pending is None:
-            raise UnservableHit(f"request {rid!r}: {num_external_tokens} external tokens "
+            raise ValueError(f"request {rid!r}: {num_external_tokens} external tokens "
                                 "accepted but no CPU hit is pending for it")
         hit_blocks, hit_tokens, num_computed = (pending.blocks, pending.num_tokens,
                                                 pending.num_computed_tokens)
@@ -183,7 +178,7 @@ class Loads:
             keys = req.keys[:, skip:skip + num_external_tokens // hbs].tolist()
             short = find_longest_hit(layout, self._cpu_pool, keys, num_external_tokens)
             if short.num_tokens != num_external_tokens:
-                raise UnservableHit(f"request {rid!r}: the CPU tier cannot supply exactly "
+                raise ValueError(f"request {rid!r}: the CPU tier cannot supply exactly "
                                     f"{num_external_tokens} of its {hit_tokens}-token hit (a "
                                     "sliding-window or Mamba group has no blocks ending there)")
             hit_blocks = short.blocks

@@ -37,7 +37,7 @@ from collections.abc import Iterable, Mapping
 
 from kvtriton.planner.config import PlannerConfig
 from kvtriton.planner.lazy import LazyOffload
-from kvtriton.planner.loads import Loads, UnservableHit
+from kvtriton.planner.loads import Loads
 from kvtriton.planner.reference import LoopSelector
 from kvtriton.planner.scan import FusedSelector
 from kvtriton.planner.stats import PlannerStats
@@ -139,23 +139,17 @@ class OffloadPlanner:
         Everything is checked before anything changes: a ``ValueError`` for a bad table (not one
         list of GPU block ids per group, the null block or a free block where the load writes,
         too short for the load), a bad ``num_external_tokens`` (not a hash-block multiple within
-        the hit) or a second load while one of ``req`` is not yet reported leaves the planner and
-        both pools as they were, the hit still pinned. An allocation no pending hit can serve (no
-        hit pending, or a shorter hybrid hit the CPU lacks) is recorded, its hit released, and
-        then refused with a ``ValueError``."""
+        the hit), an allocation no pending hit can serve (no hit pending, or a shorter hybrid hit
+        the CPU lacks) or a second load while one of ``req`` is not yet reported leaves the
+        planner and both pools as they were, any hit still pinned: the scheduler may call again
+        with what can be served (0 external tokens releases the hit)."""
         self._check_request(req, "update_state_after_alloc")
         rid = req.request_id
         if not is_int(num_external_tokens) or num_external_tokens < 0:
             raise ValueError(f"request {rid!r}: num_external_tokens must be a non-negative int, "
                              f"got {num_external_tokens!r}")
         num_external_tokens = int(num_external_tokens)
-        try:
-            load = self._loads.plan(req, block_ids, num_external_tokens)
-        except UnservableHit:
-            # The scheduler did allocate the request; the hit it named cannot be loaded.
-            self._admit(req)
-            self._loads.release_hit(rid)
-            raise
+        load = self._loads.plan(req, block_ids, num_external_tokens)
         self._admit(req)
         self._loads.commit(rid, load, num_external_tokens)
 
