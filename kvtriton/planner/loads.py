@@ -231,11 +231,6 @@ class Loads:
         self._loads[rid] = load
         self._stats.cpu_hit_tokens += num_external_tokens
 
-    def release_hit(self, rid: str) -> None:
-        """Release the pending hit of ``rid``, if any."""
-        if (pending := self._pending_hits.pop(rid, None)) is not None:
-            self._unpin_hit(pending)
-
     @staticmethod
     def _describe(ld: _Load) -> str:
         when = "queued" if ld.event is None else f"in load event {ld.event}"
