@@ -220,9 +220,12 @@ def _cmd_simulate(args) -> int:
                    integrity=args.integrity, integrity_backend=args.integrity_backend,
                    bound=not args.no_bound, progress=not args.quiet, **kw)
     c = res.conditions
-    print(f"{wl.name}: {len(wl)} requests; {c['layout']}; GPU {c['gpu_blocks']:,} blocks "
-          f"({c['gpu_gib']:.1f} GiB), CPU {c['cpu_blocks']:,} blocks ({c['cpu_gib']:.1f} GiB); "
-          f"{args.gpu} cost model")
+    n_rejected = c.get("rejected", 0)
+    rejected = (f" ({n_rejected:,} rejected: larger than the GPU; hit rates and the bound "
+                "cover the others)") if n_rejected else ""
+    print(f"{wl.name}: {len(wl)} requests{rejected}; {c['layout']}; GPU {c['gpu_blocks']:,} "
+          f"blocks ({c['gpu_gib']:.1f} GiB), CPU {c['cpu_blocks']:,} blocks "
+          f"({c['cpu_gib']:.1f} GiB); {args.gpu} cost model")
     print(res.table())
     if res.bound is not None:
         print(f"bound: {res.bound['policy']}: {res.bound['hit_rate']:.1%}")

@@ -11,6 +11,7 @@ traces; and output paths that cannot be written (refused before the run, not aft
 from __future__ import annotations
 
 import gzip
+import importlib
 import json
 
 import pytest
@@ -186,7 +187,15 @@ ARG_ERRORS = {
     "gib-zero": (["simulate", "--cpu-gib", "0"], "--cpu-gib: '0' must be a positive"),
     "cpu-two-units": (["simulate", "--cpu-tokens", "64", "--cpu-blocks", "4"], "give one of"),
     "blocks-beyond-memory": (["simulate", "--gpu-blocks", "1e15", "--no-bound", *SMALL],
-                             "out of memory"),
+                             "GPU 1,000,000,000,000,000 blocks, CPU 4,000,000,000,000,000 blocks: "
+                             "the simulator's block pools need about"),
+    "integrity-beyond-memory": (["simulate", "--gpu-blocks", "1e12", "--integrity", "--no-bound",
+                                 *SMALL], "GPU 1,000,000,000,000 blocks, CPU 4,000,000,000,000 "
+                                 "blocks: the simulator's block pools and integrity tensors need"),
+    "cpu-blocks-beyond-memory": (["simulate", "--cpu-blocks", "1e15", "--no-bound", *SMALL],
+                                 "CPU 1,000,000,000,000,000 blocks: the simulator's block pools"),
+    "every-request-rejected": (["simulate", "--gpu-blocks", "1", *SMALL],
+                               "every request would be rejected (1 of 1): the smallest needs"),
     "stats-missing-file": (["trace-stats"], "the following arguments are required: file"),
     "workload-name-typo": (["replay", "--workload", "moooncake"], "moooncake: no such file"),
 }
@@ -197,6 +206,20 @@ def test_bad_arguments(capsys, case):
     argv, message = ARG_ERRORS[case]
     err = run(argv, capsys)
     assert message in err
+
+
+def test_capacity_that_fits_a_float_but_not_this_machine(capsys, monkeypatch):
+    # 3e8 GPU blocks with integrity tensors: torch's allocator used to raise from deep inside;
+    # refused up front, with the value and the machine's memory (fixed here, so the case does
+    # not depend on the machine running the test).
+    # The module, not the function kvtriton.sim exports under the same name.
+    sim_module = importlib.import_module("kvtriton.sim.simulate")
+
+    monkeypatch.setattr(sim_module, "machine_memory_bytes", lambda: 64 << 30)
+    err = run(["simulate", "--gpu-blocks", "3e8", "--cpu-blocks", "64", "--integrity",
+               "--no-bound", *SMALL], capsys)
+    assert "GPU 300,000,000 blocks, CPU 64 blocks" in err
+    assert "more than this machine's 64.0 GiB of memory" in err
 
 
 def test_trace_request_too_long_for_memory(tmp_path, capsys):

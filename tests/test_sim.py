@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 
 import numpy as np
@@ -11,7 +12,7 @@ from hypothesis import strategies as st
 
 from kvtriton.cli import main
 from kvtriton.hashing import chain_hashes
-from kvtriton.sim import Workload, WorkloadRequest, agent_workload, simulate
+from kvtriton.sim import Workload, WorkloadRequest, agent_workload, replay, simulate
 from kvtriton.sim.integrity import IntegrityChecker, IntegrityError
 
 B = 16
@@ -79,6 +80,54 @@ def test_a_request_larger_than_the_gpu_is_rejected_not_fatal():
     assert (row["rejected"], row["finished"]) == (1, 1)
 
 
+def test_hit_rates_and_the_bound_cover_the_same_requests():
+    # "big" (13 blocks) cannot fit 8 GPU blocks. "again" repeats its prompt, so a bound over
+    # every request would count a hit no run could have; the bound leaves "big" out as the
+    # runs do, and "again" no longer waits for it. "small" and "small2" share 32 tokens.
+    wl = Workload([_req("big", 1, 200), _req("again", 1, 64, after="big"),
+                   _req("small", 2, 48), _req("small2", 2, 48, after="small")], B)
+    res = simulate(wl, gpu_blocks=8, cpu_blocks=8, policies=["no_cpu", "restore_tail"])
+    assert res.conditions["rejected"] == 1
+    for r in res.rows:
+        assert (r["rejected"], r["finished"], r["prompt_tokens"]) == (1, 3, 64 + 48 + 48)
+        assert r["token_hit_rate"] <= res.bound["hit_rate"] + 1e-9
+    admitted = Workload([_req("again", 1, 64), _req("small", 2, 48),
+                         _req("small2", 2, 48, after="small")], B)
+    expect = replay(admitted, res.bound["capacity_tokens"], eviction="belady")
+    assert (res.bound["hit_rate"], res.bound["requests"], res.bound["rejected"]) == (
+        expect.hit_rate, 3, 1)
+    header, _, *lines = res.table().splitlines()
+    assert header.split()[:2] == ["policy", "rejected"]
+    assert [line.split()[:2] for line in lines] == [["no_cpu", "1"], ["restore_tail", "1"]]
+
+
+def test_every_request_rejected_is_an_error_not_a_table():
+    wl = Workload([_req("a", 1, 64), _req("b", 2, 32)], B)
+    with pytest.raises(ValueError, match=r"every request would be rejected \(2 of 2\): the "
+                                         r"smallest needs 3 GPU blocks, the GPU holds 2"):
+        simulate(wl, gpu_blocks=2, cpu_blocks=8)
+
+
+def test_capacities_beyond_this_machine_are_refused_before_allocating(monkeypatch):
+    # The module, not the function kvtriton.sim exports under the same name.
+    sim_module = importlib.import_module("kvtriton.sim.simulate")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("allocated before the memory check")
+
+    monkeypatch.setattr(IntegrityChecker, "__init__", refuse)
+    monkeypatch.setattr(sim_module.ServingLoop, "__init__", refuse)
+    monkeypatch.setattr(sim_module, "machine_memory_bytes", lambda: 64 << 30)
+    wl = Workload([_req("a", 1, 64)], B)
+    with pytest.raises(ValueError, match=r"GPU 300,000,000 blocks, CPU 8 blocks: the simulator's "
+                                         r"block pools and integrity tensors need about "
+                                         r"[\d,.]+ GiB, more than this machine's 64.0 GiB"):
+        simulate(wl, gpu_blocks=300_000_000, cpu_blocks=8, integrity=True)
+    with pytest.raises(ValueError, match=r"CPU 1,000,000,000,000 blocks: the simulator's block "
+                                         r"pools need"):
+        simulate(wl, gpu_blocks=8, cpu_blocks=10**12)
+
+
 def test_restore_policies_are_reported_side_by_side():
     wl = agent_workload(num_conversations=4, min_turns=3, max_turns=4, system_prompt_tokens=256,
                         first_user_tokens=128, user_tokens=64, output_tokens=32, seed=2)
@@ -104,6 +153,8 @@ def test_integrity_mode_over_random_workloads(seed, gpu, cpu):
     for r in res.rows:
         assert r["finished"] + r["rejected"] == len(wl)
         assert r["integrity_blocks_checked"] == r["loaded_blocks"]
+        assert r["integrity_registrations_checked"] == (
+            r["integrity_blocks_filled"] + r["loaded_blocks"] + r["stored_blocks"])
 
 
 @pytest.mark.parametrize("model", ["nemotron-h-8b", "gemma3-12b"])
@@ -154,6 +205,19 @@ def test_cli_simulate_writes_json_and_table(tmp_path, capsys):
     assert "restore_tail" in text and "hit rate" in text
     doc = json.loads(out.read_text())
     assert [r["policy"] for r in doc["rows"]] == ["control", "restore_tail"]
+
+
+def test_cli_shows_rejected_requests(tmp_path, capsys):
+    out = tmp_path / "sim.json"
+    assert main(["simulate", "--conversations", "3", "--turns", "2", "3", "--gpu-blocks", "230",
+                 "--cpu-blocks", "1000", "--policies", "control", "--quiet", "--json",
+                 str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "9 requests (8 rejected: larger than the GPU; hit rates and the bound cover the " \
+           "others)" in text
+    doc = json.loads(out.read_text())
+    assert doc["conditions"]["rejected"] == doc["rows"][0]["rejected"] == 8
+    assert (doc["bound"]["requests"], doc["bound"]["rejected"]) == (1, 8)
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -1,9 +1,10 @@
 """What integrity mode needs from a scheduler, as an interface the scheduler calls.
 
 The scheduler (``kvtriton.sim.scheduler``) calls the hook with plain values (group, block and key
-ids, a request's keys and block tables, token counts), so the checker that moves real bytes
-(``kvtriton.sim.integrity``, which imports torch, the transfer engine and Triton) never imports
-the scheduler, and the scheduler imports it only as this protocol.
+ids, a request's keys and block tables, token counts); the serving loop attaches it to both
+block pools, whose key listeners it uses, and names each step. So the checker that moves real
+bytes (``kvtriton.sim.integrity``, which imports torch, the transfer engine and Triton) never
+imports the scheduler, and the scheduler imports it only as this protocol.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     import numpy as np
 
+    from kvtriton.pool import BlockPool
     from kvtriton.records import PlannerMeta
 
 __all__ = ["IntegrityHook"]
@@ -22,8 +24,13 @@ __all__ = ["IntegrityHook"]
 class IntegrityHook(Protocol):
     """Real KV bytes that follow the scheduler's blocks."""
 
-    def attach(self, num_gpu_blocks: int) -> None:
-        """Raises ``ValueError`` if a GPU pool of ``num_gpu_blocks`` blocks does not fit."""
+    def attach(self, gpu: BlockPool, cpu: BlockPool | None) -> None:
+        """Follow the scheduler's GPU pool and the CPU tier (None: no tier): every block
+        registered under a key in either is checked as it is (``IntegrityError``). Raises
+        ``ValueError`` if a pool does not fit the hook's tensors."""
+
+    def begin_step(self, step: int) -> None:
+        """Scheduler step ``step`` begins: errors raised until the next one name it."""
 
     def fill(self, group: int, block: int, key: int) -> None:
         """The model computed GPU ``block`` of ``group``, the block keyed ``key``."""

@@ -7,13 +7,15 @@ cache, then in the CPU tier; a CPU hit allocates its blocks and waits for the lo
 as in vLLM: it is computed from the next step on). When the GPU runs out of blocks the newest
 running request is preempted (recompute: its blocks are freed and it starts over).
 ``build_meta`` is called before the step's tokens count as computed. Finished requests free their
-blocks tail first.
+blocks tail first. A request that needs more blocks than the whole GPU pool is rejected.
 
 This module adds the workload and the clock: arrivals (a conversation's next turn arrives its
 think time after the previous one finished), modeled compute time per step, stores and loads
 that complete after their modeled transfer time on a per-direction link and reach the planner at
 the first step boundary after that, and the run's metrics. Time is modeled
-(``kvtriton.sim.cost``), except the planner's own cost, which is measured.
+(``kvtriton.sim.cost``), except the planner's own cost, which is measured. A run ends clean: it
+steps on until the planner has nothing pending (the last finish flush issued, every transfer
+reported), then both pools must be all free (``UncleanEndError`` otherwise).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from kvtriton.planner import OffloadPlanner, PlannerMeta
 from kvtriton.pool import BlockPool
 from kvtriton.records import Request
 from kvtriton.sim.cost import CostModel
+from kvtriton.sim.errors import UncleanEndError
 from kvtriton.sim.hooks import IntegrityHook
 from kvtriton.sim.metrics import RunMetrics
 from kvtriton.sim.scheduler import BatchScheduler, SeqBlocks
@@ -37,7 +40,18 @@ from kvtriton.sim.setups import TierPolicy
 from kvtriton.sim.workload import Workload, WorkloadRequest
 from kvtriton.specs import KVLayout
 
-__all__ = ["ServingLoop"]
+__all__ = ["POOL_BYTES_PER_BLOCK", "ServingLoop", "gpu_blocks_for"]
+
+# Memory per block of a pool at most: its lists and free queue (73 to 110 bytes measured, by
+# eviction rule, plus the int objects the queue creates as it runs) and the planner's per-block
+# arrays (8 bytes).
+POOL_BYTES_PER_BLOCK = 160
+
+
+def gpu_blocks_for(layout: KVLayout, wr: WorkloadRequest) -> int:
+    """GPU blocks ``wr`` holds at its full length in every group: a request needing more than
+    the whole GPU pool is rejected, as a server rejects a prompt longer than its context."""
+    return sum(-(-wr.total_len // g.block_size) for g in layout.groups)
 
 
 @dataclass(slots=True, eq=False, kw_only=True)
@@ -67,7 +81,8 @@ class _Link:
 class ServingLoop:
     """One simulation of one workload under one tier policy; ``run()`` returns its metrics.
 
-    ``integrity``: a hook that moves real bytes (``kvtriton.sim.integrity.IntegrityChecker``)."""
+    ``integrity``: a hook that moves real bytes (``kvtriton.sim.integrity.IntegrityChecker``),
+    attached to both pools."""
 
     def __init__(self, workload: Workload, keys: list[np.ndarray], layout: KVLayout,
                  policy: TierPolicy, cost: CostModel, *, gpu_blocks: int, cpu_blocks: int,
@@ -80,15 +95,17 @@ class ServingLoop:
         self.cost = cost
         self.progress = progress
         self.gpu = BlockPool(gpu_blocks + 1)
+        self.cpu: BlockPool | None = None
         self.planner: OffloadPlanner | None = None
         if policy.planner is not None:
-            cpu = BlockPool(cpu_blocks + 1, eviction=policy.cpu_eviction, medium="CPU")
-            self.planner = OffloadPlanner(layout, self.gpu, cpu, policy.planner)
+            self.cpu = BlockPool(cpu_blocks + 1, eviction=policy.cpu_eviction, medium="CPU")
+            self.planner = OffloadPlanner(layout, self.gpu, self.cpu, policy.planner)
+        self.integrity = integrity
         if integrity is not None:
-            integrity.attach(self.gpu.num_blocks)
+            integrity.attach(self.gpu, self.cpu)
         self.sched = BatchScheduler(layout, self.gpu, self.planner, token_budget=token_budget,
-                                    max_running=max_running, count_recomputed=True,
-                                    integrity=integrity)
+                                    max_running=max_running, null_out_of_window=True,
+                                    count_recomputed=True, integrity=integrity)
         self.metrics = RunMetrics(policy=policy.name)
         self._keys = keys
         self._successors: dict[str, list[int]] = {}
@@ -105,15 +122,18 @@ class ServingLoop:
         self.now = 0.0
         self.step_no = 0
 
+    @staticmethod
+    def bytes_needed(gpu_blocks: int, cpu_blocks: int) -> int:
+        """Memory the pools of a loop of these sizes take at most (integrity tensors aside)."""
+        return (gpu_blocks + cpu_blocks + 2) * POOL_BYTES_PER_BLOCK
+
     # ---- arrivals -----------------------------------------------------------------------------
 
     def _admit_arrivals(self) -> None:
         while self._arrivals and self._arrivals[0][0] <= self.now:
             at, i = heapq.heappop(self._arrivals)
             wr = self.workload.requests[i]
-            # Like a server rejecting a prompt longer than its context: it can never run.
-            if sum(-(-wr.total_len // g.block_size) for g in self.layout.groups) \
-                    > self.gpu.num_blocks - 1:
+            if gpu_blocks_for(self.layout, wr) > self.gpu.num_blocks - 1:
                 self.metrics.rejected += 1
                 self._release_successors(wr.request_id)
                 continue
@@ -189,7 +209,10 @@ class ServingLoop:
     # ---- one step -------------------------------------------------------------------------------
 
     def step(self) -> bool:
-        """Run one scheduler step; False when everything is done."""
+        """Run one scheduler step; False when everything is done: every request finished or
+        rejected, and the planner has nothing pending."""
+        if self.integrity is not None:
+            self.integrity.begin_step(self.step_no)
         self._admit_arrivals()
         sched = self.sched
         scheduled, meta = sched.schedule_step()
@@ -210,7 +233,29 @@ class ServingLoop:
         if self.planner is not None:
             self._deliver()
         self.step_no += 1
-        return bool(self._arrivals or sched.busy or self._completions)
+        # A finish flush is issued by the next build_meta, even when nothing else is in flight.
+        return bool(self._arrivals or sched.busy or self._completions
+                    or (self.planner is not None and self.planner.has_pending_work()))
+
+    def _check_clean_end(self) -> None:
+        """``UncleanEndError`` unless every request left, the planner has nothing pending and
+        both pools are all free (cached keys may remain). O(1)."""
+        problems = []
+        if self.sched.seqs or self.sched.busy:
+            problems.append(f"{len(self.sched.seqs)} requests still in the scheduler")
+        if self._arrivals or self._successors:
+            problems.append(f"{len(self._arrivals) + len(self._successors)} requests never "
+                            "arrived")
+        if self.planner is not None and self.planner.has_pending_work():
+            problems.append(f"the planner still has work pending "
+                            f"({self.planner.pending_store_blocks()} blocks to store, "
+                            f"{len(self.planner.loads_in_flight())} loads in flight)")
+        problems += [f"{pool.num_used_blocks} of {pool.num_blocks - 1} {pool.medium} blocks "
+                     "still held" for pool in (self.gpu, self.cpu)
+                     if pool is not None and pool.num_used_blocks]
+        if problems:
+            raise UncleanEndError(f"policy {self.policy.name!r}: the run ended at step "
+                                  f"{self.step_no} with " + "; ".join(problems))
 
     def run(self) -> RunMetrics:
         t0 = time.perf_counter()
@@ -218,10 +263,7 @@ class ServingLoop:
         while self.step():
             if self.progress is not None and self.step_no % 256 == 0:
                 self.progress(self.metrics.finished, total)
-        if self.planner is not None:
-            while self._completions:  # drain so both pools end all-free
-                self.now = self._completions[0][0]
-                self._deliver()
+        self._check_clean_end()
         m, sched = self.metrics, self.sched
         m.wall_s = time.perf_counter() - t0
         m.makespan_s = self.now

@@ -16,7 +16,9 @@ def _pct(values: list[float], q: float) -> float:
 @dataclass(slots=True)
 class RunMetrics:
     """Counters of one run. Tokens are prompt tokens unless named otherwise; times in seconds
-    are modeled, except ``planner_s``/``build_meta_ms`` and ``wall_s``, which are measured."""
+    are modeled, except ``planner_s``/``build_meta_ms`` and ``wall_s``, which are measured.
+    Token counts, hit rates and TTFTs cover the admitted requests; ``rejected`` counts the
+    others (larger than the whole GPU pool)."""
 
     policy: str
     requests: int = 0
@@ -80,6 +82,7 @@ class RunMetrics:
 
 _COLUMNS = [
     ("policy", "policy", "{}"),
+    ("rejected", "rejected", "{:,}"),
     ("token_hit_rate", "hit rate", "{:.1%}"),
     ("gpu_hit_tokens", "GPU hit tok", "{:,}"),
     ("cpu_hit_tokens", "CPU hit tok", "{:,}"),

@@ -5,11 +5,11 @@ One implementation, used by the serving-loop simulator (``kvtriton.sim.loop``), 
 
 - ``KVScheduler``: the GPU pool, the planner and per-request block tables (``SeqBlocks``), and the
   operations a caller sequences itself: a GPU prefix-cache lookup and the planner's CPU lookup,
-  allocation, registering newly full blocks in the GPU prefix cache (and dropping what a group no
-  longer needs: sliding-window pages left behind, Mamba states before the last one, whose saved
-  boundaries are handed to the planner), preemption, finish (blocks freed tail first), the
-  ``StepOutput`` and delivering worker reports to the planner. The test harness drives it call by
-  call.
+  allocation (null pages where a hit leaves a position unused, as in vLLM), registering newly
+  full blocks in the GPU prefix cache (and dropping what a group no longer needs: sliding-window
+  pages left behind, Mamba states before the last one, whose saved boundaries are handed to the
+  planner), preemption, finish (blocks freed tail first), the ``StepOutput`` and delivering
+  worker reports to the planner. The test harness drives it call by call.
 - ``BatchScheduler``: the same plus the step policy: running requests first (decode, or the next
   chunk of a prefill), then waiting ones in arrival order while the token budget, the GPU blocks
   and ``max_running`` allow; when the GPU runs out of blocks the newest running request is
@@ -65,16 +65,19 @@ class SeqBlocks:
 class KVScheduler:
     """Block tables, the GPU prefix cache and the planner calls of a scheduler step.
 
-    ``null_out_of_window``: at allocation, positions of a sliding-window group whose tokens are
-    already out of the window at the request's computed tokens get ``NULL_BLOCK`` instead of a
-    real block (the harness's allocation; the simulator still allocates real blocks there).
+    ``null_out_of_window``: at allocation, positions a hit of ``computed`` tokens leaves unused
+    get ``NULL_BLOCK`` instead of a real block, as in vLLM: sliding-window pages whose tokens are
+    already out of the window, and Mamba states before the one at the hit's boundary. A CPU
+    load writes only the other positions, so a real block there would be registered in the GPU
+    prefix cache (and a Mamba one handed to the planner) holding bytes nothing wrote. The
+    default; False gives every position a real block (tests of allocation only).
     ``count_recomputed``: count in ``recomputed_tokens`` the tokens of blocks computed whose key
     was computed before. ``integrity``: told of every block computed and handed every step's
     transfers; a ``BatchScheduler`` also asks it to check every load as it lands.
     """
 
     def __init__(self, layout: KVLayout, gpu: BlockPool, planner: OffloadPlanner | None, *,
-                 null_out_of_window: bool = False, count_recomputed: bool = False,
+                 null_out_of_window: bool = True, count_recomputed: bool = False,
                  integrity: IntegrityHook | None = None) -> None:
         self.layout = layout
         self.gpu = gpu
@@ -115,11 +118,16 @@ class KVScheduler:
     # ---- allocation ---------------------------------------------------------------------------
 
     def _out_of_window(self, g: int, held: int, n: int, computed: int) -> int:
-        """How many of the ``n`` positions after the ``held`` ones get null pages."""
+        """How many of the ``n`` positions after the ``held`` ones get null pages: those before
+        the window at ``computed`` tokens (sliding window), before the state saved at boundary
+        ``computed`` (Mamba; ``computed`` is a scheduler-block multiple)."""
         spec = self.layout.groups[g]
-        if not self.null_out_of_window or spec.kind != "sliding_window":
+        if not self.null_out_of_window or spec.kind == "full":
             return 0
-        skip = max(0, computed - spec.sliding_window + 1) // spec.block_size
+        if spec.kind == "sliding_window":
+            skip = max(0, computed - spec.sliding_window + 1) // spec.block_size
+        else:
+            skip = max(0, computed // spec.block_size - 1)
         return max(0, min(skip, held + n) - held)
 
     def blocks_needed(self, tables: Iterable[list[int]], tokens: int, computed: int = 0
@@ -142,9 +150,8 @@ class KVScheduler:
 
     def grow(self, seq: SeqBlocks, tokens: int, *, computed: int = 0) -> None:
         """Extend ``seq``'s tables to hold ``tokens`` tokens (the blocks must be free: see
-        ``blocks_needed``). With ``null_out_of_window``, sliding-window positions whose tokens are
-        out of the window at ``computed`` tokens (already computed: a GPU or CPU hit) get null
-        pages."""
+        ``blocks_needed``). With ``null_out_of_window``, positions a hit of ``computed`` tokens
+        (already computed: a GPU or CPU hit) leaves unused get null pages."""
         for g, spec in enumerate(self.layout.groups):
             table = seq.tables[g]
             n = -(-tokens // spec.block_size) - len(table)
@@ -327,7 +334,7 @@ class BatchScheduler(KVScheduler):
     """
 
     def __init__(self, layout: KVLayout, gpu: BlockPool, planner: OffloadPlanner | None, *,
-                 token_budget: int, max_running: int, null_out_of_window: bool = False,
+                 token_budget: int, max_running: int, null_out_of_window: bool = True,
                  count_recomputed: bool = False, integrity: IntegrityHook | None = None) -> None:
         super().__init__(layout, gpu, planner, null_out_of_window=null_out_of_window,
                          count_recomputed=count_recomputed, integrity=integrity)

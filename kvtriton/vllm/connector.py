@@ -1,0 +1,161 @@
+"""``KVTritonConnector``: kvtriton's CPU tier as a vLLM v1 KV connector.
+
+Load it by path, as any third-party connector::
+
+    KVTransferConfig(kv_connector="KVTritonConnector", kv_connector_module_path="kvtriton.vllm",
+                     kv_role="kv_both", kv_connector_extra_config={"cpu_bytes_per_rank": 8 << 30})
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvtriton.vllm.config import parse_extra_config
+from kvtriton.vllm.metadata import KVTritonMetadata
+from kvtriton.vllm.scheduler_side import SchedulerSide
+from kvtriton.vllm.stats import KVTritonStats
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+__all__ = ["KVTritonConnector"]
+
+_NO_WORKER_ROLE = (
+    "KVTritonConnector: the worker role (moving the bytes with kvtriton's TransferEngine) is not "
+    "in this build yet (issue 13); only the scheduler role is. Running a full engine with this "
+    "connector would leave every transfer unreported, so it is refused at start-up.")
+
+
+class KVTritonConnector(KVConnectorBase_V1, SupportsHMA):
+    """kvtriton's CPU tier for vLLM: the ``OffloadPlanner`` in vLLM's scheduler.
+
+    Scheduler role (this class's whole job today): lookups in the CPU tier after the GPU prefix
+    hit, loads of the accepted hit, eager (or lazy) stores with re-store of the blocks the CPU
+    evicted while their request ran, a finish flush, store completions counted over every
+    worker, ``reset_cache``, vLLM KV events and stats. Settings: ``kvtriton.vllm.config``. The
+    worker role is issue 13's; constructing it raises (``_NO_WORKER_ROLE``).
+
+    Known difference from vLLM's own ``SimpleCPUOffloadScheduler`` with the same policy
+    (``restore=False, cpu_free_order="head_first"``): vLLM allocates CPU blocks (and so evicts
+    the CPU tier's LRU blocks) per request inside its scan, so a request scanned later in the same
+    step can store again a block an earlier request's allocation just evicted; kvtriton
+    classifies the whole step against the CPU tier as it stood before allocating, and allocates
+    once for the step. They store the same blocks whenever the step's stores fit in the CPU
+    tier's free uncached blocks.
+
+    ``tests/test_vllm_differential.py``, which checks this step for step against vLLM's manager,
+    found three more, rarer: (1) when vLLM's CPU budget runs out it leaves the remaining
+    requests' cursors where they were, kvtriton moves them over blocks nothing would store, so
+    vLLM may later store a block kvtriton passed; (2) vLLM dedups stores in flight by GPU block,
+    kvtriton also by hash, so two GPU blocks with one hash are copied twice by vLLM, once here;
+    (3) a request aborted while its CPU load is pending has an empty block table here (tables
+    come from scheduler outputs), so its finish flush stores nothing, where vLLM's stores the
+    GPU prefix-hit blocks the tier lacks.
+    """
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A best-effort cache: a dropped store is a later miss, never lost output.
+        return False
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.config = parse_extra_config(self._kv_transfer_config.kv_connector_extra_config)
+        if not vllm_config.cache_config.enable_prefix_caching:
+            raise ValueError("KVTritonConnector needs prefix caching: set "
+                             "enable_prefix_caching=True")
+        self.scheduler_side: SchedulerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler_side = SchedulerSide(vllm_config, kv_cache_config, self.config)
+        else:
+            raise RuntimeError(_NO_WORKER_ROLE)
+
+    def _side(self) -> SchedulerSide:
+        if self.scheduler_side is None:
+            raise RuntimeError(_NO_WORKER_ROLE)
+        return self.scheduler_side
+
+    # ---- worker role (issue 13) -----------------------------------------------------------------
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        raise RuntimeError(_NO_WORKER_ROLE)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        raise RuntimeError(_NO_WORKER_ROLE)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        raise RuntimeError(_NO_WORKER_ROLE)
+
+    def wait_for_save(self) -> None:
+        raise RuntimeError(_NO_WORKER_ROLE)
+
+    # ---- scheduler role -------------------------------------------------------------------------
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        self._side().bind_gpu_block_pool(gpu_block_pool)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        return self._side().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        self._side().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._side().build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._side().update_connector_output(connector_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        # The planner keeps its own block tables; GPU blocks in transfers are pinned by refs,
+        # so vLLM may free the request's blocks now.
+        return self._side().request_finished(request)
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._side().request_finished(request)
+
+    def has_pending_push_work(self) -> bool:
+        # Keeps the engine stepping until queued and in-flight stores are reported.
+        return self.scheduler_side is not None and self.scheduler_side.has_pending_stores()
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        return self._side().take_events()
+
+    def reset_cache(self) -> bool | None:
+        return self._side().reset()
+
+    def get_kv_connector_stats(self) -> KVTritonStats | None:
+        side = getattr(self, "scheduler_side", None)
+        return None if side is None else side.get_stats()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
+                                 ) -> KVTritonStats | None:
+        return KVTritonStats(data=dict(data or {}))
+
+    @staticmethod
+    def empty_metadata() -> KVTritonMetadata:
+        return KVTritonMetadata()

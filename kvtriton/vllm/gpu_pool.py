@@ -1,0 +1,206 @@
+"""``VllmGpuPool``: vLLM's GPU ``BlockPool`` seen through the interface the planner expects.
+
+The planner was written against ``kvtriton.pool.BlockPool``; in vLLM the GPU prefix cache is
+vLLM's own ``vllm.v1.core.block_pool.BlockPool``, and it stays the truth: this view holds no
+block state of its own. Reads (a block's keys, the block cached under a key, ref counts, the
+free queue in eviction order) go to vLLM's pool as it is now, with hashes turned into dense ids
+by ``KeyIds``; ``touch`` and ``free_blocks`` are vLLM's, on vLLM's block objects, so a block the
+planner pins for a transfer is pinned in the scheduler's pool.
+
+vLLM has no listener hook, and the planner keeps per-key presence arrays from insert/evict
+events. So at bind time the view wraps, on that one pool instance (not the class), the methods
+every hash change goes through: ``_insert_block_hash`` (an insert), ``_remove_cached_block_hashes``
+(eviction, promotion, invalid blocks), ``reset_prefix_cache``, and ``cache_full_blocks`` /
+``cache_partial_block``, which name the request whose hashes are about to be registered so the
+adapter can bind them to that request's reserved ids first (``keys``). These are the same
+private entry points vLLM's own SimpleCPUOffloadScheduler calls on its CPU pool; ``bind``
+refuses a pool without them, naming the vLLM version.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from kvtriton.vllm.keys import KeyIds
+
+__all__ = ["VllmGpuPool"]
+
+KeyCallback = Callable[[int, int], None]
+
+_HOOKED = ("_insert_block_hash", "_remove_cached_block_hashes", "reset_prefix_cache",
+           "cache_full_blocks", "cache_partial_block")
+
+
+class _RefCounts:
+    """``ref_cnt[b]`` read through to vLLM's block objects."""
+
+    __slots__ = ("_blocks",)
+
+    def __init__(self, blocks: list) -> None:
+        self._blocks = blocks
+
+    def __getitem__(self, b: int) -> int:
+        return self._blocks[b].ref_cnt
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+
+class VllmGpuPool:
+    """The planner's GPU pool, backed by vLLM's ``BlockPool`` (see the module docstring).
+
+    ``before_cache(request)`` is called with the vLLM ``Request`` whose hashes vLLM is about to
+    register, before they are interned.
+    """
+
+    def __init__(self, pool: Any, keys: KeyIds,
+                 before_cache: Callable[[Any], None] | None = None) -> None:
+        missing = [m for m in _HOOKED if not callable(getattr(pool, m, None))]
+        if missing:
+            import vllm
+
+            raise RuntimeError(f"KVTritonConnector: vLLM {vllm.__version__}'s BlockPool has no "
+                               f"{', '.join(missing)}; kvtriton.vllm supports vLLM 0.32")
+        if not pool.enable_caching:
+            raise ValueError("KVTritonConnector needs prefix caching: set "
+                             "enable_prefix_caching=True")
+        self._pool = pool
+        self._blocks = pool.blocks
+        self._keys = keys
+        self._before_cache = before_cache
+        self._on_insert: list[KeyCallback] = []
+        self._on_evict: list[KeyCallback] = []
+        self.num_blocks: int = pool.num_gpu_blocks
+        self.ref_cnt = _RefCounts(self._blocks)
+        self._hook()
+
+    # ---- the hooks on vLLM's pool instance -----------------------------------------------------
+
+    def _hook(self) -> None:
+        pool, keys, blocks = self._pool, self._keys, self._blocks
+        insert, remove = pool._insert_block_hash, pool._remove_cached_block_hashes
+        reset, cache_full, cache_partial = (pool.reset_prefix_cache, pool.cache_full_blocks,
+                                            pool.cache_partial_block)
+        on_insert, on_evict = self._on_insert, self._on_evict
+
+        def insert_block_hash(block_hash, block, num_tokens):
+            # vLLM's insert is a no-op for a key the block already holds. (The map is looked up
+            # each time: reset_prefix_cache replaces it.)
+            new = block.block_hash != block_hash and not pool.cached_block_hash_to_block.contain(
+                block_hash, block.block_id)
+            insert(block_hash, block, num_tokens)
+            if new and on_insert:
+                kid = keys.id_of(block_hash)
+                for cb in on_insert:
+                    cb(kid, block.block_id)
+
+        def remove_cached_block_hashes(block):
+            removed = remove(block)
+            if removed and on_evict:
+                for h in removed:
+                    kid = keys.id_of(h)
+                    for cb in on_evict:
+                        cb(kid, block.block_id)
+            return removed
+
+        def reset_prefix_cache():
+            # vLLM swaps its maps wholesale here, without the remove path: report every key.
+            held = [(h, b.block_id) for b in blocks for h in self._block_hashes(b)]
+            ok = reset()
+            if ok and on_evict:
+                for h, bid in held:
+                    kid = keys.id_of(h)
+                    for cb in on_evict:
+                        cb(kid, bid)
+            return ok
+
+        def cache_full_blocks(request, *args, **kwargs):
+            if self._before_cache is not None:
+                self._before_cache(request)
+            return cache_full(request, *args, **kwargs)
+
+        def cache_partial_block(request, *args, **kwargs):
+            if self._before_cache is not None:
+                self._before_cache(request)
+            return cache_partial(request, *args, **kwargs)
+
+        # Instance attributes shadow the class's methods for this pool only; vLLM's own code
+        # calls them through ``self`` (eviction, promotion, moves), so every path sees them.
+        pool._insert_block_hash = insert_block_hash
+        pool._remove_cached_block_hashes = remove_cached_block_hashes
+        pool.reset_prefix_cache = reset_prefix_cache
+        pool.cache_full_blocks = cache_full_blocks
+        pool.cache_partial_block = cache_partial_block
+
+    def _block_hashes(self, block) -> list[bytes]:
+        h = block.block_hash
+        if h is None:
+            return []
+        return [h, *self._pool.cached_block_hashes_by_block.get(block.block_id, ())]
+
+    # ---- the kvtriton.pool.BlockPool interface the planner uses --------------------------------
+
+    @property
+    def vllm_pool(self) -> Any:
+        return self._pool
+
+    def add_listener(self, on_insert: KeyCallback | None = None,
+                     on_evict: KeyCallback | None = None) -> None:
+        if on_insert is not None:
+            self._on_insert.append(on_insert)
+        if on_evict is not None:
+            self._on_evict.append(on_evict)
+
+    def block_hash(self, block_id: int) -> int | None:
+        """The primary key id of ``block_id``, or None if vLLM has not hashed it."""
+        h = self._blocks[block_id].block_hash
+        return None if h is None else self._keys.id_of(h)
+
+    def block_keys(self, block_id: int) -> tuple[int, ...]:
+        """Every key id ``block_id`` is cached under: primary first, then the others vLLM
+        registered on it (partial-block entries)."""
+        id_of = self._keys.id_of
+        return tuple(id_of(h) for h in self._block_hashes(self._blocks[block_id]))
+
+    def get_cached_block(self, key: int) -> int | None:
+        """One block vLLM has cached under key id ``key`` (vLLM's first), or None."""
+        h = self._keys.hash_of(key) if 0 <= key < self._keys.capacity else None
+        if h is None:
+            return None
+        block = self._pool.cached_block_hash_to_block.get_one_block(h)
+        return None if block is None else block.block_id
+
+    def __contains__(self, key: int) -> bool:
+        return self.get_cached_block(key) is not None
+
+    def touch(self, block_ids: Sequence[int]) -> None:
+        """One more reference on each block (vLLM's ``touch``: a free block leaves its queue)."""
+        if block_ids:
+            blocks = self._blocks
+            self._pool.touch([blocks[b] for b in block_ids])
+
+    def free_blocks(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference on each, in order (vLLM's ``free_blocks``: first in, first
+        evicted among the hashed blocks that reach zero)."""
+        if block_ids:
+            blocks = self._blocks
+            self._pool.free_blocks([blocks[b] for b in block_ids])
+
+    def iter_free(self, after: int | None = None) -> Iterator[int]:
+        """Free blocks in vLLM's eviction order (next victim first), after block ``after``."""
+        cursor = None if after is None else self._blocks[after]
+        for block in self._pool.free_block_queue.iter_blocks_after(cursor):
+            yield block.block_id
+
+    def is_free(self, block_id: int) -> bool:
+        b = self._blocks[block_id]
+        return b.ref_cnt == 0 and not b.is_null
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self._pool.get_num_free_blocks()
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - 1 - self.num_free_blocks

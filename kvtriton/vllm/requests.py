@@ -1,0 +1,110 @@
+"""A vLLM ``Request`` as the planner sees it: dense keys for every position it may ever have.
+
+``lookup_request`` builds a throwaway planner ``Request`` for a lookup (the keys of the hashes
+that exist now). ``RequestMirror`` is the planner's view of an admitted request: its key array
+covers ``prompt + max_tokens`` tokens (capped at the model length), the positions vLLM has not
+hashed yet holding reserved ids (``kvtriton.vllm.keys``), bound as vLLM hashes them; its counters
+are copied from vLLM's request before each planner call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from kvtriton.records import Request
+from kvtriton.vllm.keys import KeyIds
+
+__all__ = ["RequestMirror", "lookup_request"]
+
+
+def _known_keys(keys: KeyIds, suffixes: list[bytes], block_hashes: list[bytes], n: int,
+                out: np.ndarray) -> None:
+    id_of = keys.id_of
+    for g, sfx in enumerate(suffixes):
+        row = out[g]
+        for j in range(n):
+            row[j] = id_of(block_hashes[j] + sfx)
+
+
+def _lora_id(vreq: Any) -> int | None:
+    lora = getattr(vreq, "lora_request", None)
+    return None if lora is None else lora.adapter_id
+
+
+def lookup_request(vreq: Any, keys: KeyIds, suffixes: list[bytes]) -> Request:
+    """A planner ``Request`` with the keys of ``vreq``'s current block hashes."""
+    hashes = vreq.block_hashes
+    n = len(hashes)
+    arr = np.empty((len(suffixes), n), dtype=np.int64)
+    _known_keys(keys, suffixes, hashes, n, arr)
+    return Request(vreq.request_id, arr, num_prompt_tokens=vreq.num_prompt_tokens,
+                   num_tokens=vreq.num_tokens, num_computed_tokens=vreq.num_computed_tokens,
+                   num_output_placeholders=vreq.num_output_placeholders,
+                   lora_id=_lora_id(vreq))
+
+
+class RequestMirror:
+    """The planner's ``Request`` for an admitted vLLM request, and its reserved ids.
+
+    ``max_tokens``: the most tokens the request may reach (prompt plus ``max_tokens``, capped at
+    the model length); positions past vLLM's current hashes get reserved ids.
+    """
+
+    __slots__ = ("_keys", "_released", "_suffixes", "bound", "req", "unbound", "vreq")
+
+    def __init__(self, vreq: Any, keys: KeyIds, suffixes: list[bytes], max_tokens: int,
+                 hash_block_size: int) -> None:
+        hashes = vreq.block_hashes
+        known = len(hashes)
+        n = max(known, max_tokens // hash_block_size)
+        arr = np.empty((len(suffixes), n), dtype=np.int64)
+        _known_keys(keys, suffixes, hashes, known, arr)
+        if n > known:
+            arr[:, known:] = keys.reserve(len(suffixes) * (n - known)).reshape(
+                len(suffixes), n - known)
+        self.vreq = vreq
+        self.req = Request(vreq.request_id, arr, num_prompt_tokens=vreq.num_prompt_tokens,
+                           num_tokens=vreq.num_tokens,
+                           num_computed_tokens=vreq.num_computed_tokens,
+                           num_output_placeholders=vreq.num_output_placeholders,
+                           lora_id=_lora_id(vreq))
+        self._keys = keys
+        self._suffixes = suffixes
+        self.bound = known  # hash positions whose keys are final
+        self.unbound: list[int] = []  # reserved ids a collision left unbound
+        self._released = False
+
+    def bind(self) -> None:
+        """Bind the reserved ids of the hashes vLLM made since the last call."""
+        hashes = self.vreq.block_hashes
+        n = min(len(hashes), self.req.keys.shape[1])
+        if n <= self.bound:
+            return
+        keys, arr = self._keys, self.req.keys
+        for j in range(self.bound, n):
+            h = hashes[j]
+            for g, sfx in enumerate(self._suffixes):
+                kid = int(arr[g, j])
+                if not keys.bind(h + sfx, kid):
+                    # Another request made these tokens first: its id is the key; this
+                    # request's reserved one never will be (see kvtriton.vllm.keys).
+                    self.unbound.append(kid)
+        self.bound = n
+
+    def refresh(self) -> None:
+        """Copy vLLM's counters into the planner's request (and bind new hashes)."""
+        v, r = self.vreq, self.req
+        self.bind()
+        r.num_tokens = max(v.num_tokens, r.num_prompt_tokens)
+        r.num_computed_tokens = v.num_computed_tokens
+        r.num_output_placeholders = v.num_output_placeholders
+
+    def release(self) -> None:
+        """Recycle the ids that were never bound; once, after the planner released the row."""
+        if self._released:
+            return
+        self._released = True
+        self._keys.release(self.req.keys[:, self.bound:].ravel())
+        self._keys.release(self.unbound)

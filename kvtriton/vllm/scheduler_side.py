@@ -1,0 +1,315 @@
+"""The scheduler role of ``KVTritonConnector``: vLLM's scheduler calls, adapted to the planner.
+
+vLLM's ``Scheduler``, ``BlockPool`` and ``Request`` are the truth; this adapter translates:
+
+- the GPU pool: ``VllmGpuPool``, a view of vLLM's pool (hash state, ref counts, free queue) with
+  the insert/evict events the planner listens to;
+- keys: vLLM's ``BlockHashWithGroupId`` bytes interned as dense ids (``KeyIds``); an admitted
+  request's not-yet-hashed positions get reserved ids (``RequestMirror``), bound as vLLM hashes
+  them, because the planner takes a request's keys once, at admission;
+- the step: vLLM's ``SchedulerOutput`` as a ``StepOutput`` (new and cached requests' new
+  blocks, preempted and resumed requests, Mamba boundary hand-offs, vLLM's scan order);
+- completions: ``KVConnectorOutput`` (finished and failed loads, invalid blocks, the workers'
+  aggregated store reports) as the planner's ``update_connector_output``.
+
+The CPU tier is kvtriton's own ``BlockPool`` (LRU, ARC or S3-FIFO), sized as vLLM sizes its own.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+from kvtriton.planner import OffloadPlanner, StepOutput
+from kvtriton.pool import BlockPool
+from kvtriton.vllm.config import ConnectorConfig
+from kvtriton.vllm.gpu_pool import VllmGpuPool
+from kvtriton.vllm.keys import KeyIds, group_suffixes
+from kvtriton.vllm.layout import cpu_blocks_for_bytes, layout_from_vllm
+from kvtriton.vllm.metadata import KVTritonMetadata, KVTritonWorkerMetadata
+from kvtriton.vllm.requests import RequestMirror, lookup_request
+from kvtriton.vllm.stats import GAUGES, KVTritonStats, counter_deltas
+
+__all__ = ["SchedulerSide"]
+
+logger = logging.getLogger(__name__)
+
+
+class SchedulerSide:
+    """The planner, its CPU pool and the adapter state for one vLLM scheduler."""
+
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, config: ConnectorConfig) -> None:
+        self.config = config
+        self.layout, self.scheduler_block_size = layout_from_vllm(vllm_config, kv_cache_config)
+        if config.offload == "lazy" and self.layout.num_groups != 1:
+            raise ValueError("KVTritonConnector: kv_connector_extra_config['offload'] = 'lazy' "
+                             f"needs one KV cache group; this model has "
+                             f"{self.layout.num_groups}: use 'eager'")
+        pc = vllm_config.parallel_config
+        if getattr(pc, "decode_context_parallel_size", 1) > 1:
+            raise ValueError("KVTritonConnector: decode context parallelism "
+                             f"(decode_context_parallel_size={pc.decode_context_parallel_size})"
+                             " is not supported; use 1")
+        self.world_size = pc.world_size
+        self.num_cpu_blocks = cpu_blocks_for_bytes(kv_cache_config, config.cpu_bytes_per_rank)
+        self.max_model_len = vllm_config.model_config.max_model_len
+        ev = vllm_config.kv_events_config
+        self.events_enabled = bool(ev is not None and ev.enable_kv_cache_events)
+        self.planner_config = config.planner_config(
+            world_size=self.world_size,
+            max_num_batched_tokens=vllm_config.scheduler_config.max_num_batched_tokens)
+        # Block 0 is null here as in vLLM's pools: the tier holds num_cpu_blocks - 1 blocks.
+        self.cpu_pool = BlockPool(self.num_cpu_blocks, eviction=config.cpu_eviction,
+                                  medium="CPU", enable_events=self.events_enabled)
+        self.keys = KeyIds()
+        self._suffixes = group_suffixes(self.layout.num_groups)
+        self._events = None
+        if self.events_enabled:
+            from kvtriton.vllm.events import KVEventTranslator
+
+            self._events = KVEventTranslator(self.keys, kv_cache_config.kv_cache_groups)
+        self.gpu_pool: VllmGpuPool | None = None
+        self.planner: OffloadPlanner | None = None
+        self._mirrors: dict[str, RequestMirror] = {}
+        self._preemptions: dict[str, int] = {}  # rid -> vLLM's num_preemptions at its mirror
+        self._retired: list[RequestMirror] = []  # rows released by the next build_meta
+        self._lookups: dict[str, tuple[int, Any]] = {}  # rid -> (hashes, lookup Request)
+        self._known: set[str] = set()  # request ids the planner has seen since the last reset
+        self._load_blocks: dict[str, set[int]] = {}  # rid -> GPU blocks of its issued load
+        self._stats_before: dict[str, Any] = {}
+        logger.info("KVTritonConnector: %d CPU blocks per rank (%s), world_size %d, layout %s",
+                    self.num_cpu_blocks - 1, config.describe(), self.world_size,
+                    self.layout.describe())
+
+    # ---- binding -------------------------------------------------------------------------------
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        """Wrap vLLM's GPU pool and build the planner on it (before anything is cached)."""
+        if self.planner is not None:
+            raise RuntimeError("KVTritonConnector: a GPU block pool is already bound")
+        self.gpu_pool = VllmGpuPool(gpu_block_pool, self.keys, before_cache=self._before_cache)
+        self.planner = OffloadPlanner(self.layout, self.gpu_pool, self.cpu_pool,
+                                      self.planner_config)
+
+    def _planner(self) -> OffloadPlanner:
+        if self.planner is None:
+            raise RuntimeError("KVTritonConnector: no GPU block pool bound yet "
+                               "(vLLM calls bind_gpu_block_pool after building its cache)")
+        return self.planner
+
+    def _before_cache(self, vreq: Any) -> None:
+        m = self._mirrors.get(vreq.request_id)
+        if m is not None and m.vreq is vreq:
+            m.bind()
+
+    def _max_tokens(self, vreq: Any) -> int:
+        limit = vreq.num_prompt_tokens + getattr(vreq, "max_tokens", 0)
+        return max(vreq.num_tokens, min(limit, self.max_model_len))
+
+    # ---- 1. lookup -----------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, vreq: Any, num_computed_tokens: int
+                                   ) -> tuple[int, bool]:
+        planner = self._planner()
+        if getattr(vreq, "skip_reading_prefix_cache", False):
+            return 0, False
+        rid = vreq.request_id
+        cached = self._lookups.get(rid)
+        n = len(vreq.block_hashes)
+        if cached is not None and cached[0] == n:
+            req = cached[1]
+            req.num_tokens = vreq.num_tokens
+            req.num_computed_tokens = vreq.num_computed_tokens
+        else:
+            req = lookup_request(vreq, self.keys, self._suffixes)
+            self._lookups[rid] = (n, req)
+        self._known.add(rid)
+        return planner.get_num_new_matched_tokens(req, num_computed_tokens)
+
+    # ---- 2. after allocation -------------------------------------------------------------------
+
+    def update_state_after_alloc(self, vreq: Any, blocks: Any, num_external_tokens: int) -> None:
+        planner = self._planner()
+        rid = vreq.request_id
+        m = self._mirrors.get(rid)
+        if m is not None and self._preemptions.get(rid) != vreq.num_preemptions:
+            # Preempted since: its old row goes at the next build_meta, its ids with it.
+            self._retired.append(m)
+            m = None
+        if m is None:
+            m = RequestMirror(vreq, self.keys, self._suffixes, self._max_tokens(vreq),
+                              self.layout.hash_block_size)
+            self._mirrors[rid] = m
+            self._preemptions[rid] = vreq.num_preemptions
+        else:
+            m.vreq = vreq
+            m.refresh()
+        self._lookups.pop(rid, None)
+        self._known.add(rid)
+        planner.update_state_after_alloc(m.req, tuple(blocks.get_block_ids()),
+                                         num_external_tokens)
+
+    # ---- 3. per step ---------------------------------------------------------------------------
+
+    def _step_output(self, so: Any) -> StepOutput:
+        new_ids: dict[str, tuple[list[int], ...]] = {}
+        order: list[str] = []
+        resumed: set[str] = set()
+        for r in so.scheduled_new_reqs:
+            new_ids[r.req_id] = tuple(r.block_ids)
+            order.append(r.req_id)
+            if self._preemptions.get(r.req_id, 0):
+                resumed.add(r.req_id)  # a preempted request coming back as new request data
+        cached = so.scheduled_cached_reqs
+        for rid, ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
+            order.append(rid)
+            if ids is not None:
+                new_ids[rid] = tuple(ids)
+        resumed |= set(cached.resumed_req_ids)
+        handoffs: dict[str, list[tuple[int, int, int]]] = {}
+        state = so.kv_connector_block_state
+        if state is not None:
+            for rid, entries in state.boundary_state_offloads.items():
+                handoffs[rid] = [(tokens, block, g) for g, block, tokens in entries]
+        return StepOutput(num_scheduled_tokens=dict(so.num_scheduled_tokens),
+                          new_block_ids=new_ids,
+                          preempted_req_ids=set(so.preempted_req_ids or ()),
+                          resumed_req_ids=resumed,
+                          finished_req_ids=set(so.finished_req_ids),
+                          boundary_handoffs=handoffs, order=order)
+
+    def build_connector_meta(self, so: Any) -> KVTritonMetadata:
+        planner = self._planner()
+        step = self._step_output(so)
+        for rid in step.preempted_req_ids:
+            m = self._mirrors.get(rid)
+            if m is not None and self._preemptions.get(rid) != m.vreq.num_preemptions:
+                del self._mirrors[rid]
+                self._retired.append(m)
+        for m in self._mirrors.values():
+            m.refresh()
+        queued = planner.queued_loads()
+        meta = planner.build_meta(step)
+        for rid, t in queued.items():
+            self._load_blocks[rid] = set(t.gpu_blocks)
+        # The planner released these rows in build_meta (preemption): no key of theirs is held.
+        for m in self._retired:
+            m.release()
+        self._retired.clear()
+        if self._events is not None and len(meta.store):
+            self._remember_payloads(meta.store.gpu_blocks, self._mirrors.values())
+        return KVTritonMetadata.from_planner(meta)
+
+    def _remember_payloads(self, gpu_blocks: list[int], mirrors: Any) -> None:
+        """BlockStored payloads (parent hash, tokens, LoRA) of the stores of ``gpu_blocks``
+        that are positions of ``mirrors``' requests, captured while the requests are at hand."""
+        from kvtriton.vllm.events import StorePayload
+
+        gpu = self.gpu_pool
+        wanted = {k for k in map(gpu.block_hash, gpu_blocks) if k is not None}
+        if not wanted:
+            return
+        want = np.fromiter(wanted, dtype=np.int64, count=len(wanted))
+        hbs = self.layout.hash_block_size
+        for m in mirrors:
+            v = m.vreq
+            lora = getattr(v, "lora_request", None)
+            for g, spec in enumerate(self.layout.groups):
+                r = spec.block_size // hbs
+                primaries = m.req.keys[g, r - 1:m.bound:r]
+                for pos in np.flatnonzero(np.isin(primaries, want)).tolist():
+                    start = pos * spec.block_size
+                    self._events.remember(int(primaries[pos]), StorePayload(
+                        v.block_hashes[pos * r - 1] if pos else None,
+                        list(v.all_token_ids[start:start + spec.block_size]),
+                        None if lora is None else lora.adapter_id,
+                        None if lora is None else lora.name, None))
+
+    # ---- 4. completions ------------------------------------------------------------------------
+
+    def update_connector_output(self, out: Any) -> None:
+        planner = self._planner()
+        # vLLM's own order: completed loads rejoin the CPU tier's LRU queue in it.
+        finished = list(out.finished_recving or ())
+        failed = set(out.failed_recving or ()) & set(finished)
+        bad = set(out.invalid_block_ids or ())
+        if bad:
+            failed |= {rid for rid in finished if self._load_blocks.get(rid, set()) & bad}
+        done_stores: dict[int, int] = {}
+        failed_stores: list[int] = []
+        wm = out.kv_connector_worker_meta
+        if isinstance(wm, KVTritonWorkerMetadata):
+            done_stores = dict(wm.completed_store_events)
+            failed_stores = list(wm.failed_store_events)
+        elif wm is not None:
+            raise TypeError(f"KVTritonConnector: worker metadata of type {type(wm).__name__}")
+        for rid in finished:
+            self._load_blocks.pop(rid, None)
+        planner.update_connector_output(finished_loads=[r for r in finished if r not in failed],
+                                        completed_stores=done_stores,
+                                        failed_stores=failed_stores,
+                                        failed_loads=[r for r in finished if r in failed])
+
+    # ---- 5. finish -----------------------------------------------------------------------------
+
+    def request_finished(self, vreq: Any) -> tuple[bool, None]:
+        """Queue the flush of ``vreq``'s unstored confirmed blocks; GPU blocks may be freed now
+        (pinned ones stay referenced until their transfer completes)."""
+        planner = self._planner()
+        rid = vreq.request_id
+        m = self._mirrors.pop(rid, None)
+        lookup = self._lookups.pop(rid, None)
+        self._preemptions.pop(rid, None)
+        if rid in self._known:
+            self._known.discard(rid)
+            if m is not None:
+                m.vreq = vreq
+                m.refresh()
+                req = m.req
+            else:
+                req = lookup[1] if lookup is not None else lookup_request(
+                    vreq, self.keys, self._suffixes)
+            planner.request_finished(req)
+            if self._events is not None and m is not None:
+                self._remember_payloads(planner.queued_flush().gpu_blocks, [m])
+        if m is not None:
+            m.release()
+        return False, None
+
+    # ---- 6. reset ------------------------------------------------------------------------------
+
+    def reset(self) -> bool:
+        """Abandon transfers, forget requests; True if the CPU cache was cleared."""
+        ok = self._planner().reset()
+        for m in [*self._mirrors.values(), *self._retired]:
+            m.release()
+        self._mirrors.clear()
+        self._retired.clear()
+        self._preemptions.clear()
+        self._lookups.clear()
+        self._known.clear()
+        return ok
+
+    # ---- events, stats, state ------------------------------------------------------------------
+
+    def take_events(self) -> list:
+        events = self.cpu_pool.take_events()
+        if self._events is None or not events:
+            return []
+        return self._events.translate(events)
+
+    def has_pending_stores(self) -> bool:
+        return self.planner is not None and self.planner.has_pending_stores()
+
+    def get_stats(self) -> KVTritonStats | None:
+        if self.planner is None:
+            return None
+        now = dict(self.planner.stats.as_dict())
+        now["key_collisions"] = self.keys.collisions
+        data = counter_deltas(now, self._stats_before)
+        self._stats_before = now
+        data[GAUGES[0]] = self.cpu_pool.num_used_blocks
+        data[GAUGES[1]] = self.planner.pending_store_blocks()
+        return KVTritonStats(data=data)

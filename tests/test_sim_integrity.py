@@ -1,0 +1,351 @@
+"""Integrity mode on hybrid models, and clean ends, in the serving-loop simulator.
+
+A CPU hit writes only some positions of a hybrid request's tables: the sliding window before the
+hit's end, the Mamba state at its boundary. The positions before get null pages (as in vLLM), so
+nothing is registered that no load wrote. Integrity mode checks every block at the moment it is
+registered under a key, in the GPU prefix cache and in the CPU tier, besides every load as it
+lands, so ``registrations_checked`` accounts for every block computed, loaded or stored. The
+cases: the configurations an attack found failing, the shipped coding-agent traces, seeded random
+hybrid configurations, and negative controls that corrupt or skip one write and must fail. Then
+clean ends: a run steps on until the planner has nothing pending, and both pools end all free
+(``ServingLoop.run`` checks it in every simulation, so every run here checks it too).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import numpy as np
+import pytest
+
+import kvtriton.sim.loop as loop_module
+from kvtriton.planner import OffloadPlanner, Request
+from kvtriton.pool import NULL_BLOCK, BlockPool
+from kvtriton.sim import (
+    CC_AGENTIC_SAMPLE,
+    MOONCAKE_SYNTHETIC,
+    agent_workload,
+    data_path,
+    load_trace,
+    simulate,
+)
+from kvtriton.sim.cost import CostModel
+from kvtriton.sim.errors import IntegrityError, UncleanEndError
+from kvtriton.sim.integrity import IntegrityChecker
+from kvtriton.sim.keys import workload_keys
+from kvtriton.sim.loop import ServingLoop
+from kvtriton.sim.scheduler import BatchScheduler, KVScheduler, SeqBlocks
+from kvtriton.sim.setups import tier_policy
+from kvtriton.specs import FullAttentionSpec, KVLayout, MambaSpec, SlidingWindowSpec, preset
+
+
+def _limit(wl, n: int):
+    """The first ``n`` requests of ``wl`` whose predecessors are kept (as ``--limit``)."""
+    from kvtriton.cli import limit_workload
+
+    return limit_workload(wl, n)
+
+
+def _check_row(row: dict, n_requests: int) -> None:
+    """Every request finished or was rejected; every block loaded was checked as it landed, and
+    every block computed, loaded or stored was checked as it was registered under its key."""
+    assert row["finished"] + row["rejected"] == n_requests
+    assert row["integrity_blocks_checked"] == row["loaded_blocks"]
+    assert row["integrity_registrations_checked"] == (
+        row["integrity_blocks_filled"] + row["loaded_blocks"] + row["stored_blocks"])
+
+
+# ---- null pages where a hit writes nothing ------------------------------------------------------
+
+def test_a_hit_leaves_null_pages_before_its_window_and_its_state():
+    # A hit of 256 tokens: the load writes the window's last blocks (40-token window: tokens
+    # 217..255, blocks 13..15) and the state saved at 256 (64-token states: position 3); the
+    # positions before get null pages, those after (tokens 256..299 to compute) real blocks.
+    layout = KVLayout([FullAttentionSpec(16, 1, 8, 1),
+                       SlidingWindowSpec(16, 1, 8, 1, sliding_window=40),
+                       MambaSpec(64, (4,), (8,), 1)], name="three-kinds")
+    gpu = BlockPool(128)
+    kv = KVScheduler(layout, gpu, None)
+    seq = SeqBlocks(Request("a", np.arange(3 * 20).reshape(3, 20), num_prompt_tokens=300,
+                            num_tokens=300))
+    kv.empty_tables(seq)
+    need = kv.blocks_needed(seq.tables, 300, computed=256)
+    kv.grow(seq, 300, computed=256)
+    full, window, mamba = seq.tables
+    assert NULL_BLOCK not in full and len(full) == 19
+    assert window[:13] == [NULL_BLOCK] * 13 and NULL_BLOCK not in window[13:]
+    assert mamba[:3] == [NULL_BLOCK] * 3 and NULL_BLOCK not in mamba[3:] and len(mamba) == 5
+    assert need == [19, 6, 2] and gpu.num_used_blocks == sum(need)
+
+
+# ---- the configurations the attack found failing ------------------------------------------------
+
+ISSUE_CASES = {
+    # kvtriton simulate --model gemma3-12b --conversations 16 --turns 2 8 --system-prompt 1024
+    #   --think-s 2 --seed 317 --gpu-tokens 16384 --cpu-tokens 32768
+    #   --policies restore_tail_bounded --token-budget 8192 --max-running 4 --integrity
+    "gemma3-12b": (dict(num_conversations=16, min_turns=2, max_turns=8, system_prompt_tokens=1024,
+                        think_s_mean=2.0, seed=317),
+                   dict(gpu_tokens=16384, cpu_tokens=32768, policies=["restore_tail_bounded"],
+                        token_budget=8192, max_running=4)),
+    # kvtriton simulate --model nemotron-h-8b --conversations 16 --turns 4 6 --system-prompt 2048
+    #   --think-s 8 --seed 614 --gpu-tokens 24576 --cpu-tokens 65536 --policies restore_tail
+    #   --max-running 16 --integrity
+    "nemotron-h-8b": (dict(num_conversations=16, min_turns=4, max_turns=6,
+                           system_prompt_tokens=2048, think_s_mean=8.0, seed=614),
+                      dict(gpu_tokens=24576, cpu_tokens=65536, policies=["restore_tail"],
+                           max_running=16)),
+}
+
+
+def _real_blocks(*args, **kwargs) -> BatchScheduler:
+    """The serving loop's scheduler as it was: a real block at every position a hit covers."""
+    kwargs["null_out_of_window"] = False
+    return BatchScheduler(*args, **kwargs)
+
+
+@pytest.mark.parametrize("model", list(ISSUE_CASES))
+def test_issue_configurations_pass_with_registration_checks(model):
+    wl_args, sim_args = ISSUE_CASES[model]
+    wl = agent_workload(**wl_args)
+    row = simulate(wl, model=model, integrity=True, bound=False, **sim_args).rows[0]
+    _check_row(row, len(wl))
+    assert row["cpu_hit_tokens"] > 0 and row["loaded_blocks"] > 0
+    assert (row["handoff_stored"] > 0) == (model == "nemotron-h-8b")
+
+
+@pytest.mark.parametrize("model", list(ISSUE_CASES))
+def test_real_blocks_where_a_hit_writes_nothing_fail_at_registration(model, monkeypatch):
+    # Negative control: the loop's old allocation gives a block to every position a CPU hit
+    # covers; the first one registered that its load never wrote stops the run.
+    monkeypatch.setattr(loop_module, "BatchScheduler", _real_blocks)
+    wl_args, sim_args = ISSUE_CASES[model]
+    with pytest.raises(IntegrityError, match=r"step \d+: GPU block \d+ registered under key \d+, "
+                                             r"but no computation, load or store wrote it"):
+        simulate(agent_workload(**wl_args), model=model, integrity=True, bound=False,
+                 **sim_args)
+
+
+@pytest.mark.parametrize("model", ["gemma3-12b", "nemotron-h-8b"])
+def test_shipped_coding_agent_traces_on_hybrid_models(model):
+    # The sample's first 16 requests (the first turns of its sessions and what follows them),
+    # 64-token hash blocks; the GPU is too small for a few of them, which are rejected.
+    wl = _limit(load_trace(data_path(CC_AGENTIC_SAMPLE), hash_block_size=64), 16)
+    row = simulate(wl, model=model, gpu_tokens=98_304, cpu_tokens=262_144, integrity=True,
+                   bound=False, policies=["restore_tail_bounded"]).rows[0]
+    _check_row(row, len(wl))
+    assert row["cpu_hit_tokens"] > 0 and row["rejected"] > 0
+
+
+# ---- random hybrid configurations ---------------------------------------------------------------
+
+_MODELS = ("gemma3-12b", "nemotron-h-8b")
+_POLICIES = ("control", "restore", "restore_tail", "restore_tail_bounded",
+             "restore_tail_bounded_arc", "restore_tail_bounded_s3fifo")
+
+
+def _random_config(seed: int) -> tuple[dict, dict]:
+    """A small hybrid run: workload and simulate() arguments, drawn from ``seed``. Requests stay
+    under half the GPU, so none is rejected; copies alternate between the torch and copy-engine
+    backends."""
+    rng = np.random.default_rng(1000 + seed)
+    gpu = int(rng.choice([6144, 8192]))
+    wl = dict(num_conversations=int(rng.integers(10, 15)), min_turns=3,
+              max_turns=int(rng.integers(4, 7)), system_prompt_tokens=int(rng.choice([512, 1024])),
+              first_user_tokens=int(rng.choice([512, 1024])),
+              user_tokens=int(rng.choice([128, 256])), output_tokens=int(rng.choice([32, 128])),
+              think_s_mean=float(rng.choice([1.0, 4.0])), max_context_tokens=gpu // 2 - 256,
+              seed=seed)
+    sim = dict(model=_MODELS[seed % 2], gpu_tokens=gpu,
+               cpu_tokens=int(rng.choice([8192, 16384, 65536])),
+               policies=[str(rng.choice(_POLICIES))],
+               token_budget=int(rng.choice([512, 2048, 8192])),
+               max_running=int(rng.choice([2, 4, 16])),
+               integrity_backend=("torch", "copy_engine")[seed // 2 % 2])
+    return wl, sim
+
+
+RANDOM_SEEDS = list(range(10))
+
+
+@cache
+def _random_run(seed: int) -> tuple[dict, int]:
+    """The row of random configuration ``seed`` in integrity mode, and its request count."""
+    wl_args, sim_args = _random_config(seed)
+    wl = agent_workload(**wl_args)
+    return simulate(wl, integrity=True, bound=False, **sim_args).rows[0], len(wl)
+
+
+@pytest.mark.parametrize("seed", RANDOM_SEEDS, ids=[f"seed{s}" for s in RANDOM_SEEDS])
+def test_random_hybrid_configurations(seed):
+    row, n = _random_run(seed)
+    _check_row(row, n)
+    assert row["rejected"] == 0
+
+
+def test_random_configurations_cover_both_models_backends_and_the_cpu_tier():
+    draws = [_random_config(s)[1] for s in RANDOM_SEEDS]
+    assert {sim["model"] for sim in draws} == set(_MODELS)
+    assert {sim["integrity_backend"] for sim in draws} == {"torch", "copy_engine"}
+    rows = [_random_run(s)[0] for s in RANDOM_SEEDS]  # cached: the runs above
+    assert sum(r["cpu_hit_tokens"] > 0 for r in rows) >= 8
+    assert sum(r["handoff_stored"] > 0 and r["cpu_hit_tokens"] > 0 for r in rows) >= 4
+
+
+# ---- negative controls: one write wrong or missing must fail ------------------------------------
+
+_SMALL = (dict(num_conversations=12, min_turns=3, max_turns=4, system_prompt_tokens=512,
+               first_user_tokens=512, user_tokens=128, output_tokens=32, think_s_mean=1.0,
+               max_context_tokens=2816, seed=2),
+          dict(model="gemma3-12b", gpu_tokens=6144, cpu_tokens=16384, policies=["restore_tail"],
+               token_budget=2048, max_running=4))
+
+
+def _run_small() -> dict:
+    wl_args, sim_args = _SMALL
+    return simulate(agent_workload(**wl_args), integrity=True, bound=False, **sim_args).rows[0]
+
+
+def test_negative_controls_pass_unchanged():
+    row = _run_small()
+    assert row["cpu_hit_tokens"] > 0 and row["stored_blocks"] > 0
+
+
+def _once(original, corrupt):
+    """``original`` with ``corrupt`` applied to its first call only."""
+    done = [False]
+
+    def wrapped(self, *args):
+        if done[0]:
+            return original(self, *args)
+        done[0] = True
+        return corrupt(self, *args)
+
+    return wrapped
+
+
+def test_a_fill_with_the_wrong_key_fails(monkeypatch):
+    fill = IntegrityChecker.fill
+    monkeypatch.setattr(IntegrityChecker, "fill", _once(
+        fill, lambda self, g, b, key: fill(self, g, b, key + 1)))
+    with pytest.raises(IntegrityError, match=r"GPU block \d+ registered under key (\d+), but the "
+                                             r"last write into it was for key \d+"):
+        _run_small()
+
+
+def test_wrong_bytes_under_the_right_key_fail(monkeypatch):
+    fill = IntegrityChecker.fill
+
+    def flipped(self, g, b, key):
+        fill(self, g, b, key)
+        view, _ = self.engine.segments[g][0]
+        view[b, 0] ^= 0xFF
+
+    monkeypatch.setattr(IntegrityChecker, "fill", _once(fill, flipped))
+    with pytest.raises(IntegrityError, match=r"GPU block \d+ registered under key \d+ \(group 0, "
+                                             r"segment 0\) does not hold its bytes"):
+        _run_small()
+
+
+def test_a_block_registered_without_a_fill_fails(monkeypatch):
+    monkeypatch.setattr(IntegrityChecker, "fill", _once(IntegrityChecker.fill,
+                                                        lambda self, g, b, key: None))
+    with pytest.raises(IntegrityError, match=r"GPU block \d+ registered under key \d+, but no "
+                                             r"computation, load or store wrote it"):
+        _run_small()
+
+
+def _on_first_store(monkeypatch, before, after) -> None:
+    """Run ``before(checker, meta)`` and ``after(checker, meta)`` around the copies of the first
+    step that stores."""
+    execute = IntegrityChecker.execute
+    done = [False]
+
+    def wrapped(self, meta):
+        first = not done[0] and len(meta.store) > 0
+        if first:
+            done[0] = True
+            before(self, meta)
+        execute(self, meta)
+        if first:
+            after(self, meta)
+
+    monkeypatch.setattr(IntegrityChecker, "execute", wrapped)
+
+
+def _nothing(checker, meta) -> None:
+    pass
+
+
+def test_a_store_that_corrupts_its_cpu_block_fails_at_registration(monkeypatch):
+    def corrupt(checker, meta):
+        checker.engine.cpu_pool[meta.store.cpu_blocks[0], 0] ^= 0xFF
+
+    _on_first_store(monkeypatch, _nothing, corrupt)
+    with pytest.raises(IntegrityError, match=r"CPU block \d+ registered under key \d+ \(group \d, "
+                                             r"segment 0\) does not hold its bytes"):
+        _run_small()
+
+
+def test_a_store_from_an_unregistered_gpu_block_fails(monkeypatch):
+    # The store copies a GPU block whose key the checker never confirmed: its CPU copy cannot
+    # be registered under any key.
+    def forget(checker, meta):
+        checker._gpu.holds[meta.store.gpu_blocks[0]] = -1
+
+    _on_first_store(monkeypatch, forget, _nothing)
+    with pytest.raises(IntegrityError, match=r"CPU block \d+ registered under key \d+, but no "
+                                             r"computation, load or store wrote it"):
+        _run_small()
+
+
+# ---- clean ends ---------------------------------------------------------------------------------
+
+def _loop(wl, policy: str, *, gpu_blocks: int, cpu_blocks: int, model: str = "llama3-8b"
+          ) -> ServingLoop:
+    layout = preset(model, block_size=wl.hash_block_size)
+    keys, _ = workload_keys(layout, wl)
+    return ServingLoop(wl, keys, layout, tier_policy(policy), CostModel.named(model, "H100"),
+                       gpu_blocks=gpu_blocks, cpu_blocks=cpu_blocks)
+
+
+def _assert_clean(loop: ServingLoop) -> None:
+    assert not loop.planner.has_pending_work()
+    assert loop.gpu.num_used_blocks == 0 and loop.cpu.num_used_blocks == 0
+    assert not loop.planner.loads_in_flight() and not loop.planner.store_events_in_flight()
+    loop.planner.check_invariants(idle=True)
+
+
+MOONCAKE_20 = _limit(load_trace(data_path(MOONCAKE_SYNTHETIC), hash_block_size=16), 20)
+SMALL_CPU_POOLS = [1, 2, 3, 8, 32]
+
+
+@pytest.mark.parametrize("cpu_blocks", SMALL_CPU_POOLS, ids=[f"cpu{c}" for c in SMALL_CPU_POOLS])
+def test_the_last_finish_flush_is_sent_and_both_pools_end_free(cpu_blocks):
+    # kvtriton simulate --workload mooncake --limit 20 --cpu-blocks 1 (a GPU of 16,384 blocks),
+    # and other small CPU pools: with few CPU blocks no store is in flight when the last request
+    # finishes, and the loop used to stop there, its flush never sent, blocks of both pools held.
+    for policy in ("restore_tail", "restore_tail_bounded"):
+        loop = _loop(MOONCAKE_20, policy, gpu_blocks=16384, cpu_blocks=cpu_blocks)
+        m = loop.run()
+        assert m.finished + m.rejected == len(MOONCAKE_20)
+        _assert_clean(loop)
+
+
+@pytest.mark.parametrize("cpu_blocks", SMALL_CPU_POOLS, ids=[f"cpu{c}" for c in SMALL_CPU_POOLS])
+def test_agent_runs_with_small_cpu_pools_end_clean(cpu_blocks):
+    wl = agent_workload(num_conversations=3, min_turns=2, max_turns=3, system_prompt_tokens=256,
+                        seed=1)
+    loop = _loop(wl, "restore_tail_bounded", gpu_blocks=2048, cpu_blocks=cpu_blocks)
+    loop.run()
+    _assert_clean(loop)
+
+
+def test_an_unclean_end_is_an_error(monkeypatch):
+    # Negative control: a planner that hides its queued flush makes the loop stop with the
+    # flush's blocks pinned in both pools.
+    monkeypatch.setattr(OffloadPlanner, "has_pending_work", lambda self: False)
+    loop = _loop(MOONCAKE_20, "restore_tail_bounded", gpu_blocks=16384, cpu_blocks=1)
+    with pytest.raises(UncleanEndError, match=r"policy 'restore_tail_bounded': the run ended at "
+                                              r"step \d+ with .*1 of 1 CPU blocks still held"):
+        loop.run()
