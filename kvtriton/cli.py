@@ -311,7 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--token-budget", type=_positive_int, default=8192)
     s.add_argument("--max-running", type=_positive_int, default=256)
     s.add_argument("--integrity", action="store_true",
-                   help="move real bytes through the TransferEngine and check every load")
+                   help="move real bytes through the TransferEngine and check every block "
+                        "when it is loaded or registered under a key")
     s.add_argument("--integrity-backend", choices=("torch", "triton"), default="torch")
     s.add_argument("--no-bound", action="store_true", help="skip the Belady cache-only bound")
     s.add_argument("--json", metavar="PATH")
@@ -345,13 +346,16 @@ def _one_line(message: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kvtriton.sim.errors import IntegrityError
+    from kvtriton.sim.errors import IntegrityError, UncleanEndError
 
     try:
         args = build_parser().parse_args(argv)
         return args.func(args)
     except IntegrityError as e:
         print(f"kvtriton: integrity check failed: {_one_line(str(e))}", file=sys.stderr)
+        return 1
+    except UncleanEndError as e:  # a bug, not bad input: exit 1 like a failed check
+        print(f"kvtriton: the run did not end clean: {_one_line(str(e))}", file=sys.stderr)
         return 1
     except _UsageError as e:
         print(f"kvtriton: error: {_one_line(str(e))}", file=sys.stderr)
