@@ -9,6 +9,7 @@ logs the real run does, installing nothing.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -88,6 +89,9 @@ def test_dry_run_writes_the_results_and_installs_nothing(tmp_path):
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
 def test_make_gpu_check_runs_this_script():
     for target, extra in (("gpu-check", []), ("gpu-check-dry-run", ["--dry-run"])):
-        cmd = subprocess.run(["make", "-n", target], cwd=ROOT, capture_output=True, text=True,
-                             check=True).stdout.split()
+        # Under `make test` this runs as a sub-make: without --no-print-directory and a clean
+        # MAKEFLAGS it prints "Entering directory" lines first.
+        env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+        cmd = subprocess.run(["make", "--no-print-directory", "-n", target], cwd=ROOT, env=env,
+                             capture_output=True, text=True, check=True).stdout.split()
         assert cmd[1] == "bench/gpu_check.py" and all(a in cmd for a in extra)
