@@ -102,8 +102,8 @@ class TeeWorkerMetadata(KVConnectorWorkerMetadata):
     ref: Any
     kvt: Any
 
-    def aggregate(self, other):  # one worker in this test
-        raise NotImplementedError
+    def aggregate(self, other):
+        raise AssertionError("the differential test runs one worker: nothing to aggregate")
 
 
 class TeeConnector(KVConnectorBase_V1, SupportsHMA):
