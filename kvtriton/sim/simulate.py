@@ -72,6 +72,41 @@ def capacity_blocks(layout: KVLayout, *, blocks: int | None = None, tokens: int 
     return n
 
 
+def tier_blocks(layout: KVLayout, *, gpu_blocks=None, gpu_tokens=None, gpu_gib=None,
+                cpu_blocks=None, cpu_tokens=None, cpu_gib=None) -> tuple[int, int]:
+    """GPU and CPU capacities in blocks, each from one of blocks, tokens or GiB; defaults:
+    262,144 GPU tokens, and four times the GPU on the CPU."""
+    if gpu_blocks is None and gpu_tokens is None and gpu_gib is None:
+        gpu_tokens = 262_144
+    if cpu_blocks is None and cpu_tokens is None and cpu_gib is None:
+        cpu_tokens = 4 * (gpu_tokens if gpu_tokens is not None else
+                          capacity_blocks(layout, blocks=gpu_blocks, gib=gpu_gib, what="GPU")
+                          * layout.groups[0].block_size)
+    n_gpu = capacity_blocks(layout, blocks=gpu_blocks, tokens=gpu_tokens, gib=gpu_gib, what="GPU")
+    n_cpu = capacity_blocks(layout, blocks=cpu_blocks, tokens=cpu_tokens, gib=cpu_gib, what="CPU")
+    return n_gpu, n_cpu
+
+
+def cost_conditions(cost: CostModel) -> dict:
+    """The cost model's constants, as a result's ``conditions`` record them."""
+    return {"mfu": cost.mfu, "hbm_efficiency": cost.hbm_efficiency,
+            "step_overhead_s": cost.step_overhead_s,
+            "h2d_bytes_per_s": cost.gpu.h2d_bytes_per_s,
+            "d2h_bytes_per_s": cost.gpu.d2h_bytes_per_s}
+
+
+def belady_bound(workload: Workload, layout: KVLayout, n_gpu: int, n_cpu: int,
+                 rejected: set[str]) -> dict:
+    """Belady's MIN in a cache-only replay of the GPU + CPU capacity, over the requests not in
+    ``rejected``."""
+    n_tokens = (n_gpu + n_cpu) * layout.groups[0].block_size
+    r = replay(_admitted(workload, rejected) if rejected else workload, n_tokens,
+               eviction=BELADY)
+    return {"policy": "belady (cache-only replay, GPU + CPU capacity)",
+            "capacity_tokens": r.capacity_tokens, "hit_rate": r.hit_rate,
+            "requests": r.requests, "rejected": len(rejected)}
+
+
 @dataclass(slots=True)
 class SimulationResult:
     """Per-policy summaries plus the conditions they ran under."""
@@ -131,14 +166,9 @@ def simulate(
     chosen = [tier_policy(p) for p in policies]
     layout = preset(model, block_size=workload.hash_block_size)
     cost = CostModel.named(model, gpu)
-    if gpu_blocks is None and gpu_tokens is None and gpu_gib is None:
-        gpu_tokens = 262_144
-    if cpu_blocks is None and cpu_tokens is None and cpu_gib is None:
-        cpu_tokens = 4 * (gpu_tokens if gpu_tokens is not None else
-                          capacity_blocks(layout, blocks=gpu_blocks, gib=gpu_gib, what="GPU")
-                          * layout.groups[0].block_size)
-    n_gpu = capacity_blocks(layout, blocks=gpu_blocks, tokens=gpu_tokens, gib=gpu_gib, what="GPU")
-    n_cpu = capacity_blocks(layout, blocks=cpu_blocks, tokens=cpu_tokens, gib=cpu_gib, what="CPU")
+    n_gpu, n_cpu = tier_blocks(layout, gpu_blocks=gpu_blocks, gpu_tokens=gpu_tokens,
+                               gpu_gib=gpu_gib, cpu_blocks=cpu_blocks, cpu_tokens=cpu_tokens,
+                               cpu_gib=cpu_gib)
     _check_memory(layout, n_gpu, n_cpu, integrity)
     need = {wr.request_id: gpu_blocks_for(layout, wr) for wr in workload}
     rejected = {rid for rid, n in need.items() if n > n_gpu}
@@ -154,11 +184,7 @@ def simulate(
         "cpu_gib": n_cpu * layout.cpu_block_bytes / GiB,
         "block_tokens": layout.groups[0].block_size, "token_budget": token_budget,
         "max_running": max_running, "integrity": integrity, "distinct_keys": n_keys,
-        "requests": len(workload), "rejected": len(rejected), "cost_model": {
-            "mfu": cost.mfu, "hbm_efficiency": cost.hbm_efficiency,
-            "step_overhead_s": cost.step_overhead_s,
-            "h2d_bytes_per_s": cost.gpu.h2d_bytes_per_s,
-            "d2h_bytes_per_s": cost.gpu.d2h_bytes_per_s},
+        "requests": len(workload), "rejected": len(rejected), "cost_model": cost_conditions(cost),
     }
     result = SimulationResult(workload.name, conditions)
     if integrity:
@@ -177,10 +203,5 @@ def simulate(
             row["integrity_blocks_filled"] = checker.blocks_filled
         result.rows.append(row)
     if bound:
-        n_tokens = (n_gpu + n_cpu) * layout.groups[0].block_size
-        r = replay(_admitted(workload, rejected) if rejected else workload, n_tokens,
-                   eviction=BELADY)
-        result.bound = {"policy": "belady (cache-only replay, GPU + CPU capacity)",
-                        "capacity_tokens": r.capacity_tokens, "hit_rate": r.hit_rate,
-                        "requests": r.requests, "rejected": len(rejected)}
+        result.bound = belady_bound(workload, layout, n_gpu, n_cpu, rejected)
     return result

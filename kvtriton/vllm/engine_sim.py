@@ -32,9 +32,14 @@ import numpy as np
 from kvtriton.sim.cost import CostModel
 from kvtriton.sim.metrics import RunMetrics
 from kvtriton.sim.progress import Progress
-from kvtriton.sim.replay import BELADY, replay
 from kvtriton.sim.setups import DEFAULT_POLICIES, TierPolicy, tier_policy
-from kvtriton.sim.simulate import GiB, SimulationResult, capacity_blocks
+from kvtriton.sim.simulate import (
+    GiB,
+    SimulationResult,
+    belady_bound,
+    cost_conditions,
+    tier_blocks,
+)
 from kvtriton.sim.workload import Workload, WorkloadRequest
 from kvtriton.specs import KVLayout, preset
 
@@ -380,15 +385,9 @@ def simulate_vllm(
         raise ValueError(f"simulate_vllm: model {model!r} has Mamba groups, which this "
                          "simulator's vLLM setup does not build")
     cost = CostModel.named(model, gpu)
-    # The same defaults as kvtriton.simulate.
-    if gpu_blocks is None and gpu_tokens is None and gpu_gib is None:
-        gpu_tokens = 262_144
-    if cpu_blocks is None and cpu_tokens is None and cpu_gib is None:
-        cpu_tokens = 4 * (gpu_tokens if gpu_tokens is not None else
-                          capacity_blocks(layout, blocks=gpu_blocks, gib=gpu_gib, what="GPU")
-                          * layout.groups[0].block_size)
-    n_gpu = capacity_blocks(layout, blocks=gpu_blocks, tokens=gpu_tokens, gib=gpu_gib, what="GPU")
-    n_cpu = capacity_blocks(layout, blocks=cpu_blocks, tokens=cpu_tokens, gib=cpu_gib, what="CPU")
+    n_gpu, n_cpu = tier_blocks(layout, gpu_blocks=gpu_blocks, gpu_tokens=gpu_tokens,
+                               gpu_gib=gpu_gib, cpu_blocks=cpu_blocks, cpu_tokens=cpu_tokens,
+                               cpu_gib=cpu_gib)
     max_len = max(r.prompt_len + max(1, r.output_len) for r in workload) + 1
     max_model_len = -(-max_len // layout.scheduler_block_size) * layout.scheduler_block_size
     conditions = {
@@ -399,10 +398,7 @@ def simulate_vllm(
         "block_tokens": layout.groups[0].block_size, "token_budget": token_budget,
         "max_running": max_running, "integrity": False, "requests": len(workload),
         "scheduler_overrides": dict(scheduler_overrides or {}),
-        "cost_model": {"mfu": cost.mfu, "hbm_efficiency": cost.hbm_efficiency,
-                       "step_overhead_s": cost.step_overhead_s,
-                       "h2d_bytes_per_s": cost.gpu.h2d_bytes_per_s,
-                       "d2h_bytes_per_s": cost.gpu.d2h_bytes_per_s},
+        "cost_model": cost_conditions(cost),
     }
     import vllm
 
@@ -421,8 +417,5 @@ def simulate_vllm(
                            scheduler_overrides=scheduler_overrides)
             result.rows.append(run.run().summary())
     if bound:
-        n_tokens = (n_gpu + n_cpu) * layout.groups[0].block_size
-        r = replay(workload, n_tokens, eviction=BELADY)
-        result.bound = {"policy": "belady (cache-only replay, GPU + CPU capacity)",
-                        "capacity_tokens": r.capacity_tokens, "hit_rate": r.hit_rate}
+        result.bound = belady_bound(workload, layout, n_gpu, n_cpu, rejected=set())
     return result
