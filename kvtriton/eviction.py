@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 __all__ = [
     "EVICTION_QUEUES",
@@ -64,6 +64,11 @@ class EvictionQueue(ABC):
     def on_evicted(self, block_id: int, key: int) -> None:  # noqa: B027 - optional hook
         """The hashes of ``block_id`` (primary ``key``) are being dropped. Ghost lists use it.
         Policies without ghost state need nothing here."""
+
+    def remembered_keys(self) -> Iterable[int]:
+        """Keys of evicted blocks this queue still remembers (ghost lists): an owner of key ids
+        must not hand these out to new hashes."""
+        return ()
 
 
 class _LinkedQueue:
@@ -315,6 +320,9 @@ class ARCQueue(EvictionQueue):
         """``(|B1|, |B2|)``."""
         return len(self._b1), len(self._b2)
 
+    def remembered_keys(self) -> Iterable[int]:
+        return [*self._b1, *self._b2]
+
 
 class S3FIFOQueue(EvictionQueue):
     """S3-FIFO (Yang et al., SOSP'23) over the free blocks: a small FIFO S, a main FIFO M, and a
@@ -398,6 +406,9 @@ class S3FIFOQueue(EvictionQueue):
         if self._left[block_id] == 1:
             _remember(self._ghost, key, self._cap)
         self._fresh[block_id] = 1
+
+    def remembered_keys(self) -> Iterable[int]:
+        return list(self._ghost)
 
     def __len__(self) -> int:
         return len(self._unhashed) + len(self._small) + len(self._main)

@@ -201,3 +201,26 @@ def plot_kernels(doc: dict, path: str | Path) -> Path:
     axes[0].set_ylabel("GB/s")
     axes[0].legend(fontsize=7)
     return _save(fig, path, dpi=140)
+
+
+def plot_connector_soak(doc: dict, path: str | Path) -> Path:
+    """Key ids bound, planner key slots and RSS versus distinct blocks seen, recycling on and
+    off (``bench/results/vllm_soak.json``)."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
+    pools = doc["conditions"]["gpu_blocks"] + doc["conditions"]["cpu_blocks"]
+    for run in doc["runs"]:
+        label = "recycling" if run["recycle"] else "no recycling (control)"
+        s = run["samples"]
+        x = [p["distinct_blocks"] for p in s]
+        axes[0].plot(x, [p["key_id_capacity"] for p in s], marker=".", label=f"{label}: key ids")
+        axes[0].plot(x, [p["planner_key_slots"] for p in s], ls="--",
+                     label=f"{label}: planner slots")
+        axes[1].plot(x, [p["rss_mib"] - s[0]["rss_mib"] for p in s], marker=".", label=label)
+    axes[0].axhline(pools, color="gray", ls=":", label="GPU + CPU pool blocks")
+    axes[0].set_ylabel("entries")
+    axes[1].set_ylabel("RSS growth since the first sample (MiB)")
+    for ax in axes:
+        ax.set_xlabel("distinct blocks seen")
+        ax.legend(fontsize=7)
+    return _save(fig, path, dpi=140)

@@ -155,6 +155,17 @@ class BlockPool:
         """Free blocks in eviction order (next victim first), optionally after ``after``."""
         return self._eviction.iter_blocks(after)
 
+    def referenced_keys(self) -> list[int]:
+        """Every key this pool refers to: the cached ones, those its eviction queue remembers
+        (ghost lists) and those named by events not yet taken. A key id outside this list can
+        be given to another hash without this pool noticing."""
+        out = list(self._map)
+        out += self._eviction.remembered_keys()
+        for ev in self._events:
+            if not isinstance(ev, AllBlocksCleared):
+                out += ev.block_hashes
+        return out
+
     def take_events(self) -> list[BlockStored | BlockRemoved | AllBlocksCleared]:
         events, self._events = self._events, []
         return events

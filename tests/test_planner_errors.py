@@ -440,3 +440,23 @@ def test_get_new_blocks_refuses_bools_and_floats(bad):
     got = pool.get_new_blocks(np.int64(2))
     assert got == [1, 2] and all(type(b) is int for b in got)
     pool.check_invariants()
+
+
+@pytest.mark.parametrize("scan", SCANS)
+def test_forget_keys_refuses_keys_the_planner_still_refers_to(scan):
+    """Key ids a recycler hands out again: the planner refuses to forget one it still refers to
+    (a running request's key here) and changes nothing; an unreferenced one is forgotten."""
+    h = Harness(config=PlannerConfig(scan=scan))
+    req = cpu_hit(h)
+    assert h.admit(req, ext=160) == (0, 160)
+    owned = h.primary_keys(req)
+    referenced = set(h.planner.referenced_keys().tolist())
+    assert set(owned.tolist()) <= referenced
+    before = snapshot(h)
+    with pytest.raises(ValueError, match=f"keys \\[{int(owned.min())}"):
+        h.planner.forget_keys([int(owned.min()), 10**6])
+    assert_unchanged(h, before)
+    h.planner.forget_keys(np.array([10**6]))  # never seen: nothing to forget, no error
+    h.step()
+    h.check_invariants()
+    finish_and_drain(h)

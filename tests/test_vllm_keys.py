@@ -96,3 +96,41 @@ def test_binding_a_bound_id_is_an_error():
     with pytest.raises(ValueError, match="already bound"):
         keys.bind(h(10), kid)
     assert np.array_equal(keys.reserve(0), np.zeros(0, dtype=np.int64))
+
+
+def test_recycled_ids_are_handed_out_again_and_forget_their_hash():
+    keys = KeyIds()
+    a, b, c = (keys.id_of(h(i)) for i in range(3))
+    keys.recycle([b, b])  # a repeat is recycled once
+    assert keys.get(h(1)) is None and keys.hash_of(b) is None
+    assert keys.num_bound == 2 and keys.recycled == 1 and keys.num_reserved() == 0
+    d = keys.id_of(h(9))
+    assert d == b and keys.hash_of(d) == h(9) and keys.capacity == 3
+    assert sorted(keys.bound_ids().tolist()) == [a, b, c]
+    with pytest.raises(ValueError, match=r"\[7\]"):
+        keys.recycle([a, 7])  # never handed out: nothing changes
+    assert keys.num_bound == 3 and keys.get(h(0)) == a
+    r = keys.reserve(1)
+    with pytest.raises(ValueError, match="not bound"):
+        keys.recycle(r)  # a reserved id is the mirror's to release
+
+
+def test_pools_name_every_key_they_refer_to():
+    """The CPU tier's cached keys, the keys its ARC ghost lists remember and the keys of events
+    not yet taken all count as referenced (a recycler must keep them)."""
+    from kvtriton.pool import BlockPool
+
+    pool = BlockPool(4, eviction="arc", medium="CPU", enable_events=True)
+    blocks = pool.get_new_blocks(3)
+    for b, key in zip(blocks, (10, 11, 12), strict=True):
+        pool.cache_block(b, key, ())
+    pool.free_blocks(blocks)
+    pool.get_new_blocks(3)  # evicts all three: their keys go to a ghost list
+    assert pool.num_cached_keys == 0
+    assert sorted(set(pool.referenced_keys())) == [10, 11, 12]
+    pool.take_events()
+    assert sorted(pool.referenced_keys()) == [10, 11, 12]  # ghosts only now
+    lru = BlockPool(4, medium="CPU")
+    b = lru.get_new_blocks(1)
+    lru.cache_block(b[0], 5, (6,))
+    assert sorted(lru.referenced_keys()) == [5, 6]

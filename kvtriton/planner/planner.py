@@ -35,6 +35,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
+import numpy as np
+
 from kvtriton.planner.config import PlannerConfig
 from kvtriton.planner.lazy import LazyOffload
 from kvtriton.planner.loads import Loads
@@ -214,6 +216,29 @@ class OffloadPlanner:
         self._loads.drop(rid)
         self._stores.finish(req)
         self._requests.pop(rid, None)
+
+    # ---- key ids ----------------------------------------------------------------------------
+
+    def referenced_keys(self) -> np.ndarray:
+        """Every key the planner refers to besides the pools' contents (int64, may repeat): its
+        requests' keys, the keys its selector tracks (owned, in flight, wanted) and those of its
+        store batches. An owner of key ids that recycles them (``kvtriton.vllm.keys``) keeps
+        these and the pools' keys, and hands the others out again after ``forget_keys``."""
+        parts = [self.selector.referenced_keys(),
+                 np.asarray(self._stores.referenced_keys(), dtype=np.int64)]
+        parts += [r.keys.ravel() for r in self._requests.values()]
+        return np.concatenate(parts).astype(np.int64, copy=False)
+
+    def forget_keys(self, keys: Iterable[int] | np.ndarray) -> None:
+        """``keys`` will name other blocks: drop what the planner remembers of them (re-store
+        counts). The caller checked that neither pool holds any of them; one the planner still
+        refers to (``referenced_keys``) is a ``ValueError`` and nothing changes."""
+        keys = np.fromiter(keys, dtype=np.int64) if not isinstance(keys, np.ndarray) \
+            else keys.astype(np.int64, copy=False)
+        held = np.intersect1d(keys, self.referenced_keys())
+        if len(held):
+            raise ValueError(f"forget_keys: keys {held[:5].tolist()} are still referenced")
+        self.selector.forget_keys(keys)
 
     # ---- 6. reset ---------------------------------------------------------------------------
 

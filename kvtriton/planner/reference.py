@@ -10,6 +10,8 @@ inline because the loop's own cost is what the benchmarks compare against.
 
 from __future__ import annotations
 
+import numpy as np
+
 from kvtriton.planner.selection import Selection, StoreSelector
 from kvtriton.pool import NULL_BLOCK, BlockPool
 from kvtriton.specs import KVLayout
@@ -119,6 +121,18 @@ class LoopSelector(StoreSelector):
 
     def in_flight_flags(self):
         return set(self._in_flight_blocks), set(self._in_flight_keys)
+
+    @property
+    def key_slots(self):
+        return len(self._num_owners) + len(self._restore_count)
+
+    def referenced_keys(self):
+        keys = set(self._num_owners) | self._in_flight_keys | self._wanted
+        return np.fromiter(keys, dtype=np.int64, count=len(keys))
+
+    def forget_keys(self, keys):
+        for k in np.asarray(keys).tolist():
+            self._restore_count.pop(k, None)
 
     # ---- the scan -------------------------------------------------------------------------
 

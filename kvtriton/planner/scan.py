@@ -268,6 +268,20 @@ class FusedSelector(StoreSelector):
         ks = self._table_keys[group, row, :cur]
         return np.flatnonzero(self._wanted[ks]).tolist()
 
+    @property
+    def key_slots(self):
+        return len(self._in_cpu)
+
+    def referenced_keys(self):
+        return np.flatnonzero((self._num_owners > 0) | self._in_flight_key | self._wanted)
+
+    def forget_keys(self, keys):
+        keys = np.asarray(keys, dtype=np.int64)
+        keys = keys[keys < len(self._in_cpu)]
+        self._restore_count[keys] = 0
+        self._key_position[keys] = 0
+        self._key_group[keys] = 0
+
     # ---- wanted keys ----------------------------------------------------------------------
 
     def _first_occurrence(self, keys: np.ndarray) -> np.ndarray:

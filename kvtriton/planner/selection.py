@@ -122,6 +122,21 @@ class StoreSelector(ABC):
     def wanted_below_cursor(self, row: int, group: int) -> list[int]:
         """Positions below the cursor of ``row`` whose key is wanted (for a finish flush)."""
 
+    @property
+    @abstractmethod
+    def key_slots(self) -> int:
+        """Per-key entries held now: the length of the per-key arrays (fused scan), or of the
+        per-key dicts (loop reference). What grows with the key ids a caller hands out."""
+
+    @abstractmethod
+    def referenced_keys(self) -> np.ndarray:
+        """Keys the selector's state refers to: owned by a row, flagged in flight, wanted."""
+
+    @abstractmethod
+    def forget_keys(self, keys: np.ndarray) -> None:
+        """``keys`` (not referenced, in neither pool) will name other blocks: drop what is
+        remembered of them (re-store counts)."""
+
     @abstractmethod
     def select(self, rows: list[int], ready: np.ndarray, budget: int,
                restore_budget: int | None) -> Selection:

@@ -495,6 +495,11 @@ class Stores:
         """Store events issued and not yet completed, abandoned ones included."""
         return set(self._jobs) | set(self._abandoned)
 
+    def referenced_keys(self) -> list[int]:
+        """The keys of the store batches in flight or abandoned and of the queued flush."""
+        return [k for job in chain(self._jobs.values(), self._abandoned.values(), (self._flush,))
+                for k in job.keys]
+
     def queued_flush(self) -> Transfer:
         """The finish flush queued for the next batch (event -1)."""
         f = self._flush

@@ -50,6 +50,10 @@ class KVEventTranslator:
     def remember(self, key: int, payload: StorePayload) -> None:
         self._payloads[key] = payload
 
+    def referenced_keys(self) -> list[int]:
+        """The keys of payloads waiting for their store to complete."""
+        return list(self._payloads)
+
     def forget(self, keys: list[int]) -> None:
         """Drop payloads of stores that will not complete (failed or abandoned)."""
         for k in keys:

@@ -57,6 +57,9 @@ class VllmGpuPool:
     def __init__(self, pool: Any, keys: KeyIds,
                  before_cache: Callable[[Any], None] | None = None) -> None:
         missing = [m for m in _HOOKED if not callable(getattr(pool, m, None))]
+        if not isinstance(getattr(getattr(pool, "cached_block_hash_to_block", None), "_cache",
+                                  None), dict):
+            missing.append("cached_block_hash_to_block._cache")
         if missing:
             import vllm
 
@@ -173,6 +176,12 @@ class VllmGpuPool:
 
     def __contains__(self, key: int) -> bool:
         return self.get_cached_block(key) is not None
+
+    def referenced_keys(self) -> list[int]:
+        """The ids of every hash vLLM's prefix cache holds now (all were interned when cached)."""
+        get = self._keys.get
+        ids = [get(h) for h in self._pool.cached_block_hash_to_block._cache]
+        return [k for k in ids if k is not None]
 
     def touch(self, block_ids: Sequence[int]) -> None:
         """One more reference on each block (vLLM's ``touch``: a free block leaves its queue)."""

@@ -13,6 +13,12 @@ key from then on. A hash that already has an id when its position is bound (anot
 made the same tokens first) keeps the older id; the reserved one stays unbound and that position
 is never stored for this request (counted in ``collisions``). Unbound reserved ids were never in a
 pool, so they are recycled once the request's row is released.
+
+*Bound* ids are recycled too, or a server would grow by one id (and every per-key array entry
+behind it) for each distinct block it ever saw. ``recycle`` forgets the hashes of ids the caller
+found unreferenced (in neither pool, no request, no transfer: ``SchedulerSide`` sweeps for them);
+``id_of`` and ``reserve`` hand recycled ids out again before making new ones, so ``capacity``
+follows the ids alive at once, not the ids ever made.
 """
 
 from __future__ import annotations
@@ -30,13 +36,14 @@ def group_suffixes(num_groups: int) -> list[bytes]:
 class KeyIds:
     """Interns ``BlockHashWithGroupId`` bytes as dense ids, with reservable ids."""
 
-    __slots__ = ("_free", "_hashes", "_ids", "collisions")
+    __slots__ = ("_free", "_hashes", "_ids", "collisions", "recycled")
 
     def __init__(self) -> None:
         self._ids: dict[bytes, int] = {}
-        self._hashes: list[bytes | None] = []  # None: a reserved id not bound to a hash
-        self._free: list[int] = []  # recycled reserved ids
+        self._hashes: list[bytes | None] = []  # None: reserved and unbound, or free
+        self._free: list[int] = []  # ids to hand out again (unbound reserved ones, recycled ones)
         self.collisions = 0
+        self.recycled = 0  # bound ids recycled so far
 
     def __len__(self) -> int:
         """Ids handed out so far (the bound ones and the reserved ones still held)."""
@@ -47,14 +54,43 @@ class KeyIds:
         """One past the largest id ever handed out: what arrays indexed by id must hold."""
         return len(self._hashes)
 
+    @property
+    def num_bound(self) -> int:
+        """Ids bound to a hash now."""
+        return len(self._ids)
+
     def id_of(self, key: bytes) -> int:
-        """The id of ``key``, interning it if new."""
+        """The id of ``key``, interning it if new (a recycled id first)."""
         kid = self._ids.get(key)
         if kid is None:
-            kid = len(self._hashes)
-            self._hashes.append(key)
+            if self._free:
+                kid = self._free.pop()
+                self._hashes[kid] = key
+            else:
+                kid = len(self._hashes)
+                self._hashes.append(key)
             self._ids[key] = kid
         return kid
+
+    def bound_ids(self) -> np.ndarray:
+        """Every id bound to a hash now (int64, in no particular order)."""
+        return np.fromiter(self._ids.values(), dtype=np.int64, count=len(self._ids))
+
+    def recycle(self, kids: np.ndarray | list[int]) -> None:
+        """Forget the hashes of bound ``kids`` and hand the ids out again. The caller vouches
+        that nothing refers to them any more; an unbound id is a ``ValueError`` (nothing
+        changes)."""
+        kids = list(dict.fromkeys(int(k) for k in kids))
+        hashes = self._hashes
+        bad = [k for k in kids if not 0 <= k < len(hashes) or hashes[k] is None]
+        if bad:
+            raise ValueError(f"recycle: key ids {bad[:5]} are not bound")
+        ids = self._ids
+        for k in kids:
+            del ids[hashes[k]]
+            hashes[k] = None
+        self._free.extend(kids)
+        self.recycled += len(kids)
 
     def get(self, key: bytes) -> int | None:
         return self._ids.get(key)
@@ -93,4 +129,4 @@ class KeyIds:
 
     def num_reserved(self) -> int:
         """Reserved ids held now (handed out, not bound, not recycled)."""
-        return sum(h is None for h in self._hashes) - len(self._free)
+        return len(self._hashes) - len(self._ids) - len(self._free)

@@ -10,7 +10,11 @@ vLLM's ``Scheduler``, ``BlockPool`` and ``Request`` are the truth; this adapter 
 - the step: vLLM's ``SchedulerOutput`` as a ``StepOutput`` (new and cached requests' new
   blocks, preempted and resumed requests, Mamba boundary hand-offs, vLLM's scan order);
 - completions: ``KVConnectorOutput`` (finished and failed loads, invalid blocks, the workers'
-  aggregated store reports) as the planner's ``update_connector_output``.
+  aggregated store reports) as the planner's ``update_connector_output``;
+- memory: key ids nothing refers to any more (in neither pool, no request, no transfer, no
+  pending event) are recycled by a sweep that runs when the bound ids have doubled since the
+  last one, so the ids, and every array the planner indexes by them, stay within about twice
+  what the pools and the running requests hold however many distinct blocks a server sees.
 
 The CPU tier is kvtriton's own ``BlockPool`` (LRU, ARC or S3-FIFO), sized as vLLM sizes its own.
 """
@@ -79,6 +83,10 @@ class SchedulerSide:
         self._known: set[str] = set()  # request ids the planner has seen since the last reset
         self._load_blocks: dict[str, set[int]] = {}  # rid -> GPU blocks of its issued load
         self._stats_before: dict[str, Any] = {}
+        self._sweep_at = 0  # bound key ids that trigger the next sweep (set at bind)
+        self.sweeps = 0
+        #: Sweep for unreferenced key ids by itself (off only as a soak's control run).
+        self.auto_recycle = True
         logger.info("KVTritonConnector: %d CPU blocks per rank (%s), world_size %d, layout %s",
                     self.num_cpu_blocks - 1, config.describe(), self.world_size,
                     self.layout.describe())
@@ -92,6 +100,11 @@ class SchedulerSide:
         self.gpu_pool = VllmGpuPool(gpu_block_pool, self.keys, before_cache=self._before_cache)
         self.planner = OffloadPlanner(self.layout, self.gpu_pool, self.cpu_pool,
                                       self.planner_config)
+        # Below this many ids a sweep would find little to recycle: the pools alone can hold
+        # one primary key per block and group.
+        self._min_sweep = 2 * (self.gpu_pool.num_blocks + self.num_cpu_blocks) \
+            * self.layout.num_groups
+        self._sweep_at = self._min_sweep
 
     def _planner(self) -> OffloadPlanner:
         if self.planner is None:
@@ -200,7 +213,32 @@ class SchedulerSide:
         self._retired.clear()
         if self._events is not None and len(meta.store):
             self._remember_payloads(meta.store.gpu_blocks, self._mirrors.values())
+        if self.auto_recycle and self.keys.num_bound >= self._sweep_at:
+            self.recycle_keys()
         return KVTritonMetadata.from_planner(meta)
+
+    def recycle_keys(self) -> int:
+        """Recycle the bound key ids nothing refers to; returns how many. Runs by itself when
+        the bound ids reach twice what the last sweep left (amortized O(1) per id)."""
+        planner, keys = self._planner(), self.keys
+        live = np.zeros(keys.capacity, dtype=bool)
+        live[planner.referenced_keys()] = True
+        live[np.asarray(self.cpu_pool.referenced_keys(), dtype=np.int64)] = True
+        live[np.asarray(self.gpu_pool.referenced_keys(), dtype=np.int64)] = True
+        if self._events is not None:
+            live[np.asarray(self._events.referenced_keys(), dtype=np.int64)] = True
+        for m in [*self._mirrors.values(), *self._retired]:
+            live[m.req.keys.ravel()] = True
+        for _, req in self._lookups.values():
+            live[req.keys.ravel()] = True
+        bound = keys.bound_ids()
+        dead = bound[~live[bound]]
+        if len(dead):
+            planner.forget_keys(dead)
+            keys.recycle(dead)
+        self.sweeps += 1
+        self._sweep_at = max(2 * keys.num_bound, self._min_sweep)
+        return len(dead)
 
     def _remember_payloads(self, gpu_blocks: list[int], mirrors: Any) -> None:
         """BlockStored payloads (parent hash, tokens, LoRA) of the stores of ``gpu_blocks``
@@ -308,8 +346,10 @@ class SchedulerSide:
             return None
         now = dict(self.planner.stats.as_dict())
         now["key_collisions"] = self.keys.collisions
+        now["key_ids_recycled"] = self.keys.recycled
         data = counter_deltas(now, self._stats_before)
         self._stats_before = now
         data[GAUGES[0]] = self.cpu_pool.num_used_blocks
         data[GAUGES[1]] = self.planner.pending_store_blocks()
+        data[GAUGES[2]] = self.keys.num_bound
         return KVTritonStats(data=data)

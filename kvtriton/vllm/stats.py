@@ -14,7 +14,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 __all__ = ["GAUGES", "KVTritonStats", "counter_deltas"]
 
-GAUGES = ("cpu_used_blocks", "pending_store_blocks")
+GAUGES = ("cpu_used_blocks", "pending_store_blocks", "key_ids")
 
 
 @dataclass
