@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import pytest
-from planner_harness import ALIAS_TINY, HYBRID_TINY, Harness, tokens_for
+from planner_harness import ALIAS_TINY, HYBRID_TINY, LLAMA_TINY, Harness, tokens_for
 
 from kvtriton.planner import PlannerConfig, ScanOutcomes, StepOutput
 from kvtriton.pool import NULL_BLOCK
@@ -807,3 +808,49 @@ def test_step_output_for_unknown_requests_is_ignored():
     m = h.planner.build_meta(StepOutput(num_scheduled_tokens={"ghost": 16},
                                         new_block_ids={"ghost": ([1],)}))
     assert m.store.event == -1 and m.load.event == -1
+
+
+@pytest.mark.parametrize("scan", SCANS)
+def test_cursor_stays_where_the_budget_ran_out_before_the_scan_reached_it(scan):
+    """vLLM's scan stops once its CPU budget is spent, leaving later requests' cursors where they
+    were; kvtriton's moved them over cached positions, and a position passed as cached was never
+    looked at again if its block was evicted later (found by the differential test). Row 0
+    spends the budget; row 1's cursor stays at 0 although its blocks are all cached; with
+    budget left, it moves over them."""
+    from kvtriton.planner.reference import LoopSelector
+    from kvtriton.planner.scan import FusedSelector
+    from kvtriton.pool import BlockPool
+
+    def setup():
+        gpu, cpu = BlockPool(16), BlockPool(8, medium="CPU")
+        blocks = gpu.get_new_blocks(6)
+        for b, key in zip(blocks, range(100, 106), strict=True):
+            gpu.cache_block(b, key, ())
+        cpu_blocks = cpu.get_new_blocks(3)
+        for b, key in zip(cpu_blocks, range(103, 106), strict=True):
+            cpu.cache_block(b, key, ())
+        cls = FusedSelector if scan == "fused" else LoopSelector
+        sel = cls(LLAMA_TINY, gpu, cpu, restore=False)
+        for pool in (gpu, cpu):
+            for b in range(1, pool.num_blocks):
+                for k in pool.block_keys(b):
+                    (sel.on_gpu_insert if pool is gpu else sel.on_cpu_insert)(k, b)
+        sel.admit(0, [np.arange(100, 103)])
+        sel.append_blocks(0, 0, blocks[:3])
+        sel.admit(1, [np.arange(103, 106)])
+        sel.append_blocks(1, 0, blocks[3:])
+        return sel
+
+    ready = np.array([[3], [3]])
+    sel = setup()
+    got = sel.select([0, 1], ready, budget=2, restore_budget=None)
+    assert got.keys == [100, 101]
+    assert (sel.cursor(0, 0), sel.cursor(1, 0)) == (2, 0)
+    assert got.outcomes.already_cached == 3 and got.outcomes.deferred == 1
+    sel = setup()
+    got = sel.select([0, 1], ready, budget=3, restore_budget=None)
+    assert got.keys == [100, 101, 102]
+    assert (sel.cursor(0, 0), sel.cursor(1, 0)) == (3, 0)  # spent exactly before row 1
+    sel = setup()
+    sel.select([0, 1], ready, budget=4, restore_budget=None)
+    assert (sel.cursor(0, 0), sel.cursor(1, 0)) == (3, 3)

@@ -460,3 +460,18 @@ def test_forget_keys_refuses_keys_the_planner_still_refers_to(scan):
     h.step()
     h.check_invariants()
     finish_and_drain(h)
+
+
+@pytest.mark.parametrize("bad", [([1, -1],), ([1, 10**6],), ([1.5],), ([1], [2]), "0"],
+                         ids=repr)
+def test_request_finished_refuses_a_bad_final_table(bad):
+    """The table vLLM hands over at the end is checked before anything changes: ids in the GPU
+    pool, one table per group."""
+    h = Harness()
+    req = cpu_hit(h)
+    before = snapshot(h)
+    with pytest.raises(ValueError, match="request 'b'"):
+        h.planner.request_finished(req, bad)
+    assert_unchanged(h, before)
+    h.planner.request_finished(req, None)
+    finish_and_drain(h)

@@ -11,27 +11,26 @@ every call that changes them.
 Differences are recognised by construction, each by its own evidence, and counted:
 
 - ``per_request_allocation`` (the one the issue names, in ``KVTritonConnector``'s docstring):
-  vLLM allocates CPU blocks per request inside its scan, so a later request stores a block whose
-  hash an earlier allocation of the same step evicted (the hash was cached before the step and
-  evicted during it); kvtriton classified it against the tier as it stood before allocating.
-- ``exhausted_cursor``: when vLLM's budget (its free CPU blocks) runs out, it stops scanning the
-  remaining requests at once, leaving their cursors where they were; kvtriton still moves each
-  cursor over positions nothing would store (cached, in flight) up to its first deferred block.
-  Recognised when cursors part on a step whose stores used vLLM's whole budget (vLLM behind);
-  it shows later as vLLM storing a block at a position kvtriton's cursor had passed.
-- ``in_flight_duplicate``: vLLM dedups stores in flight by GPU block id, kvtriton by hash too;
-  two GPU blocks with one hash (vLLM never merges them) are both copied by vLLM, once by
-  kvtriton (anchors.md lists this among vLLM's open problems).
-- ``unscheduled_finish_flush``: a request aborted while its CPU load is pending was never in a
-  scheduler output, so kvtriton's block table for it is empty and its finish flush stores
-  nothing; vLLM's flush reads the table the scheduler hands to ``request_finished`` and stores
-  the request's GPU prefix-hit blocks the CPU tier lacks. (A kvtriton gap: its planner learns a
-  table only from scheduler outputs.)
+  vLLM allocates CPU blocks per request inside its scan, evicting cached blocks as it goes, so a
+  later request of the same step sees some hashes as no longer cached; kvtriton classified the
+  whole step against the tier as it stood before allocating. It shows two ways: vLLM stores a
+  block whose hash an earlier allocation of the step evicted (the hash was cached before the
+  step and is not after it); or, once the budget is spent, vLLM's cursor stops at such a hash
+  (a block it would now store) where kvtriton's passed it as cached. The gap is recognised only
+  if vLLM's cursor stopped at a hash that was evicted during the step; vLLM storing, later, a
+  block at a position inside a recognised gap is the same difference.
+- ``in_flight_duplicate`` (kvtriton's deliberate improvement, also in the docstring): vLLM dedups
+  stores by GPU block id, kvtriton by hash too; two GPU blocks with one hash (vLLM never merges
+  them) are both copied by vLLM, into two CPU blocks, and once by kvtriton (anchors.md lists
+  this among vLLM's open problems).
 
 vLLM storing more can leave it without budget for a block kvtriton stores, so a block only
 kvtriton stored is allowed on such a step if vLLM used its whole budget. The first stored-block
 difference ends the comparison of a seed (the tiers then hold different blocks); anything not
-recognised fails the test.
+recognised fails the test. (Two differences found earlier are gone: kvtriton's cursor now stays
+put where the budget was spent before the scan reached it, as vLLM's does; and its finish flush
+reads the table vLLM hands to ``request_finished_all_groups``, so a request aborted while its
+CPU load was pending flushes its GPU prefix hits as vLLM's manager does.)
 """
 
 from __future__ import annotations
@@ -83,7 +82,7 @@ class Record:
     steps_compared: int = 0
     known_at: int | None = None  # step of the recognised difference that ended the comparison
     known: set[str] = field(default_factory=set)  # its classes
-    lagging_steps: int = 0  # compared steps with a vLLM cursor behind kvtriton's (exhausted)
+    lagging_steps: int = 0  # compared steps with a vLLM cursor behind kvtriton's
     exhausted_steps: int = 0  # compared steps whose allocations evicted cached CPU blocks
     lookups: int = 0
     stores: int = 0
@@ -220,7 +219,7 @@ class TeeConnector(KVConnectorBase_V1, SupportsHMA):
                 i = next(i for i, (a, b) in enumerate(zip(h_ref, h_kvt, strict=True)) if a != b)
                 if not self._at_lagged_position(ref.store_gpu_blocks[i]):
                     raise Diverged(f"step {self.step}: the same blocks stored in another order")
-                self.rec.known_at, self.rec.known = self.step, {"exhausted_cursor"}
+                self.rec.known_at, self.rec.known = self.step, {"per_request_allocation"}
                 self.live = False
                 return kvt
             where = {gpu[b].block_hash: b for b in ref.store_gpu_blocks}
@@ -231,7 +230,7 @@ class TeeConnector(KVConnectorBase_V1, SupportsHMA):
                 elif h in in_flight or h in h_kvt:
                     classes.add("in_flight_duplicate")
                 elif self._at_lagged_position(where[h]):
-                    classes.add("exhausted_cursor")
+                    classes.add("per_request_allocation")
                 else:
                     raise Diverged(f"step {self.step}: vLLM stored GPU block {where[h]}, "
                                    "kvtriton did not, and no recognised cause explains it")
@@ -256,25 +255,34 @@ class TeeConnector(KVConnectorBase_V1, SupportsHMA):
                       sorted(kvt.load_event_to_reqs.get(kvt.load.event, [])))
         self.rec.loads += len(kvt.load)
         self._check_cpu("build_connector_meta")
-        self._check_cursors(used_budget)
+        self._check_cursors(evicted)
         self.rec.steps_compared += 1
         return kvt
 
-    def _check_cursors(self, used_budget: bool) -> None:
+    def _check_cursors(self, evicted: set[bytes]) -> None:
         ref, kvt = self._cursors()
         lag = {}
         for rid, c in ref.items():
             if c == kvt[rid]:
                 continue
             old = self.lag.get(rid)
-            # A new gap needs an exhausted budget with vLLM behind; an old one may only close.
-            ok = (c < kvt[rid] and (used_budget or (old is not None and old[0] <= c)))
+            # An old gap may only close; a new one needs vLLM behind, stopped at a hash that
+            # this step's allocations evicted (per-request allocation).
+            ok = c < kvt[rid] and ((old is not None and old[0] <= c)
+                                   or self._stopped_at_evicted(rid, c, evicted))
             if not ok:
                 raise Diverged(f"step {self.step}: {rid}'s cursor: vLLM {c}, kvtriton "
                                f"{kvt[rid]}")
             lag[rid] = (c, kvt[rid])
         self.lag = lag
         self.rec.lagging_steps += bool(lag)
+
+    def _stopped_at_evicted(self, rid: str, cursor: int, evicted: set[bytes]) -> bool:
+        st = self.ref._reqs_to_store.get(rid)
+        if st is None or cursor >= len(st.block_ids[0]):
+            return False
+        blocks = self.ref._gpu_block_pool.blocks
+        return blocks[st.block_ids[0][cursor]].block_hash in evicted
 
     def _at_lagged_position(self, gpu_block: int) -> bool:
         """Whether ``gpu_block`` sits, in a lagging request's table, between vLLM's cursor and
@@ -315,7 +323,7 @@ class TeeConnector(KVConnectorBase_V1, SupportsHMA):
 
         def finish():
             flushed = len(self.kvt.planner.queued_flush())
-            self.kvt.request_finished(request)
+            self.kvt.request_finished(request, block_ids)
             try:
                 self._check_cpu(f"request_finished({rid})")
             except Diverged:

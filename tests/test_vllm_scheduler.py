@@ -440,6 +440,34 @@ def test_abort_with_load_in_flight(model_dir):
     assert_idle(s, side)
 
 
+def test_abort_with_load_pending_flushes_the_gpu_prefix_hit(model_dir):
+    """A request aborted while its CPU load is pending was never in a scheduler output, so the
+    planner had no table for it and its finish flush stored nothing, where vLLM's manager stores
+    the request's GPU prefix hit the CPU lacks (found by the differential test). The flush now
+    reads the table vLLM hands to ``request_finished_all_groups``."""
+    s, side, drv = build(model_dir, num_gpu_blocks=24)
+    p = tokens(54, 8 * BS)
+    drv.add(vllm_request("a", [*p, 1], 1, BS))
+    run(drv)
+    evict_gpu(drv)
+    drv.add(vllm_request("warm", [*p[:3 * BS], 5], 1, BS))  # blocks 0-2 back on the GPU
+    run(drv)
+    head = gpu_hash_list(p)[:3]
+    for h in head:  # ... and out of the CPU tier: only the GPU holds them now
+        assert side.cpu_pool.evict_cached(side.cpu_pool.get_cached_block(side.keys.get(h)))
+    assert not set(head) & cpu_hashes(side)
+    drv.report_delay = 4
+    drv.add(vllm_request("b", [*p, 2], 4, BS))
+    so = step_until(drv, lambda so: len(so.kv_connector_metadata.load))
+    assert len(so.kv_connector_metadata.load) == 5  # blocks 3-7 from the CPU
+    assert s.requests["b"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    s.finish_requests("b", RequestStatus.FINISHED_ABORTED)
+    assert len(side.planner.queued_flush()) == 3
+    run(drv)
+    assert set(head) <= cpu_hashes(side)
+    assert_idle(s, side)
+
+
 def test_abort_with_stores_in_flight(model_dir):
     s, side, drv = build(model_dir)
     drv.hold_stores = True

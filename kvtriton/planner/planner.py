@@ -47,7 +47,7 @@ from kvtriton.planner.stores import StoreJob, Stores
 from kvtriton.pool import BlockPool
 from kvtriton.records import PlannerMeta, Request, StepOutput, Transfer
 from kvtriton.specs import KVLayout
-from kvtriton.validation import is_int
+from kvtriton.validation import block_id_array, is_int
 
 __all__ = ["OffloadPlanner"]
 
@@ -209,12 +209,29 @@ class OffloadPlanner:
 
     # ---- 5. finish --------------------------------------------------------------------------
 
-    def request_finished(self, req: Request) -> None:
-        """``req`` finished or was aborted: flush, then clean up once its transfers are done."""
+    def request_finished(self, req: Request,
+                         block_ids: tuple[list[int], ...] | None = None) -> None:
+        """``req`` finished or was aborted: flush, then clean up once its transfers are done.
+
+        ``block_ids``: the request's GPU table per group as the scheduler hands it over at the
+        end (vLLM's ``request_finished_all_groups``). The planner learns tables from scheduler
+        outputs; blocks allocated after the last output that carried them (a request aborted
+        while its CPU load was pending was never in one) are taken from here, so its flush can
+        store its GPU prefix hits the CPU lacks. A bad table is a ``ValueError`` before anything
+        changes."""
         rid = req.request_id
         self._request(rid)
+        tables = None
+        if block_ids is not None:
+            G = self.layout.num_groups
+            if not isinstance(block_ids, tuple | list) or len(block_ids) != G:
+                raise ValueError(f"request {rid!r}: block_ids must hold one GPU table per group "
+                                 f"({G}), got {block_ids!r:.80}")
+            n_gpu = self.gpu_pool.num_blocks
+            tables = [block_id_array(t, n_gpu, f"request {rid!r}: group {g} GPU table").tolist()
+                      for g, t in enumerate(block_ids)]
         self._loads.drop(rid)
-        self._stores.finish(req)
+        self._stores.finish(req, tables)
         self._requests.pop(rid, None)
 
     # ---- key ids ----------------------------------------------------------------------------

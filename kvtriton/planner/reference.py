@@ -146,6 +146,7 @@ class LoopSelector(StoreSelector):
             state = self._rows[row]
             for g, table in enumerate(state.tables):
                 cur = state.cursor[g]
+                spent = len(sel) >= budget  # nothing left when the pass got here: cursor stays
                 stop = None  # the first deferred new position, or duplicate of an unselected key
                 # Candidates: [cursor, ready), and with re-store on the wanted positions below the
                 # cursor, even past `ready` (confirmed tokens can shrink, e.g. when output
@@ -209,7 +210,8 @@ class LoopSelector(StoreSelector):
                     else:
                         out.stored += 1
                 # Cursor: never backwards.
-                state.cursor[g] = max(cur, int(ready[i, g]) if stop is None else stop)
+                if not spent:
+                    state.cursor[g] = max(cur, int(ready[i, g]) if stop is None else stop)
         self._wanted.difference_update(sel.keys)
         return sel
 

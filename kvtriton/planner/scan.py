@@ -333,7 +333,7 @@ class FusedSelector(StoreSelector):
         firsts, dups = self._classify(cands, sel.outcomes)
         chosen, deferred = self._apply_budget(cands, firsts, budget, restore_budget,
                                               sel.outcomes)
-        self._advance_cursors(rows, ready, cands, chosen, deferred, dups)
+        self._advance_cursors(rows, ready, cands, chosen, deferred, dups, budget)
         self._take(sel, cands, chosen)
         return sel
 
@@ -428,20 +428,34 @@ class FusedSelector(StoreSelector):
         return firsts[chosen], firsts[deferred]
 
     def _advance_cursors(self, rows: np.ndarray, ready: np.ndarray, c: _Candidates,
-                         chosen: np.ndarray, deferred: np.ndarray, dups: np.ndarray) -> None:
+                         chosen: np.ndarray, deferred: np.ndarray, dups: np.ndarray,
+                         budget: int) -> None:
         """Each cursor moves to its first deferred new position, or duplicate of a key not
-        selected, else to ``ready``; never backwards."""
+        selected, else to ``ready``; never backwards; not at all where the budget was spent
+        before the pass reached its (row, group)."""
         # Which duplicates repeat a selected key: flag the selected keys, read, clear.
         self._key_flag[c.key[chosen]] = True
         key_chosen = self._key_flag[c.key[dups]]
         self._key_flag[c.key[chosen]] = False
         stop_idx = np.concatenate([deferred, dups[~key_chosen]])
         stop_idx = stop_idx[~c.is_restore[stop_idx]]
+        frozen = np.zeros(0, dtype=np.int64)
+        if len(chosen) >= budget:
+            # Segments (one per scanned row and group, in candidate order) that start with
+            # the budget already spent.
+            n = len(c.rank)
+            picked = np.zeros(n, dtype=bool)
+            picked[chosen] = True
+            before = np.cumsum(picked) - picked
+            starts = np.flatnonzero(np.concatenate(
+                ([True], (c.rank[1:] != c.rank[:-1]) | (c.group[1:] != c.group[:-1]))))
+            frozen = starts[before[starts] >= budget]
         cursor = self._cursor
         for g in range(self._num_groups):
             new_cursor = ready[:, g].copy()
             s = stop_idx[c.group[stop_idx] == g]
             np.minimum.at(new_cursor, c.rank[s], c.position[s])
+            new_cursor[c.rank[frozen[c.group[frozen] == g]]] = 0  # max() keeps the old cursor
             cursor[g, rows] = np.maximum(cursor[g, rows], new_cursor)
 
     def _take(self, sel: Selection, c: _Candidates, chosen: np.ndarray) -> None:

@@ -24,8 +24,10 @@ Each pass runs four phases, in this order:
   present in the CPU), ``duplicate`` (key met earlier in this pass).
 - Budget, in candidate order: ``restore_capped`` (per-key or per-step re-store bound),
   ``deferred`` (no CPU block left in the budget), else selected.
-- Cursor: the first position at or past the old cursor that was ``deferred``, or a duplicate
-  whose first occurrence was not selected; else ``ready``. Never moves backwards.
+- Cursor: stays where it is if the budget was spent before the pass reached the (row, group)
+  (vLLM's scan stops there too: the positions it would pass are looked at again next step);
+  else the first position at or past the old cursor that was ``deferred``, or a duplicate whose
+  first occurrence was not selected; else ``ready``. Never moves backwards.
 """
 
 from __future__ import annotations

@@ -379,14 +379,20 @@ class Stores:
 
     # ---- finish and reset ---------------------------------------------------------------------
 
-    def finish(self, req: Request) -> None:
+    def finish(self, req: Request, tables: list[list[int]] | None = None) -> None:
         """``req`` finished: queue its flush, release its row, drop its state unless a store of
-        it is in flight or queued."""
+        it is in flight or queued. ``tables``: the scheduler's table per group at the end; the
+        blocks past those the steps carried join the row's table first."""
         rid = req.request_id
         st = self._states.get(rid)
         if st is None or st.finished:
             return
         if st.admitted:
+            if tables is not None:
+                for g, table in enumerate(tables):
+                    if self._positional[g] and len(table) > st.num_blocks[g]:
+                        self._selector.append_blocks(st.row, g, table[st.num_blocks[g]:])
+                        st.num_blocks[g] = len(table)
             self._queue_flush(rid, req, st)
         st.finished = True
         self._release_row(st)

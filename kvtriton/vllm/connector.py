@@ -53,19 +53,16 @@ class KVTritonConnector(KVConnectorBase_V1, SupportsHMA):
     Known difference from vLLM's own ``SimpleCPUOffloadScheduler`` with the same policy
     (``restore=False, cpu_free_order="head_first"``): vLLM allocates CPU blocks (and so evicts
     the CPU tier's LRU blocks) per request inside its scan, so a request scanned later in the same
-    step can store again a block an earlier request's allocation just evicted; kvtriton
-    classifies the whole step against the CPU tier as it stood before allocating, and allocates
-    once for the step. They store the same blocks whenever the step's stores fit in the CPU
-    tier's free uncached blocks.
+    step sees some blocks as no longer cached: it can store again a block an earlier request's
+    allocation just evicted, or, with the budget spent, its cursor stops at such a block where
+    kvtriton's moved past it as cached. kvtriton classifies the whole step against the CPU tier
+    as it stood before allocating, and allocates once for the step. They store the same blocks
+    whenever the step's stores fit in the CPU tier's free uncached blocks.
 
-    ``tests/test_vllm_differential.py``, which checks this step for step against vLLM's manager,
-    found three more, rarer: (1) when vLLM's CPU budget runs out it leaves the remaining
-    requests' cursors where they were, kvtriton moves them over blocks nothing would store, so
-    vLLM may later store a block kvtriton passed; (2) vLLM dedups stores in flight by GPU block,
-    kvtriton also by hash, so two GPU blocks with one hash are copied twice by vLLM, once here;
-    (3) a request aborted while its CPU load is pending has an empty block table here (tables
-    come from scheduler outputs), so its finish flush stores nothing, where vLLM's stores the
-    GPU prefix-hit blocks the tier lacks.
+    One deliberate difference: vLLM dedups stores by GPU block id only, so two GPU blocks that
+    hold one hash (vLLM never merges them) are copied twice, into two CPU blocks; kvtriton dedups
+    by hash too and copies one. ``tests/test_vllm_differential.py`` checks all of this step for
+    step against vLLM's manager and fails on any other difference.
     """
 
     _cache_hit_source = CacheHitSource.HOST
@@ -129,13 +126,15 @@ class KVTritonConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
-        # The planner keeps its own block tables; GPU blocks in transfers are pinned by refs,
-        # so vLLM may free the request's blocks now.
-        return self._side().request_finished(request)
+        # GPU blocks in transfers are pinned by refs, so vLLM may free the request's blocks now.
+        side = self._side()
+        # A flat list is one group's table; vLLM passes every group's to the method below.
+        tables = (list(block_ids),) if side.layout.num_groups == 1 else None
+        return side.request_finished(request, tables)
 
     def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:
-        return self._side().request_finished(request)
+        return self._side().request_finished(request, tuple(block_ids))
 
     def has_pending_push_work(self) -> bool:
         # Keeps the engine stepping until queued and in-flight stores are reported.

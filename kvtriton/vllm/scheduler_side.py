@@ -292,9 +292,11 @@ class SchedulerSide:
 
     # ---- 5. finish -----------------------------------------------------------------------------
 
-    def request_finished(self, vreq: Any) -> tuple[bool, None]:
-        """Queue the flush of ``vreq``'s unstored confirmed blocks; GPU blocks may be freed now
-        (pinned ones stay referenced until their transfer completes)."""
+    def request_finished(self, vreq: Any, block_ids: tuple[list[int], ...] | None = None
+                         ) -> tuple[bool, None]:
+        """Queue the flush of ``vreq``'s unstored confirmed blocks (``block_ids``: its GPU table
+        per group now, as vLLM hands it over); GPU blocks may be freed now (pinned ones stay
+        referenced until their transfer completes)."""
         planner = self._planner()
         rid = vreq.request_id
         m = self._mirrors.pop(rid, None)
@@ -309,7 +311,7 @@ class SchedulerSide:
             else:
                 req = lookup[1] if lookup is not None else lookup_request(
                     vreq, self.keys, self._suffixes)
-            planner.request_finished(req)
+            planner.request_finished(req, block_ids)
             if self._events is not None and m is not None:
                 self._remember_payloads(planner.queued_flush().gpu_blocks, [m])
         if m is not None:
