@@ -36,15 +36,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
+from bench.bench_planner import BLOCK, LAYOUT, Scenario, evict_cpu_blocks
 from bench.common import write_result
-from kvtriton.planner import OffloadPlanner, PlannerConfig, Request, StepOutput
-from kvtriton.pool import BlockPool
-from kvtriton.specs import FullAttentionSpec, KVLayout
+from kvtriton.planner import PlannerConfig
 
-BLOCK = 16
-LAYOUT = KVLayout([FullAttentionSpec(BLOCK, 8, 128, 32)], name="llama3-8b-like")
 VARIANTS = ("vllm_control", "vllm_rescan_restore", "kvt_loop_control", "kvt_fused_control",
             "kvt_fused_restore", "kvt_connector_fused_control", "kvt_connector_fused_restore")
 KVT_CONFIGS = {
@@ -266,7 +261,7 @@ class VllmScenario:
     def _evict(self) -> None:
         """``evict_fraction`` of the cached CPU blocks, the next victims first (LRU)."""
         if self.side is not None:
-            _evict_lru(self.side.cpu_pool, self.evict_fraction)
+            evict_cpu_blocks(self.side.cpu_pool, self.evict_fraction, "lru")
             return
         pool = self.cpu
         cached = [b for b in pool.free_block_queue.iter_blocks_after(None)
@@ -298,63 +293,20 @@ class VllmScenario:
 # ---- kvtriton's side -----------------------------------------------------------------------------
 
 
-def _evict_lru(cpu: BlockPool, fraction: float) -> None:
-    cached = [b for b in cpu.iter_free() if cpu.block_hash(b) is not None]
-    for b in cached[:int(len(cached) * fraction)]:
-        cpu.evict_cached(b)
-
-
-class KvtScenario:
-    """R requests on kvtriton's pools through ``OffloadPlanner.build_meta``."""
+class KvtScenario(Scenario):
+    """R requests on kvtriton's pools through ``OffloadPlanner.build_meta``: ``bench_planner``'s
+    scenario with LRU eviction, reporting what the vLLM variants report."""
 
     def __init__(self, variant: str, num_requests: int, blocks: int, steps: int,
                  evict_fraction: float) -> None:
-        self.evict_fraction = evict_fraction
-        total = num_requests * (blocks + steps + 1)
-        self.gpu = BlockPool(total + 1)
-        self.cpu = BlockPool(int(total * 1.05) + 1, medium="CPU")
-        self.planner = OffloadPlanner(LAYOUT, self.gpu, self.cpu, KVT_CONFIGS[variant])
-        n_keys = blocks + steps + 1
-        self.reqs: list[Request] = []
-        self.tables: list[list[int]] = []
-        new_ids = {}
-        for i in range(num_requests):
-            keys = np.arange(i * n_keys, (i + 1) * n_keys, dtype=np.int64)[None, :]
-            req = Request(f"r{i}", keys, num_prompt_tokens=blocks * BLOCK,
-                          num_tokens=blocks * BLOCK + 1)
-            table = self.gpu.get_new_blocks(blocks)
-            for pos, b in enumerate(table):
-                self.gpu.cache_block(b, int(keys[0, pos]))
-            self.planner.update_state_after_alloc(req, (table,), 0)
-            req.num_computed_tokens = blocks * BLOCK
-            self.reqs.append(req)
-            self.tables.append(table)
-            new_ids[req.request_id] = (list(table),)
-        self._complete(self.planner.build_meta(StepOutput(
-            num_scheduled_tokens={r.request_id: 1 for r in self.reqs}, new_block_ids=new_ids)))
-
-    def _complete(self, meta) -> None:
-        if meta.store.event >= 0:
-            self.planner.update_connector_output(completed_stores={meta.store.event: 1})
+        # LRU draws nothing from the seed; it is fixed only because Scenario takes one.
+        super().__init__(KVT_CONFIGS[variant], num_requests, blocks, steps, evict_fraction,
+                         seed=0, eviction="lru")
 
     def step(self) -> tuple[float, int]:
-        _evict_lru(self.cpu, self.evict_fraction)
-        new_ids = {}
-        for req, table in zip(self.reqs, self.tables, strict=True):
-            (b,) = self.gpu.get_new_blocks(1)
-            self.gpu.cache_block(b, int(req.keys[0, len(table)]))
-            table.append(b)
-            new_ids[req.request_id] = ([b],)
-        step = StepOutput(num_scheduled_tokens={r.request_id: BLOCK for r in self.reqs},
-                          new_block_ids=new_ids)
-        t0 = time.perf_counter()
-        meta = self.planner.build_meta(step)
-        dt = time.perf_counter() - t0
-        for req in self.reqs:
-            req.num_computed_tokens += BLOCK
-            req.num_tokens += BLOCK
-        self._complete(meta)
-        return dt, len(meta.store)
+        """One step; returns (build seconds, blocks stored)."""
+        r = self.advance()
+        return r.build_s, r.planned
 
 
 # ---- the run -------------------------------------------------------------------------------------

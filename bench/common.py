@@ -1,15 +1,27 @@
-"""What every benchmark result carries: the machine it ran on, and one place to write it."""
+"""What every benchmark result carries: the machine it ran on, and one place to write it; and
+the one-line argument errors of the scripts that use ``OneLineParser``."""
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import json
 import os
 import platform
 import subprocess
 from pathlib import Path
+from typing import NoReturn
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """``argparse`` that reports a bad argument the way the ``kvtriton`` CLI does: one line on
+    stderr, exit code 2 (argparse's own usage dump first buries the message, and a caller
+    checking stderr would have to skip a usage block whose length follows the options)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())}\n")
 
 
 def _cpu_name() -> str:

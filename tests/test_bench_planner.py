@@ -1,0 +1,142 @@
+"""``bench/bench_planner.py`` and the kvtriton side of ``bench/bench_vs_vllm.py``: the per-step
+CPU eviction (``--eviction lru``, the pool's next victims; ``random``, the former uniform draw),
+short runs of both CLIs on tiny scenarios, and the one-line exit-2 answer to bad arguments.
+
+Results go to a temporary folder: a test run must never overwrite ``bench/results/``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import bench.common
+from bench import bench_planner
+from bench.bench_planner import VARIANTS, Scenario, evict_cpu_blocks
+
+TINY = ["--sizes", "2", "--blocks", "8", "--steps", "3"]
+
+
+@pytest.fixture
+def results(tmp_path, monkeypatch):
+    """``write_result`` into ``tmp_path``, without asking git for the sha."""
+    monkeypatch.setattr(bench.common, "RESULTS_DIR", tmp_path)
+    monkeypatch.setattr(bench.common, "_git_sha", lambda: "test")
+    return tmp_path
+
+
+def _cached(pool) -> list[int]:
+    return [b for b in pool.iter_free() if pool.block_hash(b) is not None]
+
+
+def _tiny(eviction: str, seed: int = 3) -> Scenario:
+    return Scenario(VARIANTS["fused_restore"], 2, 8, steps=6, evict_fraction=0.25, seed=seed,
+                    eviction=eviction)
+
+
+def test_lru_evicts_the_head_of_the_pools_eviction_order():
+    sc = _tiny("lru")
+    for _ in range(2):  # past the initial store: stores and re-stores have reordered the queue
+        sc.step()
+    cached = _cached(sc.cpu)
+    n = int(len(cached) * 0.25)
+    assert n >= 2
+    victims = sc.evict()
+    assert victims == cached[:n]
+    assert all(sc.cpu.block_hash(b) is None for b in victims)
+    assert all(sc.cpu.block_hash(b) is not None for b in cached[n:])
+    # Unhashed now, so the next allocations take them first; the survivors keep their order.
+    assert set(list(sc.cpu.iter_free())[:n]) == set(victims)
+    assert _cached(sc.cpu) == cached[n:]
+    sc.cpu.check_invariants()
+
+
+def test_random_is_the_former_uniform_draw():
+    sc = _tiny("random", seed=5)
+    cached = _cached(sc.cpu)
+    n = int(len(cached) * 0.25)
+    expected = np.random.default_rng(5).choice(cached, size=n, replace=False).tolist()
+    assert sc.evict() == expected
+    assert expected != cached[:n]  # this seed does differ from LRU, so the test tells them apart
+
+
+def test_evict_cpu_blocks_refuses_unknown_modes():
+    sc = _tiny("lru")
+    with pytest.raises(ValueError, match="eviction must be one of"):
+        evict_cpu_blocks(sc.cpu, 0.5, "fifo")
+    with pytest.raises(ValueError, match="needs an rng"):
+        evict_cpu_blocks(sc.cpu, 0.5, "random")
+    with pytest.raises(ValueError, match="eviction must be one of"):
+        Scenario(VARIANTS["fused_restore"], 1, 4, 1, 0.1, seed=0, eviction="LRU")
+
+
+@pytest.mark.parametrize("mode", ["lru", "random"])
+def test_short_run(results, capsys, mode):
+    payload = bench_planner.main([*TINY, "--evict", "0.25", "--eviction", mode, "--out", "p"])
+    out = capsys.readouterr().out
+    assert f"eviction {mode}" in out.splitlines()[0]
+    doc = json.loads((results / "p.json").read_text())
+    assert doc["conditions"]["eviction"] == mode == payload["conditions"]["eviction"]
+    assert {r["eviction"] for r in doc["rows"]} == {mode}
+    assert len(doc["rows"]) == 2 * len(VARIANTS)  # no eviction and 25%, one size
+    evicting = {r["variant"]: r for r in doc["rows"] if r["evict_fraction"] == 0.25}
+    assert evicting["fused_restore"]["restores_per_step"] > 0
+    assert evicting["fused_control"]["restores_per_step"] == 0
+
+
+def test_default_is_lru(results, capsys):
+    doc = bench_planner.main([*TINY, "--out", "p"])
+    assert doc["conditions"]["eviction"] == "lru"
+    assert "eviction lru" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--eviction", "fifo"], "argument --eviction: invalid choice: 'fifo'"),
+    (["--eviction"], "argument --eviction: expected one argument"),
+    (["--evict", "1.5"], "--evict must be a fraction in [0, 1], got 1.5"),
+    (["--evict", "-0.1"], "--evict must be a fraction in [0, 1]"),
+])
+def test_bad_arguments_exit_2_with_one_line(results, capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        bench_planner.main([*TINY, *argv])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("python -m bench.bench_planner: error: "), err
+    assert message in err
+    assert not list(results.iterdir())
+
+
+# ---- bench_vs_vllm's kvtriton side -------------------------------------------------------------
+
+
+def test_vs_vllm_kvt_side_is_the_planner_scenario_with_lru():
+    from bench import bench_vs_vllm
+
+    sc = bench_vs_vllm.KvtScenario("kvt_fused_restore", 2, 8, steps=4, evict_fraction=0.25)
+    assert isinstance(sc, Scenario) and sc.eviction == "lru"
+    assert sc.planner.config.cpu_free_order == "head_first"
+    ref = Scenario(bench_vs_vllm.KVT_CONFIGS["kvt_fused_restore"], 2, 8, steps=4,
+                   evict_fraction=0.25, seed=0, eviction="lru")
+    for _ in range(4):
+        dt, stored = sc.step()
+        r = ref.advance()
+        assert dt >= 0 and stored == r.planned == r.stored + r.restored
+    assert list(sc.cpu.iter_free()) == list(ref.cpu.iter_free())
+
+
+def test_vs_vllm_short_run(results, capsys):
+    pytest.importorskip("vllm")
+    from bench import bench_vs_vllm
+
+    payload = bench_vs_vllm.main(["--sizes", "2", "--blocks", "8", "--steps", "3",
+                                  "--evict", "0.25", "--variants", "vllm_control",
+                                  "kvt_fused_restore", "kvt_connector_fused_restore"])
+    assert payload["settings"]["eviction_order"] == "lru"
+    rows = {r["variant"]: r for r in payload["rows"]}
+    assert set(rows) == {"vllm_control", "kvt_fused_restore", "kvt_connector_fused_restore"}
+    # With LRU eviction and re-store, the planner and the connector re-store the same blocks.
+    assert rows["kvt_fused_restore"]["stored_per_step"] == \
+        rows["kvt_connector_fused_restore"]["stored_per_step"] > 2
+    assert (results / "vs_vllm.json").exists()
