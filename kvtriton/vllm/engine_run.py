@@ -1,0 +1,203 @@
+"""vLLM's whole engine (``LLM``) on token prompts, with or without ``KVTritonConnector``.
+
+The end-to-end tests and ``bench/bench_vllm.py`` run through here: ``tiny_llama`` writes a small
+Llama checkpoint with random weights (``transformers``; no download, about 1 MB), ``run_turns``
+serves batches of token prompts in order (a multi-turn workload: each batch may extend the
+prompts of the one before) with greedy sampling and returns every output's tokens and
+logprobs, with the connector's counters after each batch. Between batches a turn may be
+``"reset_gpu"`` (vLLM's ``reset_prefix_cache()``: the GPU prefix cache only) or ``"reset_all"``
+(``reset_prefix_cache(reset_connector=True)``: the CPU tier too, transfers in flight or
+not). ``corrupt_loads`` is the negative control: each CPU load's destination blocks get the
+wrong (valid) KV once the load landed, so outputs that depend on loaded KV must change.
+
+The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) unless
+``multiprocess=True``; the connector is then in the engine-core and worker processes, and only
+the outputs come back. Several engines can run one after the other in one process:
+``run_turns`` shuts each down, its KV connector included.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["EngineRun", "run_turns", "tiny_llama"]
+
+
+def tiny_llama(path: str | Path, *, seed: int = 0, vocab_size: int = 1000,
+               num_layers: int = 2, max_model_len: int = 4096,
+               sliding_window: int | None = None) -> Path:
+    """A Llama (``sliding_window``: a Mistral, every layer windowed) of hidden size 128 with
+    random weights from ``seed``, saved with ``save_pretrained`` into ``path``; reused if there."""
+    path = Path(path)
+    if (path / "config.json").exists():
+        return path
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+    kw = dict(vocab_size=vocab_size, hidden_size=128, intermediate_size=256,
+              num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=max_model_len)
+    torch.manual_seed(seed)
+    if sliding_window is None:
+        model = LlamaForCausalLM(LlamaConfig(**kw))
+    else:
+        model = MistralForCausalLM(MistralConfig(sliding_window=sliding_window, **kw))
+    model.save_pretrained(path)
+    return path
+
+
+@dataclass
+class EngineRun:
+    """What one engine run gave: per batch, per prompt, the sampled tokens and their logprobs."""
+
+    tokens: list[list[list[int]]] = field(default_factory=list)
+    logprobs: list[list[list[float]]] = field(default_factory=list)
+    connector_stats: dict[str, Any] = field(default_factory=dict)  # the planner's counters
+    stats_by_turn: list[dict[str, Any]] = field(default_factory=list)  # after each batch
+    # Per reset: whether stores were pending (queued or in flight) then, and what it returned.
+    resets: list[tuple[bool, bool]] = field(default_factory=list)
+    worker_stats: dict[str, Any] = field(default_factory=dict)
+    kv_cache_blocks: int = 0
+    startup_s: float = 0.0
+    wall_s: float = 0.0
+
+
+def _corrupt_loads() -> Callable[[], None]:
+    """After each load, rotate its destination blocks' contents by one (block i gets block
+    i+1's KV; a one-block load gets zeros): valid KV in the wrong place, the way a wrong block
+    mapping would corrupt it. The negative control of the end-to-end tests."""
+    from kvtriton.engine.transfer import TransferEngine
+
+    load = TransferEngine.load
+
+    def corrupted(self, event, req_ids, gpu_blocks, cpu_blocks, groups, **kw):
+        load(self, event, req_ids, gpu_blocks, cpu_blocks, groups, **kw)
+        for g, views in enumerate(self.segments):
+            rows = [b for b, gg in zip(gpu_blocks, groups, strict=True) if gg == g]
+            for view, _ in views:  # uint8 [num_gpu_blocks, nbytes], sharing the KV storage
+                if len(rows) > 1:
+                    view[rows] = view[rows[1:] + rows[:1]].clone()
+                elif rows:
+                    view[rows] = 0
+
+    TransferEngine.load = corrupted
+
+    def undo() -> None:
+        TransferEngine.load = load
+
+    return undo
+
+
+def _llm_kwargs(model_dir: str | Path, connector: dict[str, Any] | None, *, block_size: int,
+                kv_cache_memory_bytes: int, max_model_len: int, max_num_batched_tokens: int,
+                max_num_seqs: int, dtype: str) -> dict[str, Any]:
+    from vllm.config import KVTransferConfig
+
+    kv = None
+    if connector is not None:
+        kv = KVTransferConfig(kv_connector="KVTritonConnector",
+                              kv_connector_module_path="kvtriton.vllm", kv_role="kv_both",
+                              kv_connector_extra_config=dict(connector))
+    return dict(model=str(model_dir), skip_tokenizer_init=True, enforce_eager=True,
+                block_size=block_size, enable_prefix_caching=True,
+                kv_cache_memory_bytes=kv_cache_memory_bytes, max_model_len=max_model_len,
+                max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                seed=0, dtype=dtype, kv_transfer_config=kv)
+
+
+Prompt = Sequence[int] | tuple[Sequence[int], int]
+
+
+def run_turns(model_dir: str | Path, turns: Sequence[Sequence[Prompt] | str], *,
+              connector: dict[str, Any] | None, max_tokens: int = 8, block_size: int = 32,
+              kv_cache_memory_bytes: int = 4 << 20, max_model_len: int = 2048,
+              max_num_batched_tokens: int = 256, max_num_seqs: int = 8,
+              dtype: str = "float32", corrupt_loads: bool = False,
+              multiprocess: bool = False) -> EngineRun:
+    """Serve ``turns`` in order with greedy sampling, on vLLM with ``KVTritonConnector``
+    configured by ``connector`` (its ``kv_connector_extra_config``; None: no CPU tier). A turn
+    is a batch of prompts (token lists, or ``(tokens, max_tokens)`` pairs; ``max_tokens``
+    otherwise) or a reset (module docstring). ``kv_cache_memory_bytes`` sizes the GPU (on CPU:
+    host) KV cache; ``block_size`` is in tokens (a multiple of 32 on CPU). fp32 by default:
+    in bf16 the rounding of a prompt computed in other batch shapes (which CPU hits change)
+    flips tokens of a random model's near-uniform logits."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
+    if corrupt_loads and multiprocess:
+        raise ValueError("corrupt_loads patches this process's engine: not with "
+                         "multiprocess=True")
+    undo = _corrupt_loads() if corrupt_loads else None
+    try:
+        return _run(model_dir, turns, connector, max_tokens, multiprocess,
+                    dict(block_size=block_size, kv_cache_memory_bytes=kv_cache_memory_bytes,
+                         max_model_len=max_model_len,
+                         max_num_batched_tokens=max_num_batched_tokens,
+                         max_num_seqs=max_num_seqs, dtype=dtype))
+    finally:
+        if undo is not None:
+            undo()
+
+
+def _run(model_dir, turns, connector, max_tokens, multiprocess, engine_kw) -> EngineRun:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    t0 = time.perf_counter()
+    llm = LLM(**_llm_kwargs(model_dir, connector, **engine_kw))
+    run = EngineRun(startup_s=time.perf_counter() - t0)
+    core = None if multiprocess else llm.llm_engine.engine_core.engine_core
+    conn = None if core is None else core.scheduler.connector
+    try:
+        t1 = time.perf_counter()
+        for turn in turns:
+            if isinstance(turn, str):
+                if turn not in ("reset_gpu", "reset_all"):
+                    raise ValueError(f"turn {turn!r}: expected a batch, 'reset_gpu' or "
+                                     "'reset_all'")
+                pending = conn is not None and conn.scheduler_side.has_pending_stores()
+                ok = llm.reset_prefix_cache(reset_connector=turn == "reset_all")
+                run.resets.append((pending, ok))
+                continue
+            prompts, params = [], []
+            for p in turn:
+                tokens, n = (p if isinstance(p, tuple) else (p, max_tokens))
+                prompts.append(TokensPrompt(prompt_token_ids=list(tokens)))
+                params.append(SamplingParams(temperature=0, max_tokens=n, detokenize=False,
+                                             logprobs=0, ignore_eos=True))
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            run.tokens.append([list(o.outputs[0].token_ids) for o in outs])
+            run.logprobs.append([[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids,
+                                                                 o.outputs[0].logprobs,
+                                                                 strict=True)]
+                                 for o in outs])
+            if conn is not None:
+                run.stats_by_turn.append(dict(conn.scheduler_side.planner.stats.as_dict()))
+        run.wall_s = time.perf_counter() - t1
+        if core is not None:
+            run.kv_cache_blocks = core.scheduler.kv_cache_manager.block_pool.num_gpu_blocks
+            if conn is not None:
+                conn.scheduler_side.planner.check_invariants()
+                run.connector_stats = conn.scheduler_side.planner.stats.as_dict()
+                from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+                run.worker_stats = dict(get_kv_transfer_group().worker_side.stats)
+    finally:
+        _shutdown(llm)
+    return run
+
+
+def _shutdown(llm: Any) -> None:
+    from vllm.distributed.kv_transfer import ensure_kv_transfer_shutdown
+
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    finally:
+        ensure_kv_transfer_shutdown()
+        del llm
+        gc.collect()
