@@ -235,6 +235,9 @@ def test_failed_load_releases_its_pins_and_the_request_recomputes(
     node.check()
     # The scheduler recomputes the scribbled blocks; then a third request loads them intact.
     assert b_req.num_computed_tokens == 0
+    # b is not offered the hit again: vLLM looks a failed request up again, and a copy that
+    # keeps failing would load, fail and retry forever (found in vLLM's engine).
+    assert node.planner.get_num_new_matched_tokens(b_req, 0) == (0, False)
     node.step()
     assert all(node.holds(b, k) for b, k in zip(h.running["b"].tables[0][:3],
                                                 h.primary_keys(b_req).tolist(), strict=True))

@@ -70,7 +70,7 @@ def multi_turn(model_dir):
     turns = conversations()
     return {"recompute": run_turns(model_dir, turns, connector=None),
             "tier": run_turns(model_dir, turns, connector=TIER),
-            "corrupt": run_turns(model_dir, turns, connector=TIER, corrupt_loads=True),
+            "corrupt": run_turns(model_dir, turns, connector=TIER, fault="corrupt_loads"),
             "bigger_cache": run_turns(model_dir, turns, connector=None,
                                       kv_cache_memory_bytes=64 << 20)}
 
@@ -150,4 +150,17 @@ def test_reset_with_transfers_pending(model_dir):
     # connector's own reset then drops the flush and its pins.
     assert run.resets == [(True, False), (True, False)]
     assert run.stats_by_turn[-1]["blocks_loaded"] > run.stats_by_turn[1]["blocks_loaded"]
+    assert same_outputs(ref, run), f"max logprob diff {max_logprob_diff(ref, run)}"
+
+
+def test_failed_loads_are_recomputed(model_dir, multi_turn):
+    """Every load writes garbage and then fails: the worker reports it failed (never done),
+    vLLM (``kv_load_failure_policy="recompute"``) recomputes those blocks, and the outputs are
+    the recompute's; the failures are counted on both sides."""
+    run = run_turns(model_dir, conversations(), connector=TIER, fault="fail_loads")
+    # Counted per request on both sides; not one load counted as done.
+    assert run.worker_stats["loads_issued"] > 0 and run.worker_stats["failed_loads"] > 0
+    assert run.connector_stats["failed_transfers"] == run.worker_stats["failed_loads"]
+    assert run.connector_stats["blocks_loaded"] == 0
+    ref = multi_turn["recompute"]
     assert same_outputs(ref, run), f"max logprob diff {max_logprob_diff(ref, run)}"

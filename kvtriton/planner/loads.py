@@ -68,6 +68,9 @@ class Loads:
         self._ratio = [g.block_size // layout.hash_block_size for g in layout.groups]
         self._all_full = all(g.kind == "full" for g in layout.groups)
         self._pending_hits: dict[str, _PendingHit] = {}
+        # Requests whose load failed: they recompute, and are not offered a CPU hit again until
+        # they finish (a copy that keeps failing would otherwise load, fail and retry forever).
+        self._failed: set[str] = set()
         self._loads: dict[str, _Load] = {}
         # Loads abandoned by reset() but still in flight, oldest first per request.
         self._abandoned: dict[str, list[_Load]] = {}
@@ -98,6 +101,8 @@ class Loads:
         if (stale := self._pending_hits.pop(rid, None)) is not None:
             self._unpin_hit(stale)
         self._stats.lookups += 1
+        if rid in self._failed:
+            return 0, False
         layout = self._layout
         if num_computed_tokens % layout.scheduler_block_size:
             # A load fills whole blocks, so it cannot start inside a local block.
@@ -286,8 +291,10 @@ class Loads:
         self._release(ld)
         if failed:
             self._stats.failed_transfers += 1
+            self._failed.add(rid)
             logger.warning("load of request %r failed on a worker: %d blocks released, the "
-                           "scheduler recomputes them", rid, len(ld.gpu))
+                           "scheduler recomputes them (no CPU hit for it again)", rid,
+                           len(ld.gpu))
         else:
             self._stats.blocks_loaded += len(ld.gpu)
 
@@ -296,6 +303,7 @@ class Loads:
         load completes normally)."""
         if (pending := self._pending_hits.pop(rid, None)) is not None:
             self._unpin_hit(pending)
+        self._failed.discard(rid)
         ld = self._loads.get(rid)
         if ld is not None and ld.event is None:
             del self._loads[rid]
@@ -312,6 +320,7 @@ class Loads:
         for pending in self._pending_hits.values():
             self._unpin_hit(pending)
         self._pending_hits.clear()
+        self._failed.clear()
 
     # ---- introspection ----------------------------------------------------------------------
 
@@ -357,5 +366,5 @@ class Loads:
         for rid, ld in self._loads.items():
             assert len(ld.gpu) == len(ld.cpu) == len(ld.groups), f"load of {rid!r}: pairs"
         if idle:
-            for name in ("_pending_hits", "_loads", "_abandoned", "_event_reqs"):
+            for name in ("_pending_hits", "_loads", "_abandoned", "_event_reqs", "_failed"):
                 assert not getattr(self, name), f"loads: {name} not empty: {getattr(self, name)}"

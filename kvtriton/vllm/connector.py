@@ -93,6 +93,12 @@ class KVTritonConnector(KVConnectorBase_V1, SupportsHMA):
                              "enable_prefix_caching=True")
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
+        policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
+        if role == KVConnectorRole.SCHEDULER and policy != "recompute":
+            logging.getLogger(__name__).warning(
+                "KVTritonConnector: kv_load_failure_policy=%r: a CPU load that fails will fail "
+                "its request; set kv_load_failure_policy='recompute' in --kv-transfer-config "
+                "to recompute it instead (a CPU tier is a cache)", policy)
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler_side = SchedulerSide(vllm_config, kv_cache_config, self.config)
         else:

@@ -7,8 +7,9 @@ prompts of the one before) with greedy sampling and returns every output's token
 logprobs, with the connector's counters after each batch. Between batches a turn may be
 ``"reset_gpu"`` (vLLM's ``reset_prefix_cache()``: the GPU prefix cache only) or ``"reset_all"``
 (``reset_prefix_cache(reset_connector=True)``: the CPU tier too, transfers in flight or
-not). ``corrupt_loads`` is the negative control: each CPU load's destination blocks get the
-wrong (valid) KV once the load landed, so outputs that depend on loaded KV must change.
+not). ``fault="corrupt_loads"`` is the negative control: each CPU load's destination blocks get
+the wrong (valid) KV once the load landed, so outputs that depend on loaded KV must change;
+``fault="fail_loads"`` makes each load fail half-way (``_inject``).
 
 The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) unless
 ``multiprocess=True``; the connector is then in the engine-core and worker processes, and only
@@ -68,28 +69,49 @@ class EngineRun:
     wall_s: float = 0.0
 
 
-def _corrupt_loads() -> Callable[[], None]:
-    """After each load, rotate its destination blocks' contents by one (block i gets block
-    i+1's KV; a one-block load gets zeros): valid KV in the wrong place, the way a wrong block
-    mapping would corrupt it. The negative control of the end-to-end tests."""
+FAULTS = ("corrupt_loads", "fail_loads")
+
+
+def _scramble(engine: Any, gpu_blocks: Sequence[int], groups: Sequence[int]) -> None:
+    """Rotate the contents of ``gpu_blocks`` by one (block i gets block i+1's KV; one block
+    gets zeros): valid KV in the wrong place, as a wrong block mapping would leave it."""
+    for g, views in enumerate(engine.segments):
+        rows = [b for b, gg in zip(gpu_blocks, groups, strict=True) if gg == g]
+        for view, _ in views:  # uint8 [num_gpu_blocks, nbytes], sharing the KV storage
+            if len(rows) > 1:
+                view[rows] = view[rows[1:] + rows[:1]].clone()
+            elif rows:
+                view[rows] = 0
+
+
+def _inject(fault: str) -> Callable[[], None]:
+    """Patch ``TransferEngine`` in this process; returns the undo. ``"corrupt_loads"``: every
+    load lands scrambled (the negative control). ``"fail_loads"``: every load writes the
+    scrambled blocks and then raises, as a copy that dies half-way would (the connector must
+    report it failed, and vLLM recompute)."""
     from kvtriton.engine.transfer import TransferEngine
 
-    load = TransferEngine.load
+    if fault not in FAULTS:
+        raise ValueError(f"fault {fault!r}: expected one of {FAULTS}")
+    load, copy = TransferEngine.load, TransferEngine._copy
 
     def corrupted(self, event, req_ids, gpu_blocks, cpu_blocks, groups, **kw):
         load(self, event, req_ids, gpu_blocks, cpu_blocks, groups, **kw)
-        for g, views in enumerate(self.segments):
-            rows = [b for b, gg in zip(gpu_blocks, groups, strict=True) if gg == g]
-            for view, _ in views:  # uint8 [num_gpu_blocks, nbytes], sharing the KV storage
-                if len(rows) > 1:
-                    view[rows] = view[rows[1:] + rows[:1]].clone()
-                elif rows:
-                    view[rows] = 0
+        _scramble(self, list(gpu_blocks), list(groups))
 
-    TransferEngine.load = corrupted
+    def failing(self, direction, pairs):
+        copy(self, direction, pairs)
+        if direction == "load":
+            _scramble(self, pairs.gpu.tolist(), pairs.grp.tolist())
+            raise RuntimeError("injected load failure")
+
+    if fault == "corrupt_loads":
+        TransferEngine.load = corrupted
+    else:
+        TransferEngine._copy = failing
 
     def undo() -> None:
-        TransferEngine.load = load
+        TransferEngine.load, TransferEngine._copy = load, copy
 
     return undo
 
@@ -103,6 +125,7 @@ def _llm_kwargs(model_dir: str | Path, connector: dict[str, Any] | None, *, bloc
     if connector is not None:
         kv = KVTransferConfig(kv_connector="KVTritonConnector",
                               kv_connector_module_path="kvtriton.vllm", kv_role="kv_both",
+                              kv_load_failure_policy="recompute",
                               kv_connector_extra_config=dict(connector))
     return dict(model=str(model_dir), skip_tokenizer_init=True, enforce_eager=True,
                 block_size=block_size, enable_prefix_caching=True,
@@ -118,7 +141,7 @@ def run_turns(model_dir: str | Path, turns: Sequence[Sequence[Prompt] | str], *,
               connector: dict[str, Any] | None, max_tokens: int = 8, block_size: int = 32,
               kv_cache_memory_bytes: int = 4 << 20, max_model_len: int = 2048,
               max_num_batched_tokens: int = 256, max_num_seqs: int = 8,
-              dtype: str = "float32", corrupt_loads: bool = False,
+              dtype: str = "float32", fault: str | None = None,
               multiprocess: bool = False) -> EngineRun:
     """Serve ``turns`` in order with greedy sampling, on vLLM with ``KVTritonConnector``
     configured by ``connector`` (its ``kv_connector_extra_config``; None: no CPU tier). A turn
@@ -129,10 +152,10 @@ def run_turns(model_dir: str | Path, turns: Sequence[Sequence[Prompt] | str], *,
     flips tokens of a random model's near-uniform logits."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
-    if corrupt_loads and multiprocess:
-        raise ValueError("corrupt_loads patches this process's engine: not with "
+    if fault is not None and multiprocess:
+        raise ValueError(f"fault {fault!r} patches this process's engine: not with "
                          "multiprocess=True")
-    undo = _corrupt_loads() if corrupt_loads else None
+    undo = _inject(fault) if fault is not None else None
     try:
         return _run(model_dir, turns, connector, max_tokens, multiprocess,
                     dict(block_size=block_size, kv_cache_memory_bytes=kv_cache_memory_bytes,

@@ -10,11 +10,13 @@ transfers the scheduler side planned (``KVTritonMetadata``), block ids identical
 - stores start in ``wait_for_save``, after the step's forward pass was queued: the engine
   orders them after a compute-done event recorded then, so a store never reads a block the
   forward pass is still writing (vLLM #45704);
-- ``get_finished`` polls the engine: finished loads go back as ``finished_recving``, completed
-  and failed store events as ``KVTritonWorkerMetadata`` (``build_connector_worker_meta``), which
-  vLLM's executor sums over the ranks for the scheduler side. A load that failed is reported
-  finished with its GPU blocks in ``get_block_ids_with_load_errors``, so vLLM recomputes them;
-  never as a silent success.
+- ``transfer_results`` polls the engine: finished loads go back as ``finished_recving``,
+  completed and failed store events as ``KVTritonWorkerMetadata``
+  (``build_connector_worker_meta``), which vLLM's executor sums over the ranks for the scheduler
+  side. A load that failed is reported in ``failed_recving`` (and, with one KV cache group, its
+  GPU blocks in ``get_block_ids_with_load_errors``), never as a silent success: with vLLM's
+  ``kv_load_failure_policy="recompute"`` the request recomputes them, with the default
+  ``"fail"`` vLLM fails the request (the connector warns at start-up).
 
 KV tensors: vLLM's CUDA FlashAttention layout ``(2, num_blocks, ...)`` registers as
 ``"flash_attn"``; a layout with one dense byte range per block (FlashInfer's
@@ -103,6 +105,7 @@ class WorkerSide:
         self._failed_stores: dict[int, int] = {}
         self._load_blocks: dict[str, list[int]] = {}  # rid -> GPU blocks of its load in flight
         self._load_errors: set[int] = set()
+        self._num_groups = 0
         self.stats = {"stores_issued": 0, "loads_issued": 0, "blocks_stored": 0,
                       "blocks_loaded": 0, "failed_stores": 0, "failed_loads": 0}
 
@@ -124,6 +127,7 @@ class WorkerSide:
                              f"{', '.join(BACKENDS)}")
         self.engine = TransferEngine(layout, by_group, num_cpu_blocks, backend=backend,
                                      attn_layout=attn_layout)
+        self._num_groups = layout.num_groups
         logger.info("KVTritonConnector worker: %d CPU blocks (%.2f GiB %s host memory), "
                     "%d groups, %s KV tensors on %s, backend %s", num_cpu_blocks - 1,
                     num_cpu_blocks * layout.cpu_block_bytes / 2**30,
@@ -204,8 +208,11 @@ class WorkerSide:
         return meta
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        """GPU blocks of failed loads, so vLLM recomputes from the first of them on. Only with
+        one KV cache group: block ids repeat across groups, and vLLM refuses block-level
+        failures then; the request-level report (``failed_recving``) recomputes the request."""
         bad, self._load_errors = self._load_errors, set()
-        return bad
+        return bad if self._num_groups == 1 else set()
 
     def shutdown(self) -> None:
         if self.engine is not None:
