@@ -164,3 +164,25 @@ def test_failed_loads_are_recomputed(model_dir, multi_turn):
     assert run.connector_stats["blocks_loaded"] == 0
     ref = multi_turn["recompute"]
     assert same_outputs(ref, run), f"max logprob diff {max_logprob_diff(ref, run)}"
+
+
+def test_multiprocess_engine(model_dir, tmp_path, multi_turn):
+    """vLLM's default process layout: the scheduler side in the engine-core process, the worker
+    side in a worker process, the metadata and the workers' reports crossing between them
+    (pickled). Same outputs as the in-process recompute, on the whole multi-turn workload."""
+    import json
+    import subprocess
+    import sys
+
+    turns = conversations()
+    spec = tmp_path / "spec.json"
+    out = tmp_path / "out.json"
+    spec.write_text(json.dumps({"model_dir": str(model_dir), "turns": turns,
+                                "connector": TIER, "multiprocess": True}))
+    proc = subprocess.run([sys.executable, "-m", "kvtriton.vllm.engine_run", str(spec),
+                           str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = EngineRun(**json.loads(out.read_text()))
+    ref = multi_turn["recompute"]
+    assert same_outputs(ref, run), f"max logprob diff {max_logprob_diff(ref, run)}"
+    assert "KVTritonConnector worker:" in proc.stderr + proc.stdout  # the worker's start-up line

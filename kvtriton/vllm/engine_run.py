@@ -224,3 +224,30 @@ def _shutdown(llm: Any) -> None:
         ensure_kv_transfer_shutdown()
         del llm
         gc.collect()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m kvtriton.vllm.engine_run SPEC.json OUT.json``: ``run_turns`` with the keyword
+    arguments in SPEC (``model_dir``, ``turns`` and the rest) in a fresh process, its
+    ``EngineRun`` written to OUT as JSON. The multi-process engine needs this: its worker
+    processes re-import the launching module, which a test runner's is not fit for."""
+    import json
+    import sys
+    from dataclasses import asdict
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 2:
+        print("usage: python -m kvtriton.vllm.engine_run SPEC.json OUT.json", file=sys.stderr)
+        return 2
+    spec = json.loads(Path(args[0]).read_text())
+    spec["turns"] = [t if isinstance(t, str) else
+                     [tuple(p) if isinstance(p, list) and len(p) == 2 and isinstance(p[1], int)
+                      and isinstance(p[0], list) else p for p in t]
+                     for t in spec["turns"]]
+    run = run_turns(spec.pop("model_dir"), spec.pop("turns"), **spec)
+    Path(args[1]).write_text(json.dumps(asdict(run)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
