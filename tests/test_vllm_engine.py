@@ -186,3 +186,18 @@ def test_multiprocess_engine(model_dir, tmp_path, multi_turn):
     ref = multi_turn["recompute"]
     assert same_outputs(ref, run), f"max logprob diff {max_logprob_diff(ref, run)}"
     assert "KVTritonConnector worker:" in proc.stderr + proc.stdout  # the worker's start-up line
+
+
+def test_sliding_window_model(tmp_path_factory):
+    """A Mistral whose layers all use a 512-token sliding window: one sliding-window KV cache
+    group, whose lookups need the window's blocks and whose stores recover blocks that left the
+    window from the GPU prefix cache. (A full-attention plus sliding-window hybrid cannot run on
+    vLLM's CPU platform, which turns the hybrid allocator off; it runs in vLLM's scheduler in
+    ``test_vllm_scheduler.py::test_hybrid_full_and_sliding_window_round_trip``.)"""
+    model = tiny_llama(tmp_path_factory.mktemp("tiny-mistral-weights"), sliding_window=512)
+    turns = conversations()
+    ref = run_turns(model, turns, connector=None)
+    run = run_turns(model, turns, connector=TIER)
+    assert "sliding_window" in run.layout and "full" not in run.layout
+    assert run.connector_stats["blocks_loaded"] >= 50
+    assert same_outputs(ref, run), f"max logprob diff {max_logprob_diff(ref, run)}"

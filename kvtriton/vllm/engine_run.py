@@ -65,6 +65,7 @@ class EngineRun:
     resets: list[tuple[bool, bool]] = field(default_factory=list)
     worker_stats: dict[str, Any] = field(default_factory=dict)
     kv_cache_blocks: int = 0
+    layout: str = ""  # the connector's view of vLLM's KV cache groups
     startup_s: float = 0.0
     wall_s: float = 0.0
 
@@ -207,6 +208,7 @@ def _run(model_dir, turns, connector, max_tokens, multiprocess, engine_kw) -> En
             if conn is not None:
                 conn.scheduler_side.planner.check_invariants()
                 run.connector_stats = conn.scheduler_side.planner.stats.as_dict()
+                run.layout = conn.scheduler_side.layout.describe()
                 from vllm.distributed.kv_transfer import get_kv_transfer_group
 
                 run.worker_stats = dict(get_kv_transfer_group().worker_side.stats)
