@@ -111,6 +111,11 @@ def test_step_stores_loads_and_reports_at_next_poll(name, backend, device):
     engine.flush()
     assert engine.poll() == ([], ["req-a", "req-b"])
     assert engine.num_in_flight == 0
+    # What moved, for GB/s: each pair counts its group's bytes per block, all layers.
+    per_group = [sum(s.nbytes for s in segs) for segs in layout.segments]
+    for kind, t in (("store", store), ("load", load)):
+        n, nbytes, seconds = engine.totals[kind]
+        assert (n, nbytes) == (1, sum(per_group[g] for g in t.groups)) and seconds > 0
 
 
 @pytest.mark.parametrize("backend", ["triton", "copy_engine", "auto"])

@@ -20,6 +20,7 @@ CPU). On CPU tensors every transfer runs synchronously and is reported by the ne
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -53,6 +54,9 @@ class _InFlight:
     event_id: int
     req_ids: list[str] = field(default_factory=list)
     done: torch.cuda.Event | None = None
+    start: torch.cuda.Event | None = None
+    nbytes: int = 0
+    seconds: float = 0.0  # CPU path: measured around the copy
 
 
 @dataclass(slots=True)
@@ -138,6 +142,11 @@ class TransferEngine:
         self._failed_stores: list[int] = []
         self._failed_loads: list[str] = []
         self._last_load: torch.cuda.Event | None = None
+        # Bytes per block of each group (all its layers), and what completed transfers moved:
+        # direction -> [transfers, bytes, seconds of copying] (device time under CUDA).
+        self._group_bytes = np.array([sum(v.shape[1] for v, _ in views)
+                                      for views in self.segments], dtype=np.int64)
+        self.totals: dict[str, list[float]] = {"store": [0, 0, 0.0], "load": [0, 0, 0.0]}
         if self._cuda:
             # Priority 0 is CUDA's lowest: copies yield to the model's kernels.
             self._store_stream = torch.cuda.Stream(self.device, priority=0)
@@ -203,9 +212,12 @@ class TransferEngine:
 
     def _submit(self, job: _InFlight, pairs: _Pairs, after: torch.cuda.Event | None,
                 barrier: Sequence[torch.cuda.Event] = ()) -> None:
+        job.nbytes = int(self._group_bytes[pairs.grp].sum())
         try:
             if not self._cuda:
+                t0 = time.perf_counter()
                 self._copy(job.kind, pairs)
+                job.seconds = time.perf_counter() - t0
                 self._finish(job)
                 return
             if after is None:
@@ -216,8 +228,10 @@ class TransferEngine:
                 stream.wait_event(after)
                 for event in barrier:
                     stream.wait_event(event)
+                job.start = torch.cuda.Event(enable_timing=True)
+                job.start.record(stream)
                 self._copy(job.kind, pairs)
-                job.done = torch.cuda.Event()
+                job.done = torch.cuda.Event(enable_timing=True)
                 job.done.record(stream)
             if job.kind == "load":
                 self._last_load = job.done
@@ -237,6 +251,13 @@ class TransferEngine:
             self._failed_loads.extend(job.req_ids)
 
     def _finish(self, job: _InFlight) -> None:
+        seconds = job.seconds
+        if job.start is not None:
+            seconds = job.start.elapsed_time(job.done) / 1e3  # the copy's device time
+        t = self.totals[job.kind]
+        t[0] += 1
+        t[1] += job.nbytes
+        t[2] += seconds
         if job.kind == "store":
             self._done_stores.append(job.event_id)
         else:

@@ -64,6 +64,7 @@ class EngineRun:
     # Per reset: whether stores were pending (queued or in flight) then, and what it returned.
     resets: list[tuple[bool, bool]] = field(default_factory=list)
     worker_stats: dict[str, Any] = field(default_factory=dict)
+    transfers: dict[str, Any] = field(default_factory=dict)  # WorkerSide.transfer_totals()
     kv_cache_blocks: int = 0
     layout: str = ""  # the connector's view of vLLM's KV cache groups
     startup_s: float = 0.0
@@ -211,7 +212,9 @@ def _run(model_dir, turns, connector, max_tokens, multiprocess, engine_kw) -> En
                 run.layout = conn.scheduler_side.layout.describe()
                 from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-                run.worker_stats = dict(get_kv_transfer_group().worker_side.stats)
+                worker = get_kv_transfer_group().worker_side
+                run.worker_stats = dict(worker.stats)
+                run.transfers = worker.transfer_totals()
     finally:
         _shutdown(llm)
     return run

@@ -214,6 +214,16 @@ class WorkerSide:
         bad, self._load_errors = self._load_errors, set()
         return bad if self._num_groups == 1 else set()
 
+    def transfer_totals(self) -> dict[str, dict[str, float]]:
+        """Per direction: completed transfers, bytes moved, seconds copying and GB/s."""
+        if self.engine is None:
+            return {}
+        out = {}
+        for kind, (n, nbytes, seconds) in self.engine.totals.items():
+            out[kind] = {"transfers": n, "bytes": nbytes, "seconds": seconds,
+                         "gb_per_s": nbytes / seconds / 1e9 if seconds else None}
+        return out
+
     def shutdown(self) -> None:
         if self.engine is not None:
             self.engine.close()
