@@ -618,6 +618,24 @@ def test_worker_role_refuses_kv_tensors_it_cannot_address(model_dir):
     kv = torch.zeros(2, 16, BS, 1, 8)  # (2, num_blocks, block, heads, head): FlashAttention's
     conn.register_kv_caches({"layer0": kv})
     assert conn.worker_side.engine.attn_layout == "flash_attn"
+    # One store through the worker role: reported in the worker metadata and its stats.
+    from kvtriton.records import Transfer
+    from kvtriton.vllm.metadata import KVTritonMetadata
+
+    assert conn.get_kv_connector_stats() is None
+    kv[:, 3] = 7.0
+    conn.bind_connector_metadata(KVTritonMetadata(store=Transfer(0, [3], [1], [0])))
+    conn.start_load_kv(None)
+    conn.wait_for_save()
+    results = conn.get_transfer_results(set())
+    assert results.finished_recving == set() and results.failed_recving == set()
+    assert conn.build_connector_worker_meta().completed_store_events == {0: 1}
+    assert conn.build_connector_worker_meta() is None  # reported once
+    conn.clear_connector_metadata()
+    stats = conn.get_kv_connector_stats().data
+    assert stats["worker_blocks_stored"] == 1 and stats["worker_store_bytes"] == 2 * BS * 8 * 4
+    assert torch.equal(conn.worker_side.engine.cpu_pool[1].view(torch.float32),
+                       torch.full((2 * BS * 8,), 7.0))
     with pytest.raises(RuntimeError, match="scheduler-role call on the worker role"):
         conn.build_connector_meta(None)
 

@@ -205,7 +205,13 @@ class KVTritonConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_kv_connector_stats(self) -> KVTritonStats | None:
         side = getattr(self, "scheduler_side", None)
-        return None if side is None else side.get_stats()
+        if side is not None:
+            return side.get_stats()
+        worker = getattr(self, "worker_side", None)
+        if worker is None:
+            return None
+        data = worker.get_stats()
+        return KVTritonStats(data=data) if data else None
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None

@@ -106,6 +106,7 @@ class WorkerSide:
         self._load_blocks: dict[str, list[int]] = {}  # rid -> GPU blocks of its load in flight
         self._load_errors: set[int] = set()
         self._num_groups = 0
+        self._stats_before: dict[str, int | float] = {}
         self.stats = {"stores_issued": 0, "loads_issued": 0, "blocks_stored": 0,
                       "blocks_loaded": 0, "failed_stores": 0, "failed_loads": 0}
 
@@ -213,6 +214,21 @@ class WorkerSide:
         failures then; the request-level report (``failed_recving``) recomputes the request."""
         bad, self._load_errors = self._load_errors, set()
         return bad if self._num_groups == 1 else set()
+
+    def get_stats(self) -> dict[str, int | float]:
+        """This rank's counters since the last call, named ``worker_*`` so that vLLM's sum
+        over the ranks and the scheduler side's counters stay apart: transfers issued, blocks,
+        failures, and per direction the bytes moved and the seconds spent copying."""
+        from kvtriton.vllm.stats import counter_deltas
+
+        now = {f"worker_{k}": v for k, v in self.stats.items()}
+        if self.engine is not None:
+            for kind, (_, nbytes, seconds) in self.engine.totals.items():
+                now[f"worker_{kind}_bytes"] = int(nbytes)
+                now[f"worker_{kind}_s"] = float(seconds)
+        data = counter_deltas(now, self._stats_before)
+        self._stats_before = now
+        return data
 
     def transfer_totals(self) -> dict[str, dict[str, float]]:
         """Per direction: completed transfers, bytes moved, seconds copying and GB/s."""
