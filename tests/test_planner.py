@@ -854,3 +854,24 @@ def test_cursor_stays_where_the_budget_ran_out_before_the_scan_reached_it(scan):
     sel = setup()
     sel.select([0, 1], ready, budget=4, restore_budget=None)
     assert (sel.cursor(0, 0), sel.cursor(1, 0)) == (3, 3)
+
+
+def test_finish_after_preemption_and_reallocation_flushes_the_final_table():
+    """A request preempted (its row released), allocated again on a GPU prefix hit, and
+    aborted before any step carried its new table: its flush must store the hit blocks the CPU
+    lacks from the table the scheduler hands over at the end, as vLLM's manager does (found by
+    the differential test at seed 580 of 1,000); it stored nothing."""
+    h = Harness()
+    req = h.request("a", tokens_for(5, 4 * 16 + 1))
+    h.admit(req)
+    h.step({"a": req.num_tokens})  # prefilled; its blocks would be stored by the next step
+    h.preempt("a")
+    h.step({})  # reports the preemption: the row goes
+    assert h.cpu.num_cached_keys == 0
+    assert h.resume("a") == (4 * 16, 0)  # the GPU prefix cache still holds its 4 blocks
+    tables = tuple(list(t) for t in h.running["a"].tables)
+    h.planner.request_finished(req, tables)
+    flush = h.planner.queued_flush()
+    assert flush.gpu_blocks == tables[0][:4]
+    m = h.step({})  # the flush goes out with the next batch
+    assert m.store.gpu_blocks == tables[0][:4]

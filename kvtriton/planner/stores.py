@@ -387,6 +387,11 @@ class Stores:
         st = self._states.get(rid)
         if st is None or st.finished:
             return
+        if tables is not None and not st.admitted and any(
+                t for g, t in enumerate(tables) if self._positional[g]):
+            # Preempted (its row released), allocated again, and finished before a step
+            # carried its new table: the row starts over from the scheduler's table.
+            self._admit_row(req, st)
         if st.admitted:
             if tables is not None:
                 for g, table in enumerate(tables):
