@@ -12,7 +12,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 
 from kvtriton.sim import agent_workload, simulate
 from kvtriton.vllm import simulate_vllm
-from kvtriton.vllm.crosscheck import compare
+from kvtriton.vllm.crosscheck import compare, serving_loop_options
 
 
 @pytest.fixture(scope="module")
@@ -64,3 +64,78 @@ def test_bad_input(workload):
         simulate_vllm(workload, policies=["nope"])
     with pytest.raises(ValueError, match="Mamba"):
         simulate_vllm(workload, model="nemotron-h-8b")
+
+
+# Measured wall time (the planner's own cost), the only figures the two loops may not share.
+_MEASURED = {"wall_s", "planner_ms_per_step", "build_meta_ms_mean", "build_meta_ms_p99"}
+
+
+@pytest.mark.parametrize("full_isl", [True, False], ids=["vllm-defaults", "first-chunk"])
+def test_under_gpu_pressure_the_serving_loop_is_vllms_step_for_step(full_isl):
+    # A GPU too small for the conversations: preemptions, CPU loads that land while the GPU is
+    # full, admissions the whole-prompt rule holds back. ServingLoop models vLLM 0.32's step
+    # policy (loads that landed wait holding their blocks and never preempt, the in-flight
+    # prefill reservation, the CPU lookup before allocation, scheduler_reserve_full_isl), and
+    # the connector gets finished loads in completion order: every modeled figure agrees.
+    # (Before: 1 to 3 preemptions apart and hits hundreds of tokens apart on this workload.)
+    wl = agent_workload(num_conversations=8, min_turns=3, max_turns=6, seed=0)
+    kw = {"gpu_tokens": 12288, "cpu_tokens": 16384, "policies": ["no_cpu", "control"],
+          "bound": False}
+    overrides = {"scheduler_reserve_full_isl": full_isl}
+    loop = simulate(wl, **serving_loop_options(overrides), **kw)
+    assert loop.conditions["reserve_full_isl"] is full_isl
+    vllm = simulate_vllm(wl, scheduler_overrides=overrides, **kw)
+    for a, b in zip(loop.rows, vllm.rows, strict=True):
+        assert a["preemptions"] > 0 and a["finished"] == len(wl)
+        assert {k: v for k, v in a.items() if k not in _MEASURED} == \
+            {k: v for k, v in b.items() if k not in _MEASURED}
+
+
+def test_serving_loop_options_follow_vllms_settings():
+    assert serving_loop_options(None) == {"reserve_full_isl": True}  # vLLM 0.32's default
+    assert serving_loop_options({"scheduler_reserve_full_isl": False}) == {
+        "reserve_full_isl": False}
+    assert serving_loop_options({"watermark": 0.0}) == {"reserve_full_isl": True}
+
+
+def test_finished_loads_reach_vllm_in_completion_order():
+    # vLLM types finished_recving a set, and the connector hands the ids to the planner in its
+    # iteration order (the order the loaded CPU blocks rejoin the CPU queue). A plain set would
+    # iterate in string-hash order, so every figure would depend on PYTHONHASHSEED.
+    from types import SimpleNamespace
+
+    from kvtriton.vllm.engine_sim import _VllmRun
+
+    loads = [f"conv{i}-turn{7 * i % 5}" for i in range(24)][::-1]
+    run = SimpleNamespace(scheduler=SimpleNamespace(requests={}))
+    out = _VllmRun._output(run, SimpleNamespace(num_scheduled_tokens={}), loads, {})
+    got = out.kv_connector_output.finished_recving
+    assert isinstance(got, set) and got == set(loads) and list(got) == loads
+    assert _VllmRun._output(run, SimpleNamespace(num_scheduled_tokens={}), [], {}
+                            ).kv_connector_output.finished_recving is None
+
+
+def test_sliding_window_admission_cap_is_vllms():
+    # ServingLoop's whole-prompt rule counts a sliding window's pages as vLLM caps them
+    # (max_admission_blocks_per_request at this step budget); full attention is not capped.
+    import tempfile
+
+    from kvtriton.pool import BlockPool
+    from kvtriton.sim.scheduler import BatchScheduler
+    from kvtriton.specs import preset
+    from kvtriton.vllm.harness import make_scheduler, tiny_model_dir
+
+    layout = preset("gemma3-12b", block_size=16)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = str(tiny_model_dir(tmp, 8192))
+        for budget in (512, 2048):
+            vllm = make_scheduler(model_dir, list(layout.groups), num_gpu_blocks=1000,
+                                  kv_connector=None, kv_connector_module_path=None,
+                                  max_num_batched_tokens=budget, max_model_len=8192)
+            caps = [getattr(m, "max_admission_blocks_per_request", None)
+                    for m in vllm.kv_cache_manager.coordinator.single_type_managers]
+            ours = BatchScheduler(layout, BlockPool(1001), None, token_budget=budget,
+                                  max_running=64)
+            tables = [[] for _ in layout.groups]
+            assert caps[0] is None and caps[1] > 0
+            assert ours.blocks_to_hold(tables, 8000) == [500, caps[1]]

@@ -267,8 +267,9 @@ class Loads:
 
     # ---- reports, finish, reset ---------------------------------------------------------------
 
-    def finish(self, rid: str, failed: bool) -> None:
-        """A worker reported the load of ``rid`` done (or failed): release its pins."""
+    def finish(self, rid: str, failed: bool, running: bool = True) -> None:
+        """A worker reported the load of ``rid`` done (or failed): release its pins.
+        ``running``: ``rid`` has not finished (a failed load then bars its CPU hits)."""
         # A report names a request, not an event. Workers finish a request's loads in the order
         # they were issued, and a load abandoned by reset() is older than any issued after it
         # (the same request may be looked up again while it is in flight), so it goes first.
@@ -291,7 +292,8 @@ class Loads:
         self._release(ld)
         if failed:
             self._stats.failed_transfers += 1
-            self._failed.add(rid)
+            if running:  # a finished request's entry would never be cleared
+                self._failed.add(rid)
             logger.warning("load of request %r failed on a worker: %d blocks released, the "
                            "scheduler recomputes them (no CPU hit for it again)", rid,
                            len(ld.gpu))

@@ -204,7 +204,7 @@ class OffloadPlanner:
         for rid in finished_loads:
             self._loads.finish(rid, failed=False)
         for rid in failed_loads:
-            self._loads.finish(rid, failed=True)
+            self._loads.finish(rid, failed=True, running=rid in self._requests)
         self._stores.apply_reports(completed, failed)
 
     # ---- 5. finish --------------------------------------------------------------------------

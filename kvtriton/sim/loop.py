@@ -1,11 +1,15 @@
 """A serving loop close to vLLM's scheduler, driving ``OffloadPlanner`` as vLLM drives a connector.
 
-The scheduler step itself (``kvtriton.sim.scheduler.BatchScheduler``): running requests first
-(decode, or the next chunk of a prefill), then waiting ones in arrival order while the token
-budget, the GPU blocks and ``max_running`` allow. A new request is looked up in the GPU prefix
-cache, then in the CPU tier; a CPU hit allocates its blocks and waits for the load (asynchronous,
-as in vLLM: it is computed from the next step on). When the GPU runs out of blocks the newest
-running request is preempted (recompute: its blocks are freed and it starts over).
+The scheduler step itself (``kvtriton.sim.scheduler.BatchScheduler``, vLLM 0.32's policy):
+running requests first (decode, or the next chunk of a prefill), then requests whose CPU load
+landed, then waiting ones in arrival order while the token budget, the GPU blocks and
+``max_running`` allow. A new request is looked up in the GPU prefix cache, then in the CPU tier;
+a CPU hit allocates its blocks and waits for the load (asynchronous, as in vLLM: it is computed
+from a later step on, once the waiting phase reaches it and its chunk fits). With
+``reserve_full_isl`` (the default, as vLLM's ``scheduler_reserve_full_isl``) a request is
+admitted only when its whole sequence fits. When the GPU runs out of blocks for a running
+request the newest running request is preempted (recompute: its blocks are freed and it starts
+over).
 ``build_meta`` is called before the step's tokens count as computed. Finished requests free their
 blocks tail first. A request that needs more blocks than the whole GPU pool is rejected.
 
@@ -82,13 +86,15 @@ class ServingLoop:
     """One simulation of one workload under one tier policy; ``run()`` returns its metrics.
 
     ``integrity``: a hook that moves real bytes (``kvtriton.sim.integrity.IntegrityChecker``),
-    attached to both pools."""
+    attached to both pools. ``reserve_full_isl``: admit a request only when its whole sequence
+    fits (vLLM 0.32's default); False admits it on its first chunk."""
 
     def __init__(self, workload: Workload, keys: list[np.ndarray], layout: KVLayout,
                  policy: TierPolicy, cost: CostModel, *, gpu_blocks: int, cpu_blocks: int,
                  token_budget: int = 8192, max_running: int = 256,
                  integrity: IntegrityHook | None = None,
-                 progress: Callable[[int, int], None] | None = None) -> None:
+                 progress: Callable[[int, int], None] | None = None,
+                 reserve_full_isl: bool = True) -> None:
         self.workload = workload
         self.layout = layout
         self.policy = policy
@@ -105,7 +111,8 @@ class ServingLoop:
             integrity.attach(self.gpu, self.cpu)
         self.sched = BatchScheduler(layout, self.gpu, self.planner, token_budget=token_budget,
                                     max_running=max_running, null_out_of_window=True,
-                                    count_recomputed=True, integrity=integrity)
+                                    count_recomputed=True, integrity=integrity,
+                                    reserve_full_isl=reserve_full_isl)
         self.metrics = RunMetrics(policy=policy.name)
         self._keys = keys
         self._successors: dict[str, list[int]] = {}
@@ -228,7 +235,13 @@ class ServingLoop:
         else:
             nxt = self._next_event_time()
             if math.isinf(nxt):
-                return sched.busy
+                if sched.busy:
+                    # Nothing ran and nothing will arrive or complete: every later step would
+                    # be this one (a scheduling deadlock); fail instead of spinning.
+                    raise RuntimeError(f"policy {self.policy.name!r}: step {self.step_no} "
+                                       f"scheduled nothing with {len(sched.seqs)} requests "
+                                       "left and no arrival or transfer to wait for")
+                return False
             self.now = max(self.now, nxt)
         if self.planner is not None:
             self._deliver()

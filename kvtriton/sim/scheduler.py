@@ -10,12 +10,14 @@ One implementation, used by the serving-loop simulator (``kvtriton.sim.loop``), 
   pages left behind, Mamba states before the last one, whose saved boundaries are handed to the
   planner), preemption, finish (blocks freed tail first), the ``StepOutput`` and delivering
   worker reports to the planner. The test harness drives it call by call.
-- ``BatchScheduler``: the same plus the step policy: running requests first (decode, or the next
-  chunk of a prefill), then waiting ones in arrival order while the token budget, the GPU blocks
-  and ``max_running`` allow; when the GPU runs out of blocks the newest running request is
-  preempted (recompute). A CPU hit waits for its load and is computed from the step after the load
-  landed. The simulator and the soak drive it step by step, each with its own clock, workload and
-  report delays.
+- ``BatchScheduler``: the same plus vLLM 0.32's step policy: running requests first (decode, or
+  the next chunk of a prefill), then requests whose CPU load landed, then waiting ones in arrival
+  order while the token budget, the GPU blocks and ``max_running`` allow; when the GPU runs out
+  of blocks for a running request the newest running request is preempted (recompute). A CPU hit
+  holds its blocks while its load runs and is scheduled, without preempting anyone, once the
+  waiting phase of a step after the load landed reaches it. By default a request is admitted
+  only when its whole sequence fits (vLLM's ``scheduler_reserve_full_isl``). The simulator and
+  the soak drive it step by step, each with its own clock, workload and report delays.
 
 Lengths are in tokens unless named blocks (of the group's own block size); ``planner_s`` and
 ``last_build_meta_s`` are measured wall time in seconds spent inside planner calls.
@@ -130,15 +132,16 @@ class KVScheduler:
             skip = max(0, computed // spec.block_size - 1)
         return max(0, min(skip, held + n) - held)
 
+    def _group_blocks_needed(self, g: int, table: list[int], tokens: int, computed: int) -> int:
+        n = max(0, -(-tokens // self.layout.groups[g].block_size) - len(table))
+        return n - self._out_of_window(g, len(table), n, computed) if n else 0
+
     def blocks_needed(self, tables: Iterable[list[int]], tokens: int, computed: int = 0
                       ) -> list[int]:
         """Per group, the GPU blocks ``grow(seq, tokens, computed=computed)`` would take from
         the pool for a request holding ``tables``."""
-        need = []
-        for g, (spec, table) in enumerate(zip(self.layout.groups, tables, strict=True)):
-            n = max(0, -(-tokens // spec.block_size) - len(table))
-            need.append(n - self._out_of_window(g, len(table), n, computed) if n else 0)
-        return need
+        return [self._group_blocks_needed(g, table, tokens, computed)
+                for g, (_, table) in enumerate(zip(self.layout.groups, tables, strict=True))]
 
     def install_hit(self, seq: SeqBlocks, hit: Hit) -> None:
         """Take the GPU hit's blocks as ``seq``'s tables (a free cached block leaves the free
@@ -331,25 +334,76 @@ class BatchScheduler(KVScheduler):
     ``cpu_hit_tokens`` count each request's first admission; ``prefill_tokens`` the prompt tokens
     computed (recomputation after a preemption included); ``token_budget`` caps the tokens of a
     step, ``max_running`` the running requests.
+
+    The step follows vLLM 0.32's ``Scheduler.schedule()``:
+
+    - Running requests first, in order; when one's chunk does not fit, the newest running
+      request is preempted (recompute), until it fits or the request preempted itself. After a
+      preemption no waiting request is scheduled that step.
+    - Then the requests holding blocks for a CPU load (``loading``; vLLM's
+      ``kv_holding_waiting``), in admission order, before any fresh request: one whose load is
+      still in flight is skipped; one whose load landed has its loaded blocks registered in the
+      GPU prefix cache when it is reached (vLLM's ``_update_waiting_for_remote_kv``), and its
+      first chunk is allocated without preempting anyone. If that allocation fails, the
+      waiting phase stops and the request keeps its blocks for a later step. It is never a
+      preemption victim: only running requests are.
+    - Then waiting requests in arrival order: the GPU prefix-cache lookup, then always the
+      CPU lookup (vLLM asks the connector before it tries to allocate), then allocation. A CPU
+      hit allocates its blocks and waits for its load; GPU-hit pages its CPU hit leaves out of
+      a sliding window are not taken (vLLM skips them).
+    - ``reserve_full_isl`` (vLLM's ``scheduler_reserve_full_isl``, on by default there and
+      here): a waiting request, or a landed load's request, is scheduled only if the blocks
+      its whole sequence needs are free, not only its first chunk's. False: the first chunk
+      must fit (vLLM with ``scheduler_reserve_full_isl=False``).
+    - A CPU hit is admitted only if its blocks fit in the free blocks minus what in-flight
+      prefills still need to hold their whole sequence (vLLM's
+      ``_inflight_prefill_reserved_blocks``): a load holds its blocks for the whole transfer
+      and cannot be preempted, so it must not take blocks a prefill already admitted relies on.
+
+    Not modeled: vLLM registers a chunk's full blocks in the prefix cache when it allocates
+    them, so a request admitted later in the same step can hit blocks another computes in that
+    step; here blocks join the prefix cache once computed (``advance``), from the next step.
     """
 
     def __init__(self, layout: KVLayout, gpu: BlockPool, planner: OffloadPlanner | None, *,
                  token_budget: int, max_running: int, null_out_of_window: bool = True,
-                 count_recomputed: bool = False, integrity: IntegrityHook | None = None) -> None:
+                 count_recomputed: bool = False, integrity: IntegrityHook | None = None,
+                 reserve_full_isl: bool = True) -> None:
         super().__init__(layout, gpu, planner, null_out_of_window=null_out_of_window,
                          count_recomputed=count_recomputed, integrity=integrity)
         self.token_budget = token_budget
         self.max_running = max_running
+        self.reserve_full_isl = reserve_full_isl
         self.seqs: dict[str, SeqBlocks] = {}  # every request not finished, in arrival order
         self.waiting: deque[SeqBlocks] = deque()
         self.running: list[SeqBlocks] = []
+        # Requests holding blocks for a CPU load, in admission order (vLLM's kv_holding_waiting):
+        # the load in flight (``pending_ext`` > 0), or landed and not yet scheduled.
         self.loading: dict[str, SeqBlocks] = {}
+        self._landed_unregistered: set[str] = set()  # landed, blocks not yet in the prefix cache
         self._finished_last: set[str] = set()
         self.prompt_tokens = 0
         self.gpu_hit_tokens = 0
         self.cpu_hit_tokens = 0
         self.prefill_tokens = 0
         self.preemptions = 0
+        # Per group, the tokens whose blocks a reservation counts at most (None: all of them):
+        # vLLM caps a sliding window's admission at the blocks it can hold at once
+        # (SlidingWindowSpec.max_admission_blocks_per_request: window - 1 plus one step's tokens,
+        # plus one block), as its pages are recycled while the prefill runs. Mamba states are
+        # recycled too (all but the last are dropped once computed): capped at one step's
+        # states plus the one kept (kvtriton's own model; vLLM's Mamba groups are not
+        # cross-checked).
+        self._hold_cap: list[int | None] = []
+        for spec in layout.groups:
+            if spec.kind == "sliding_window":
+                blocks = -(-(spec.sliding_window - 1 + token_budget) // spec.block_size) + 1
+            elif spec.kind == "mamba":
+                blocks = -(-token_budget // spec.block_size) + 1
+            else:
+                self._hold_cap.append(None)
+                continue
+            self._hold_cap.append(blocks * spec.block_size)
 
     @property
     def busy(self) -> bool:
@@ -364,27 +418,80 @@ class BatchScheduler(KVScheduler):
 
     # ---- scheduling -------------------------------------------------------------------------
 
-    def _admit(self, seq: SeqBlocks, budget: int) -> int | None:
+    def blocks_to_hold(self, tables: Iterable[list[int]], tokens: int, computed: int = 0
+                       ) -> list[int]:
+        """Per group, the blocks a request holding ``tables`` (with ``computed`` tokens
+        computed) still needs to hold ``tokens`` tokens: ``blocks_needed``, with recycled
+        groups capped at what they hold at once (vLLM's ``get_num_blocks_to_allocate`` with
+        ``apply_admission_cap``, the count of ``scheduler_reserve_full_isl`` and of the in-flight
+        prefill reservation)."""
+        return [self._group_blocks_needed(g, table, tokens if cap is None else min(tokens, cap),
+                                          computed)
+                for g, (cap, table) in enumerate(zip(self._hold_cap, tables, strict=True))]
+
+    def _inflight_reserved(self, scheduled: Mapping[str, int]) -> int:
+        """Blocks that requests still prefilling need to hold their whole sequence (vLLM's
+        ``_inflight_prefill_reserved_blocks``): running requests whose sequence this step's
+        chunk does not complete, and every request holding blocks for a CPU load. (The waiting
+        phase runs only when every running request was scheduled, so a running request not in
+        ``scheduled`` does not occur here.)"""
+        total = 0
+        for seq in self.running:
+            req = seq.req
+            if req.num_computed_tokens + scheduled.get(req.request_id, 0) < req.num_tokens:
+                total += sum(self.blocks_to_hold(seq.tables, req.num_tokens,
+                                                 req.num_computed_tokens))
+        for seq in self.loading.values():
+            req = seq.req
+            total += sum(self.blocks_to_hold(seq.tables, req.num_tokens,
+                                             req.num_computed_tokens + seq.pending_ext))
+        return total
+
+    def _past_window(self, hit: Hit, computed: int) -> Hit:
+        """``hit`` with the GPU-hit pages a CPU hit reaching ``computed`` tokens leaves out of
+        the window as null pages: vLLM skips a sliding window's cached blocks that are already
+        out of the window at the local plus external hit (``add_local_computed_blocks``), so
+        they are neither touched nor held. (Mamba: the states before ``computed``'s.)"""
+        if not self.null_out_of_window:
+            return hit
+        blocks = []
+        for g, table in enumerate(hit.blocks):
+            skip = self._out_of_window(g, 0, len(table), computed)
+            blocks.append([NULL_BLOCK] * skip + table[skip:] if skip else table)
+        return Hit(hit.num_tokens, tuple(blocks), hit.iterations)
+
+    def _admit(self, seq: SeqBlocks, budget: int, scheduled: Mapping[str, int]) -> int | None:
         """Schedule a waiting request; the tokens scheduled (0 while its load runs), or None if
-        it does not fit."""
+        it does not fit. ``scheduled``: the step's tokens so far."""
         req = seq.req
         hit = self.gpu_hit(req)
         local = hit.num_tokens
-        hit_blocks = [b for blocks in hit.blocks for b in blocks if b != NULL_BLOCK]
-        # Even one more token must fit, whatever the CPU offers: skip the CPU lookup otherwise.
-        if sum(self.blocks_needed(hit.blocks, local + 1, computed=local)) \
-                > self.gpu.num_free_blocks:
-            return None
+        # The CPU lookup comes first, whether or not anything then fits: vLLM calls the
+        # connector's get_num_new_matched_tokens before allocate_slots, and the lookup pins
+        # and touches the CPU blocks it matches (their eviction order changes) even when the
+        # request then waits.
         ext = self.cpu_hit(req, local)
-        target = local + ext if ext else local + min(req.num_tokens - local, budget)
-        reserve = sum(self.blocks_needed(hit.blocks, target, computed=local + ext))
+        computed = local + ext
+        if ext:
+            hit = self._past_window(hit, computed)
+        target = computed if ext else local + min(req.num_tokens - local, budget)
+        hit_blocks = [b for blocks in hit.blocks for b in blocks if b != NULL_BLOCK]
+        # Touching a free cached hit block takes it out of the free queue: it counts as taken
+        # (vLLM's num_evictable_blocks).
+        touched = sum(map(self.gpu.is_free, hit_blocks))
         free = self.gpu.num_free_blocks
-        # Touching a free cached hit block takes it out of the free count too.
-        if reserve > free - len(hit_blocks) and \
-                reserve > free - sum(map(self.gpu.is_free, hit_blocks)):
+        if self.reserve_full_isl and \
+                sum(self.blocks_to_hold(hit.blocks, req.num_tokens, computed)) + touched > free:
+            return None
+        if ext:
+            # An async load holds its blocks for the whole transfer and cannot be preempted:
+            # vLLM admits it only into the free blocks in-flight prefills do not need
+            # (reserved_blocks = _inflight_prefill_reserved_blocks()).
+            free -= self._inflight_reserved(scheduled)
+        if sum(self.blocks_needed(hit.blocks, target, computed=computed)) + touched > free:
             return None
         self.install_hit(seq, hit)
-        self.grow(seq, target, computed=local + ext)
+        self.grow(seq, target, computed=computed)
         self.after_alloc(seq, ext)
         req.num_computed_tokens = local
         if not seq.admitted_once:
@@ -398,6 +505,24 @@ class BatchScheduler(KVScheduler):
             return 0
         self.running.append(seq)
         return target - local
+
+    def _schedule_loaded(self, seq: SeqBlocks, budget: int) -> int | None:
+        """The first chunk of a request whose load landed, reached in the waiting phase: its
+        loaded blocks join the GPU prefix cache (once), then its chunk is allocated from the
+        free blocks, preempting nobody (vLLM: allocate_slots, None stops the waiting phase).
+        The tokens scheduled, or None if they do not fit (it keeps its blocks)."""
+        req = seq.req
+        if req.request_id in self._landed_unregistered:
+            self._landed_unregistered.discard(req.request_id)
+            self.cache_computed(seq, computed_here=False)
+        free = self.gpu.num_free_blocks
+        if self.reserve_full_isl and sum(self.blocks_to_hold(
+                seq.tables, req.num_tokens, req.num_computed_tokens)) > free:
+            return None
+        n = min(req.num_tokens - req.num_computed_tokens, budget)
+        if not self.try_grow(seq, req.num_computed_tokens + n):
+            return None
+        return n
 
     def preempt(self, seq: SeqBlocks) -> None:
         """Preempt a running request by recompute: it waits again, ahead of every other."""
@@ -427,16 +552,34 @@ class BatchScheduler(KVScheduler):
             scheduled[rid] = n
             budget -= n
         if not preempted:
-            while self.waiting and budget > 0 and len(self.running) < self.max_running:
-                seq = self.waiting[0]
-                n = self._admit(seq, budget)
-                if n is None:
-                    break
-                self.waiting.popleft()
-                if n:
-                    scheduled[seq.req.request_id] = n
-                    budget -= n
+            self._schedule_waiting(budget, scheduled)
         return scheduled, preempted
+
+    def _schedule_waiting(self, budget: int, scheduled: dict[str, int]) -> None:
+        """vLLM's waiting phase: requests holding blocks for a load first, then fresh ones;
+        it stops at the first that does not fit, or when the budget or ``max_running`` is
+        spent."""
+        for rid, seq in list(self.loading.items()):
+            if budget <= 0 or len(self.running) >= self.max_running:
+                return
+            if seq.pending_ext:
+                continue  # its load is in flight: skipped this step
+            n = self._schedule_loaded(seq, budget)
+            if n is None:
+                return
+            del self.loading[rid]
+            self.running.append(seq)
+            scheduled[rid] = n
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+            seq = self.waiting[0]
+            n = self._admit(seq, budget, scheduled)
+            if n is None:
+                return
+            self.waiting.popleft()
+            if n:
+                scheduled[seq.req.request_id] = n
+                budget -= n
 
     def schedule_step(self) -> tuple[dict[str, int], PlannerMeta | None]:
         """Tokens scheduled per request id this step, and the planner's transfers for it (None
@@ -482,8 +625,10 @@ class BatchScheduler(KVScheduler):
     def deliver(self, finished_loads: list[str],
                 completed_stores: Mapping[int, int] | Iterable[int], step: int) -> None:
         """Worker reports to the planner; each finished load is checked by the integrity hook
-        (``step`` names the step in its errors), then its tokens count as computed and the
-        request runs from the next step."""
+        (``step`` names the step in its errors), then its tokens count as computed. The request
+        stays in ``loading``, holding its blocks, until the waiting phase of a later step
+        reaches it and its first chunk fits (see ``_schedule_loaded``); it does not join
+        ``running`` here, so it can neither preempt nor be preempted before then."""
         if not finished_loads and not completed_stores:
             return
         if self.integrity is not None:
@@ -494,8 +639,7 @@ class BatchScheduler(KVScheduler):
                                           start + seq.pending_ext, step)
         self.apply_reports(finished_loads=finished_loads, completed_stores=completed_stores)
         for rid in finished_loads:
-            seq = self.loading.pop(rid)
+            seq = self.loading[rid]
             seq.req.num_computed_tokens += seq.pending_ext
             seq.pending_ext = 0
-            self.cache_computed(seq, computed_here=False)
-            self.running.append(seq)
+            self._landed_unregistered.add(rid)

@@ -142,6 +142,7 @@ def simulate(
     integrity_backend: str = "torch",
     bound: bool = True,
     progress: bool = False,
+    reserve_full_isl: bool = True,
 ) -> SimulationResult:
     """Replay ``workload`` through the serving loop once per policy.
 
@@ -155,7 +156,9 @@ def simulate(
     requests are rejected depends on the GPU size only, not on the policy). Raises
     ``ValueError`` for unknown names, impossible sizes, capacities whose pools (and integrity
     tensors) would not fit this machine's memory, and a workload whose every request is
-    rejected.
+    rejected. ``reserve_full_isl``: admit a request only when its whole sequence fits in the
+    GPU blocks (vLLM 0.32's default, ``scheduler_reserve_full_isl``); False admits it when its
+    first chunk fits.
     """
     if not isinstance(token_budget, int) or token_budget < 1:
         raise ValueError(f"token_budget must be a positive int, got {token_budget!r}")
@@ -184,7 +187,8 @@ def simulate(
         "cpu_gib": n_cpu * layout.cpu_block_bytes / GiB,
         "block_tokens": layout.groups[0].block_size, "token_budget": token_budget,
         "max_running": max_running, "integrity": integrity, "distinct_keys": n_keys,
-        "requests": len(workload), "rejected": len(rejected), "cost_model": cost_conditions(cost),
+        "requests": len(workload), "rejected": len(rejected),
+        "reserve_full_isl": reserve_full_isl, "cost_model": cost_conditions(cost),
     }
     result = SimulationResult(workload.name, conditions)
     if integrity:
@@ -194,7 +198,7 @@ def simulate(
         checker = IntegrityChecker(layout, n_gpu, n_cpu, integrity_backend) if integrity else None
         loop = ServingLoop(workload, keys, layout, pol, cost, gpu_blocks=n_gpu, cpu_blocks=n_cpu,
                            token_budget=token_budget, max_running=max_running,
-                           integrity=checker,
+                           integrity=checker, reserve_full_isl=reserve_full_isl,
                            progress=Progress(f"{pol.name:>20s}", enabled=progress))
         row = loop.run().summary()
         if checker is not None:

@@ -3,7 +3,9 @@
 Each workload (the agent generator and every trace shipped in ``kvtriton/sim/data``) runs
 through both loops with the same capacities, policies and cost model; a row gives both hit rates
 and recomputed tokens and their differences (vLLM minus ServingLoop). A hit rate difference over
-one point is a finding, to be explained (see the closing note of issue 12).
+one point is a finding, to be explained (see the closing note of issue 12). vLLM runs with its
+defaults unless ``--vllm-scheduler`` says otherwise, and ServingLoop with the options that model
+the same settings (``serving_loop_options``): like is compared with like.
 
 Run: ``python -m kvtriton.vllm.crosscheck [--workloads agent cc_agentic mooncake]
 [--limit N | --limit NAME=N ...] [--json out.json]``. It prints each workload's rows as it
@@ -37,7 +39,8 @@ from kvtriton.sim import (
 )
 from kvtriton.sim.setups import DEFAULT_POLICIES
 
-__all__ = ["WORKLOADS", "compare", "cross_check", "markdown_table", "shipped_traces"]
+__all__ = ["WORKLOADS", "compare", "cross_check", "markdown_table", "serving_loop_options",
+           "shipped_traces"]
 
 #: A hit rate difference above this many percentage points is a finding to explain.
 FINDING_POINTS = 1.0
@@ -103,19 +106,32 @@ def compare(serving_loop: dict, vllm: dict) -> dict:
     return row
 
 
+#: vLLM's default for the SchedulerConfig fields ServingLoop models, and its option for each.
+_MODELED_FIELDS = {"scheduler_reserve_full_isl": ("reserve_full_isl", True)}
+
+
+def serving_loop_options(scheduler_overrides: dict[str, Any] | None) -> dict[str, Any]:
+    """``simulate`` options that make ServingLoop model vLLM under ``scheduler_overrides``
+    (vLLM's value of each field ServingLoop models, its default where not overridden)."""
+    overrides = scheduler_overrides or {}
+    return {option: bool(overrides.get(field, default))
+            for field, (option, default) in _MODELED_FIELDS.items()}
+
+
 def cross_check(workload: Workload, capacities: dict[str, Any],
                 policies: Sequence[str] = DEFAULT_POLICIES, progress: bool = False,
                 scheduler_overrides: dict[str, Any] | None = None, **sim_kw: Any) -> dict:
     """Both loops on ``workload``; the rows of ``compare``, each loop's conditions and wall
     time in seconds. ``sim_kw``: more arguments both simulators take (``model``, ``gpu``,
     ``token_budget``, ``max_running``); ``scheduler_overrides``: vLLM ``SchedulerConfig``
-    fields for the vLLM loop only (e.g. ``{"scheduler_reserve_full_isl": False}``, which
-    admits a request on its first chunk as ``ServingLoop`` does)."""
+    fields for the vLLM loop (default: vLLM's defaults). Like is compared with like:
+    ServingLoop models vLLM 0.32 as shipped, and an override it models is passed to it too
+    (``scheduler_reserve_full_isl`` as ``reserve_full_isl``)."""
     from kvtriton.vllm.engine_sim import simulate_vllm
 
     t0 = time.perf_counter()
     loop = simulate(workload, policies=policies, bound=False, progress=progress, **capacities,
-                    **sim_kw)
+                    **serving_loop_options(scheduler_overrides), **sim_kw)
     t1 = time.perf_counter()
     vllm = simulate_vllm(workload, policies=policies, bound=False, progress=progress,
                          scheduler_overrides=scheduler_overrides, **capacities, **sim_kw)
@@ -239,6 +255,7 @@ def _document(args, limits: dict, results: list[dict], wall_s: float, done: bool
             "model": args.model, "gpu": args.gpu, "policies": args.policies,
             "token_budget": args.token_budget, "max_running": args.max_running,
             "vllm_scheduler_overrides": args.scheduler_overrides,
+            "serving_loop_options": serving_loop_options(args.scheduler_overrides),
             "workloads": {name: {"capacities": WORKLOADS[name][1],
                                  "limit_requests": limits.get(name)}
                           for name in args.workloads},
@@ -270,7 +287,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--max-running", type=int, default=256, help="requests per step")
     ap.add_argument("--vllm-scheduler", action="append", default=[], metavar="FIELD=JSON",
                     help="a vLLM SchedulerConfig field for the vLLM loop, e.g. "
-                         "scheduler_reserve_full_isl=false; repeatable; recorded in the JSON")
+                         "scheduler_reserve_full_isl=false (ServingLoop then admits on the "
+                         "first chunk too); repeatable; recorded in the JSON")
     ap.add_argument("--json", type=Path, default=None, help="write every row here")
     ap.add_argument("--quiet", action="store_true", help="no progress lines")
     args = ap.parse_args(argv)

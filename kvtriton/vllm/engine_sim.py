@@ -86,6 +86,23 @@ class _Link:
         return self.free_at
 
 
+class _CompletionOrderSet(set):
+    """A set of request ids that iterates in the order given: ``finished_recving`` for vLLM,
+    which types it a set, in the order the loads completed. The connector hands the ids to the
+    planner in iteration order, which frees the loaded CPU blocks back into the CPU queue in
+    that order; a plain set would iterate in string-hash order, making the CPU tier's eviction
+    order (and every figure after it) depend on PYTHONHASHSEED. ServingLoop hands the planner
+    the same ids in the same completion order. Not to be mutated (the order would go stale)."""
+
+    def __init__(self, items: Sequence[str] = ()) -> None:
+        order = list(dict.fromkeys(items))
+        super().__init__(order)
+        self._order = order
+
+    def __iter__(self):
+        return iter(self._order)
+
+
 def _extra_config(policy: TierPolicy) -> dict[str, Any]:
     p = policy.planner
     return {"restore": p.restore, "cpu_free_order": p.cpu_free_order,
@@ -283,7 +300,7 @@ class _VllmRun:
                 self._first_token.add(rid)
                 self.metrics.ttft_s.append(self.now - self._live[rid][2])
         kv = KVConnectorOutput(
-            finished_recving=set(loads) or None,
+            finished_recving=_CompletionOrderSet(loads) or None,
             kv_connector_worker_meta=KVTritonWorkerMetadata(stores) if stores else None)
         return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
                                  sampled_token_ids=sampled, kv_connector_output=kv)
