@@ -8,9 +8,10 @@ import datetime as _dt
 import json
 import os
 import platform
-import subprocess
 from pathlib import Path
 from typing import NoReturn
+
+from kvtriton.machine import cpu_name, git_sha
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -24,29 +25,11 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {' '.join(message.split())}\n")
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _git_sha() -> str:
-    """HEAD's short sha, with ``+dirty`` when tracked code differs from it."""
-    here = Path(__file__).parent
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, cwd=here, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--",
-                                ".", ":!bench/results", ":!paper", ":!README.md"],
-                               capture_output=True, text=True, cwd=here.parent,
-                               timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return (sha + ("+dirty" if dirty else "")) if sha else "unknown"
+    """HEAD's short sha, with ``+dirty`` when tracked code differs from it (results, the paper
+    and the README's generated block do not count: a benchmark run rewrites them)."""
+    return git_sha(Path(__file__).resolve().parent.parent,
+                   (".", ":!bench/results", ":!paper", ":!README.md"))
 
 
 def machine_info() -> dict:
@@ -56,7 +39,7 @@ def machine_info() -> dict:
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {
-        "cpu": _cpu_name(),
+        "cpu": cpu_name(),
         "cpu_cores": os.cpu_count(),
         "gpu": gpu,
         "torch": torch.__version__,

@@ -20,7 +20,6 @@ import datetime as _dt
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -28,6 +27,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from kvtriton.machine import cpu_name, git_sha
 from kvtriton.sim import (
     CC_AGENTIC_SAMPLE,
     MOONCAKE_SYNTHETIC,
@@ -178,33 +178,6 @@ def markdown_table(results: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
-def _git_sha() -> str:
-    """HEAD's short sha, ``+dirty`` when tracked files differ from it; ``unknown`` outside a
-    checkout."""
-    here = Path(__file__).resolve().parent
-    # No optional locks: a concurrent git command in the same tree must not see index.lock.
-    env = {**os.environ, "GIT_OPTIONAL_LOCKS": "0"}
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, cwd=here, timeout=10, env=env).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, cwd=here, timeout=10,
-                               env=env).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return (sha + ("+dirty" if dirty else "")) if sha else "unknown"
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def machine_info() -> dict:
     """The machine, date (UTC) and versions a cross-check ran with."""
     import numpy
@@ -213,12 +186,12 @@ def machine_info() -> dict:
 
     import kvtriton
 
-    return {"cpu": _cpu_name(), "cpu_cores": os.cpu_count(), "platform": platform.platform(),
+    return {"cpu": cpu_name(), "cpu_cores": os.cpu_count(), "platform": platform.platform(),
             "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "versions": {"kvtriton": kvtriton.__version__, "vllm": vllm.__version__,
                          "torch": torch.__version__, "numpy": numpy.__version__,
                          "python": platform.python_version()},
-            "git_sha": _git_sha()}
+            "git_sha": git_sha(Path(__file__).resolve().parent)}
 
 
 def _limits(items: Sequence[str], names: Sequence[str], ap: argparse.ArgumentParser) -> dict:
