@@ -115,14 +115,7 @@ class ServingLoop:
                                     reserve_full_isl=reserve_full_isl)
         self.metrics = RunMetrics(policy=policy.name)
         self._keys = keys
-        self._successors: dict[str, list[int]] = {}
-        self._arrivals: list[tuple[float, int]] = []
-        for i, wr in enumerate(workload.requests):
-            if wr.after is None:
-                self._arrivals.append((wr.arrival_s, i))
-            else:
-                self._successors.setdefault(wr.after, []).append(i)
-        heapq.heapify(self._arrivals)
+        self._arrivals, self._successors = workload.arrival_queue()
         self._completions: list[tuple[float, int, str, int, list[str]]] = []
         self._seq_no = 0
         self._d2h, self._h2d = _Link(), _Link()

@@ -13,6 +13,7 @@ orders the request for the cache-only replay, which has no notion of finishing.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, fields
@@ -113,6 +114,20 @@ class Workload:
 
     def __getitem__(self, i: int) -> WorkloadRequest:
         return self.requests[i]
+
+    def arrival_queue(self) -> tuple[list[tuple[float, int]], dict[str, list[int]]]:
+        """What a serving loop starts from: a heap of ``(arrival_s, index)`` of the requests
+        that arrive on their own, and per request id the indices of the closed-loop turns that
+        come after it (released at its end plus their ``think_s``)."""
+        arrivals: list[tuple[float, int]] = []
+        successors: dict[str, list[int]] = {}
+        for i, wr in enumerate(self.requests):
+            if wr.after is None:
+                arrivals.append((wr.arrival_s, i))
+            else:
+                successors.setdefault(wr.after, []).append(i)
+        heapq.heapify(arrivals)
+        return arrivals, successors
 
     def num_prompt_blocks(self, request: WorkloadRequest) -> int:
         """Full hashed blocks of ``request``'s prompt: its first hashes."""

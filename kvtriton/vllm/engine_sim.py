@@ -164,14 +164,7 @@ class _VllmRun:
         self.world_size = 1
         self.gpu_blocks = gpu_blocks
         self.tokens = _TokenSource(workload.hash_block_size)
-        self._successors: dict[str, list[int]] = {}
-        self._arrivals: list[tuple[float, int]] = []
-        for i, wr in enumerate(workload.requests):
-            if wr.after is None:
-                self._arrivals.append((wr.arrival_s, i))
-            else:
-                self._successors.setdefault(wr.after, []).append(i)
-        heapq.heapify(self._arrivals)
+        self._arrivals, self._successors = workload.arrival_queue()
         self._live: dict[str, tuple[WorkloadRequest, list[int], float]] = {}
         self._first_token: set[str] = set()
         self._admitted: set[str] = set()
