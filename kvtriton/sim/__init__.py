@@ -12,20 +12,30 @@ from kvtriton.sim.trace_stats import trace_stats
 from kvtriton.sim.traces import (
     CC_AGENTIC_SAMPLE,
     MOONCAKE_SYNTHETIC,
+    STOP_REASONS,
     TraceError,
     data_path,
     load_kv_cache_tester,
     load_mooncake,
     load_trace,
 )
-from kvtriton.sim.workload import AgentConfig, Workload, WorkloadRequest, agent_workload
+from kvtriton.sim.workload import (
+    HINTS,
+    AgentConfig,
+    Workload,
+    WorkloadRequest,
+    agent_workload,
+    mark_session_close,
+)
 
 __all__ = [
     "CC_AGENTIC_SAMPLE",
     "DEFAULT_POLICIES",
     "GPUS",
+    "HINTS",
     "MODELS",
     "MOONCAKE_SYNTHETIC",
+    "STOP_REASONS",
     "TIER_POLICIES",
     "AgentConfig",
     "CostModel",
@@ -42,6 +52,7 @@ __all__ = [
     "load_kv_cache_tester",
     "load_mooncake",
     "load_trace",
+    "mark_session_close",
     "max_hit_rate",
     "replay",
     "simulate",

@@ -8,7 +8,7 @@ import numpy as np
 
 from kvtriton.sim.replay import max_hit_rate
 from kvtriton.sim.traces import load_trace
-from kvtriton.sim.workload import Workload
+from kvtriton.sim.workload import HINTS, Workload
 
 __all__ = ["trace_stats"]
 
@@ -30,8 +30,9 @@ def _summary(values: np.ndarray) -> dict:
 def trace_stats(path_or_workload: str | Path | Workload, *,
                 hash_block_size: int | None = None) -> dict:
     """Requests, sessions, models, token totals, prompt/output length percentiles (tokens),
-    distinct blocks, the reusable-token fraction with an infinite cache (``max_hit_rate``) and
-    the arrival span (seconds) of a workload, or of the trace at a path (loaded with
+    distinct blocks, the reusable-token fraction with an infinite cache (``max_hit_rate``), the
+    arrival span (seconds) and the continuation hints (requests per hint: ``continue``,
+    ``close``, ``none``) of a workload, or of the trace at a path (loaded with
     ``kvtriton.sim.traces.load_trace`` at ``hash_block_size``, default the trace's own)."""
     if isinstance(path_or_workload, Workload):
         if hash_block_size is not None and hash_block_size != path_or_workload.hash_block_size:
@@ -62,4 +63,6 @@ def trace_stats(path_or_workload: str | Path | Workload, *,
         "unique_block_tokens": unique_blocks * w.hash_block_size,
         "reusable_token_fraction": max_hit_rate(w),
         "arrival_span_s": float(arrivals.max() - arrivals.min()) if reqs else 0.0,
+        "hints": {**{h: sum(r.hint == h for r in reqs) for h in HINTS},
+                  "none": sum(r.hint is None for r in reqs)},
     }

@@ -15,6 +15,10 @@ Ids are local to a file, and KV is only shareable within one model, so the names
 file's name plus the model (plus only the model for a kv-cache-tester file whose
 ``hash_id_scope`` is ``"global"``).
 
+Continuation hints (``WorkloadRequest.hint``): a Mooncake line may carry ``"hint"`` (one of
+``HINTS`` or null); a kv-cache-tester request's ``stop`` (the model's stop reason) gives
+``"continue"`` for ``"tool_use"`` and no hint for the other stop reasons (``STOP_REASONS``).
+
 Bad input raises ``TraceError`` (a ``ValueError``) naming the file and the line (JSONL) or the
 request's index path (JSON) and the problem.
 """
@@ -34,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from kvtriton.hashing import mix64, mix64_array
-from kvtriton.sim.workload import Workload, WorkloadRequest
+from kvtriton.sim.workload import HINTS, Workload, WorkloadRequest
 from kvtriton.validation import is_finite_number, is_int
 
 __all__ = [
@@ -43,6 +47,7 @@ __all__ = [
     "MAX_TRACE_BYTES",
     "MOONCAKE_BLOCK_SIZE",
     "MOONCAKE_SYNTHETIC",
+    "STOP_REASONS",
     "TraceError",
     "data_path",
     "load_kv_cache_tester",
@@ -62,6 +67,19 @@ MAX_TRACE_BYTES = 1 << 30
 MOONCAKE_SYNTHETIC = "mooncake_synthetic_trace.jsonl"
 CC_AGENTIC_SAMPLE = "cc_agentic_sample"
 _DATA = Path(__file__).resolve().parent / "data"
+
+# The hint of each stop reason a kv-cache-tester request may record in ``stop`` (Anthropic's API
+# stop reasons; "" and a missing field are no reason): a turn that ended in a tool call is
+# followed by the tool's result, so its context is reused soon. Any other ``stop`` is an error.
+STOP_REASONS: dict[str, str | None] = {
+    "tool_use": "continue",
+    "end_turn": None,
+    "max_tokens": None,
+    "stop_sequence": None,
+    "pause_turn": None,
+    "refusal": None,
+    "": None,
+}
 
 _ID_SALT = 0x7472_6163_655F_6964  # "trace_id"
 _SUB_SALT = 0x9E37_79B9_7F4A_7C15  # golden ratio, spreads sub-block indices
@@ -253,7 +271,8 @@ def load_mooncake(
     blocks, at most ``ceil(input_length / trace_block_size)`` of them).
 
     Requests are ``<file stem>:<line>``, with no session (open loop). ``model`` (optional)
-    labels every request and joins the namespace.
+    labels every request and joins the namespace. An optional ``hint`` (one of ``HINTS``, or
+    null) becomes the request's continuation hint.
     """
     path = Path(path)
     _check_hash_block_size(hash_block_size, trace_block_size, path)
@@ -293,11 +312,14 @@ def load_mooncake(
             raise w.error(at, f"timestamp {ts} is before the previous line's {last_ts}: "
                               "timestamps must not decrease")
         last_ts = ts
+        hint = obj.get("hint")
+        if hint is not None and not (isinstance(hint, str) and hint in HINTS):
+            raise w.error(at, f"field 'hint' must be null or one of {HINTS}, got {_shown(hint)}")
         hashes = map_block_ids(ids, prompt_len, output_len, trace_block_size=trace_block_size,
                                hash_block_size=hash_block_size, ns=ns, unique_salt=lineno,
                                chainer=chainer)
         requests.append(WorkloadRequest(f"{stem}:{lineno}", ts / 1000.0, prompt_len,
-                                        output_len, hashes, model=model))
+                                        output_len, hashes, model=model, hint=hint))
     if not requests:
         raise TraceError(f"{path}: empty file (no requests)")
     return Workload(requests, hash_block_size, name or path.name)
@@ -372,6 +394,12 @@ def _tester_file(path: Path, hash_block_size: int | None, offset_s: float
             if not (is_finite_number(think) and think >= 0):
                 raise w.error(where, f"field 'think_time' must be a finite number >= 0, "
                                      f"got {_shown(think)}")
+            stop = obj.get("stop", "")
+            if not isinstance(stop, str):
+                raise w.error(where, f"field 'stop' must be a string, got {_shown(stop)}")
+            if stop not in STOP_REASONS:
+                raise w.error(where, f"field 'stop' is not a known stop reason: {_shown(stop)} "
+                                     f"(known: {sorted(STOP_REASONS)})")
             ns = namespaces.get(model)
             if ns is None:
                 ns = namespaces[model] = (namespace(path.name, model) if scope == "local"
@@ -381,7 +409,8 @@ def _tester_file(path: Path, hash_block_size: int | None, offset_s: float
                                    unique_salt=namespace(path.name, rid), chainer=chainer)
             out.append(WorkloadRequest(rid, offset_s + base_s + t, prompt_len, output_len,
                                        hashes, session=session, after=prev_id,
-                                       think_s=float(think) if prev_id else 0.0, model=model))
+                                       think_s=float(think) if prev_id else 0.0, model=model,
+                                       hint=STOP_REASONS[stop]))
             prev_id = rid
 
     try:
@@ -427,9 +456,12 @@ def load_kv_cache_tester(
     Each top-level request is ``<file stem>#<i>``, in session ``<stem>``, closed loop after the
     previous one with its ``think_time``. A ``subagent`` marker's nested requests (times relative
     to the marker) become ``<stem>#<i>.<j>`` in session ``<stem>/<agent_id>``, chained among
-    themselves; the first starts at the marker's time. File k's times are shifted by
-    ``k * stagger_s`` seconds. Requests come out in arrival order. ``hash_block_size``
-    defaults to the files' own ``block_size`` (every file must then have the same one).
+    themselves; the first starts at the marker's time. A request's ``stop`` gives its hint:
+    ``"continue"`` for ``"tool_use"``, none for the other ``STOP_REASONS`` or no ``stop``; the
+    traces record no session close (``kvtriton.sim.workload.mark_session_close`` derives one).
+    File k's times are shifted by ``k * stagger_s`` seconds. Requests come out in arrival order.
+    ``hash_block_size`` defaults to the files' own ``block_size`` (every file must then have the
+    same one).
     """
     if not (is_finite_number(stagger_s) and stagger_s >= 0):
         raise ValueError(f"stagger_s must be a finite number >= 0, got {stagger_s!r}")

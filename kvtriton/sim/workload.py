@@ -9,6 +9,12 @@ Arrivals are open loop (``arrival_s``) or closed loop: a request with ``after`` 
 ``think_s`` seconds after the request it names has finished. For such a request ``arrival_s`` is
 a nominal time (its predecessor's arrival plus a nominal service time plus ``think_s``); it only
 orders the request for the cache-only replay, which has no notion of finishing.
+
+A request may carry a continuation ``hint`` (one of ``HINTS``, or None for no hint):
+``"continue"``: this turn's context will be reused soon (an agent turn that ended in a tool call,
+so the next turn comes); ``"close"``: the client closes the session after this turn, so nothing
+of it will be asked for again by this conversation. ``mark_session_close`` derives the closes
+from a workload's structure.
 """
 
 from __future__ import annotations
@@ -16,14 +22,21 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 import numpy as np
 
 from kvtriton.hashing import chain_hashes
 from kvtriton.validation import is_finite_number, is_int
 
-__all__ = ["MAX_AGENT_REQUESTS", "AgentConfig", "Workload", "WorkloadRequest", "agent_workload"]
+__all__ = ["HINTS", "MAX_AGENT_REQUESTS", "AgentConfig", "Workload", "WorkloadRequest",
+           "agent_workload", "mark_session_close"]
+
+# The continuation hints a request may carry (``WorkloadRequest.hint``; None is no hint):
+# "continue": this turn's context will be reused soon (e.g. an agent turn that ended in a tool
+# call); "close": the client closes the session after this turn (nothing of it will be asked for
+# again by this conversation).
+HINTS = ("continue", "close")
 
 # The most requests the agent generator makes: past it a typo such as 1e12 conversations would
 # run for hours before anything is reported.
@@ -39,6 +52,8 @@ class WorkloadRequest:
     ``prompt_len // hash_block_size`` belong to the prompt. ``session`` groups the turns of one
     conversation; ``after`` (closed loop) names the request whose end this one waits for, plus
     ``think_s`` seconds. ``model``: KV is only shared between requests of the same model.
+    ``hint``: None, or one of ``HINTS`` (``"continue"``: this turn's context will be reused soon;
+    ``"close"``: the client closes the session after this turn).
     """
 
     request_id: str
@@ -50,6 +65,7 @@ class WorkloadRequest:
     after: str | None = None
     think_s: float = 0.0
     model: str | None = None
+    hint: str | None = None
 
     def __post_init__(self) -> None:
         rid = self.request_id
@@ -71,6 +87,9 @@ class WorkloadRequest:
             raise ValueError(f"request {rid!r}: hashes must be a 1-D uint64 array")
         if self.after == rid:
             raise ValueError(f"request {rid!r}: cannot come after itself")
+        if self.hint is not None and (not isinstance(self.hint, str) or self.hint not in HINTS):
+            raise ValueError(f"request {rid!r}: hint must be None or one of {HINTS}, "
+                             f"got {self.hint!r}")
 
     @property
     def total_len(self) -> int:
@@ -132,6 +151,31 @@ class Workload:
     def num_prompt_blocks(self, request: WorkloadRequest) -> int:
         """Full hashed blocks of ``request``'s prompt: its first hashes."""
         return request.prompt_len // self.hash_block_size
+
+
+def mark_session_close(workload: Workload) -> Workload:
+    """A copy of ``workload`` in which the last request of each session has hint ``"close"``.
+
+    Traces do not record an explicit session close, so the close is derived from the trace's
+    structure: the client is assumed to close the session after its last turn, as with an
+    explicit session-close API (SGLang's session cache, for one). A session's last turn is the
+    last of its ``session`` in arrival order, provided no request names it in ``after``; when
+    some request does, that session gets no close. The close overrides a ``"continue"`` there:
+    an explicit close from the client is stronger than the model's stop reason. Requests with
+    ``session`` None are left alone, as are all other hints. ``workload`` is not modified; the
+    copy shares its unchanged requests (and every request's hashes) with it.
+    """
+    named = {r.after for r in workload.requests if r.after is not None}
+    last: dict[str, tuple[float, int]] = {}
+    for i, r in enumerate(workload.requests):
+        if r.session is not None:
+            key = (r.arrival_s, i)
+            if r.session not in last or key >= last[r.session]:
+                last[r.session] = key
+    close = {i for _, i in last.values() if workload.requests[i].request_id not in named}
+    requests = [replace(r, hint="close") if i in close and r.hint != "close" else r
+                for i, r in enumerate(workload.requests)]
+    return Workload(requests, workload.hash_block_size, workload.name)
 
 
 
@@ -223,6 +267,10 @@ def agent_workload(config: AgentConfig | None = None, /, **overrides) -> Workloa
 
     ``overrides`` replace fields of ``config`` (or of the defaults), e.g.
     ``agent_workload(num_conversations=100, seed=3)``.
+
+    Every turn followed by another turn of its conversation has hint ``"continue"`` (the agent's
+    turn ended in a tool call, so the next turn comes); the last turn of each conversation has
+    ``"close"``. The hints are assigned after the turns are drawn and feed no random stream.
     """
     if config is None:
         config = AgentConfig()
@@ -249,6 +297,7 @@ def agent_workload(config: AgentConfig | None = None, /, **overrides) -> Workloa
         history.append(system)
         length = c.system_prompt_tokens
         prev: WorkloadRequest | None = None
+        first = len(requests)
         for turn in range(turns):
             user_len = _lognormal_len(rng, c.first_user_tokens if turn == 0 else c.user_tokens,
                                       c.length_sigma)
@@ -271,9 +320,12 @@ def agent_workload(config: AgentConfig | None = None, /, **overrides) -> Workloa
                 session=session,
                 after=prev.request_id if (c.closed_loop and prev is not None) else None,
                 think_s=think,
+                hint="continue",
             )
             requests.append(req)
             prev = req
+        if len(requests) > first:
+            requests[-1] = replace(requests[-1], hint="close")
     requests.sort(key=lambda r: (r.arrival_s, r.request_id))
     name = f"agent(conv={c.num_conversations},turns={c.min_turns}-{c.max_turns},seed={c.seed})"
     return Workload(requests, b, name)
