@@ -1,12 +1,14 @@
 """The benchmark harness: ``python -m bench`` (``make bench``).
 
 Runs, on whatever this machine has: the kernel correctness check (Triton interpreter without
-CUDA), the kernel bandwidth benchmark (CUDA only), the planner scaling benchmark, and hit rate /
-recompute / modeled TTFT versus CPU capacity per policy on the agent generator plus the
-cache-only replays of the shipped traces. Every part writes JSON with the machine's description
-to ``bench/results/``; figures go to ``bench/results/*.png``. ``--quick`` (the default without
-CUDA) finishes in a few minutes on 2 cores; ``--full`` is the size for a GPU box and adds the
-whole-trace Mooncake simulation and the 100,000-step soak.
+CUDA), the kernel bandwidth benchmark (CUDA only), the planner scaling benchmark, the cache-only
+replays of the shipped traces (plus, with ``--full``, hit rate / TTFT versus CPU capacity per
+preset), and the tier-design study: the policy ablation against the in-loop bounds on the agent
+generator and the shipped traces, and the re-store map (``bench.bench_policies``). Every part
+writes JSON with the machine's description to ``bench/results/``; figures go to
+``bench/results/*.png``. ``--quick`` (the default without CUDA) stays under 10 minutes on 2
+cores; ``--full`` is the size for a GPU box: the whole traces through every setup, the preset
+sweeps, the whole-trace Mooncake simulation and the 100,000-step soak.
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     size = ap.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="CPU-sized (default without CUDA)")
     size.add_argument("--full", action="store_true", help="GPU-box size (default with CUDA)")
-    ap.add_argument("--only", choices=("kernels", "planner", "sim", "soak"), default=None)
+    ap.add_argument("--only", choices=("kernels", "planner", "sim", "policies", "soak"),
+                    default=None)
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
@@ -84,6 +87,12 @@ def main(argv: list[str] | None = None) -> int:
         print("\n== simulation: hit rate, recompute, TTFT vs CPU capacity ==")
         bench_sim.main((["--quick"] if quick else ["--mooncake"])
                        + (["--quiet"] if args.quiet else []))
+    if args.only in (None, "policies"):
+        print("\n== tier designs: the policy ablation, in-loop bounds, the re-store map ==")
+        from bench import bench_policies
+
+        bench_policies.main((["--full"] if not quick else []) + (["--quiet"] if args.quiet
+                                                                  else []))
     if args.only == "soak" or (args.only is None and not quick):
         print("\n== soak: 100,000 steps, memory and pool counts ==")
         from bench import bench_soak

@@ -115,6 +115,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--quick", action="store_true", help="small agent workload, fewer sizes")
     ap.add_argument("--mooncake", action="store_true",
                     help="also simulate the whole Mooncake trace with every policy (minutes)")
+    ap.add_argument("--sweep", action="store_true",
+                    help="also the preset sweep versus CPU capacity when --quick")
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
     progress = not args.quiet
@@ -122,9 +124,11 @@ def main(argv: list[str] | None = None) -> dict:
     if args.mooncake:
         out["sim_mooncake"] = mooncake_sim(progress)
     wl = agent(args.quick)
-    gpu = 32_768 if args.quick else 131_072
-    cpu = [gpu, 2 * gpu, 4 * gpu] if args.quick else [gpu, 2 * gpu, 4 * gpu, 8 * gpu]
-    out["sim_agent"] = sim_sweep(wl, cpu, gpu, DEFAULT_POLICIES, "agent", progress)
+    if args.sweep or not args.quick:
+        # The presets versus CPU capacity; the quick harness runs bench_policies instead.
+        gpu = 32_768 if args.quick else 131_072
+        cpu = [gpu, 2 * gpu, 4 * gpu] if args.quick else [gpu, 2 * gpu, 4 * gpu, 8 * gpu]
+        out["sim_agent"] = sim_sweep(wl, cpu, gpu, DEFAULT_POLICIES, "agent", progress)
     mooncake = load_trace(data_path(MOONCAKE_SYNTHETIC))
     out["replay_mooncake"] = replay_sweep(
         mooncake, "mooncake", [1_000_000, 2_000_000, 3_000_000, 6_000_000, 12_000_000,

@@ -70,6 +70,19 @@ def _gib(text: str) -> float:
     return v
 
 
+def _policies(text: str) -> list[str]:
+    """Presets or compositions, each checked here so that a typo fails before any run."""
+    from kvtriton.sim.setups import tier_policy
+
+    items = _csv(text)
+    for item in items:
+        try:
+            tier_policy(item)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return items
+
+
 def _csv(text: str) -> list[str]:
     items = [t.strip() for t in text.split(",") if t.strip()]
     if not items:
@@ -405,8 +418,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"{tier.upper()} capacity in GiB of KV")
         s.add_argument(f"--{tier}-blocks", type=_positive_int, default=None,
                        help=f"{tier.upper()} capacity in blocks")
-    s.add_argument("--policies", type=_csv, default=list(DEFAULT_POLICIES),
-                   help=f"comma-separated, from: {', '.join(TIER_POLICIES)}")
+    s.add_argument("--policies", type=_policies, default=list(DEFAULT_POLICIES),
+                   help=f"comma-separated presets ({', '.join(TIER_POLICIES)}) or compositions "
+                        "of axis values joined by '+', e.g. eager+restore+tail+arc, lazy+hints "
+                        "(axes: eager|lazy, restore[:F], head|tail, lru|arc|s3fifo|nextuse, "
+                        "all|second, hints[:F], inf)")
     s.add_argument("--token-budget", type=_positive_int, default=8192)
     s.add_argument("--max-running", type=_positive_int, default=256)
     s.add_argument("--integrity", action="store_true",
@@ -415,7 +431,9 @@ def build_parser() -> argparse.ArgumentParser:
     # None, not "torch", so that --engine vllm can tell a given backend from the default.
     s.add_argument("--integrity-backend", choices=("torch", "triton"), default=None,
                    help="torch or triton (default: torch); only with --integrity")
-    s.add_argument("--no-bound", action="store_true", help="skip the Belady cache-only bound")
+    s.add_argument("--no-bound", action="store_true",
+                   help="skip the bounds: the in-loop next-use and unbounded-tier runs and the "
+                        "Belady cache-only replay")
     s.add_argument("--json", metavar="PATH")
     s.add_argument("--plot", metavar="PATH", help="PNG: hit rate and TTFT per policy")
     s.add_argument("--quiet", action="store_true", help="no progress bar")

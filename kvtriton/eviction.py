@@ -2,8 +2,12 @@
 
 A queue holds the pool's *free* blocks (ref count 0). The pool tells it when a block becomes
 free (``push``, with the block's primary key or ``None`` if unhashed), when a free block is taken
-back by a hit (``remove``), and when a victim's hashes are dropped (``on_evicted``); ``pop`` picks
-the victim. Unhashed blocks hold nothing worth keeping, so every queue hands them out first.
+back by a hit (``remove``; ``reuse=False`` when the taker is the one that took it last, such as a
+waiting request whose lookup pins the same CPU hit every step), and when a victim's hashes are
+dropped (``on_evicted``); ``pop`` picks the victim. Unhashed blocks hold nothing worth keeping, so
+every queue hands them out first. Frequency-based queues (ARC, S3-FIFO) count only reuse: a
+repeated touch puts the block back where it was, as vLLM's maintainers warn that one running
+request's touches would otherwise fake frequency.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ class EvictionQueue(ABC):
         ...
 
     @abstractmethod
-    def remove(self, block_id: int) -> None:
+    def remove(self, block_id: int, reuse: bool = True) -> None:
         ...
 
     @abstractmethod
@@ -64,6 +68,14 @@ class EvictionQueue(ABC):
     def on_evicted(self, block_id: int, key: int) -> None:  # noqa: B027 - optional hook
         """The hashes of ``block_id`` (primary ``key``) are being dropped. Ghost lists use it.
         Policies without ghost state need nothing here."""
+
+    def forget_block(self, block_id: int) -> None:  # noqa: B027 - optional hook
+        """``block_id`` was handed out by a queue wrapping this one, not by ``pop``: drop any
+        per-block state (as ``pop`` would), so that its next push counts as a fresh block."""
+
+    def note_reuse(self, block_id: int) -> None:  # noqa: B027 - optional hook
+        """``block_id``, held by a queue wrapping this one, was taken back by another user: when
+        it returns here it counts as reused (frequency-based queues)."""
 
     def remembered_keys(self) -> Iterable[int]:
         """Keys of evicted blocks this queue still remembers (ghost lists): an owner of key ids
@@ -175,7 +187,7 @@ class LRUQueue(EvictionQueue):
         else:
             self._q.append(block_id)
 
-    def remove(self, block_id: int) -> None:
+    def remove(self, block_id: int, reuse: bool = True) -> None:
         self._q.remove(block_id)
 
     def pop(self) -> int:
@@ -240,6 +252,7 @@ class ARCQueue(EvictionQueue):
         # last left (1: T1, 2: T2) so that ``on_evicted`` knows its ghost list.
         self._fresh = bytearray(b"\x01") * num_blocks
         self._left = bytearray(num_blocks)
+        self._repeat = bytearray(num_blocks)  # taken back by its last taker: not reuse
 
     def push(self, block_id: int, key: int | None) -> None:
         if key is None:
@@ -247,7 +260,11 @@ class ARCQueue(EvictionQueue):
             self._unhashed.appendleft(block_id)
             return
         if not self._fresh[block_id]:
-            self._t2.append(block_id)  # back from a hit: used twice
+            if self._repeat[block_id] and self._left[block_id] == 1:
+                self._t1.append(block_id)
+            else:
+                self._t2.append(block_id)  # back from a hit by another request: used twice
+            self._repeat[block_id] = 0
             return
         self._fresh[block_id] = 0
         b1, b2 = self._b1, self._b2
@@ -262,7 +279,7 @@ class ARCQueue(EvictionQueue):
         else:
             self._t1.append(block_id)
 
-    def remove(self, block_id: int) -> None:
+    def remove(self, block_id: int, reuse: bool = True) -> None:
         if block_id in self._t1:
             self._t1.remove(block_id)
             self._left[block_id] = 1
@@ -271,6 +288,7 @@ class ARCQueue(EvictionQueue):
             self._left[block_id] = 2
         else:
             self._unhashed.remove(block_id)
+        self._repeat[block_id] = not reuse
 
     def _take_t1(self, n1: int, n2: int) -> bool:
         return n1 > 0 and (n1 > self.p or n2 == 0)
@@ -291,6 +309,13 @@ class ARCQueue(EvictionQueue):
         ghost = self._b1 if self._left[block_id] == 1 else self._b2
         _remember(ghost, key, self._cap)
         self._fresh[block_id] = 1
+
+    def forget_block(self, block_id: int) -> None:
+        self._fresh[block_id] = 1
+        self._repeat[block_id] = 0
+
+    def note_reuse(self, block_id: int) -> None:
+        self._repeat[block_id] = 0
 
     def __len__(self) -> int:
         return len(self._unhashed) + len(self._t1) + len(self._t2)
@@ -354,6 +379,7 @@ class S3FIFOQueue(EvictionQueue):
         self._fresh = bytearray(b"\x01") * num_blocks
         self._freq = bytearray(num_blocks)
         self._left = bytearray(num_blocks)  # 1: left S, 2: left M
+        self._repeat = bytearray(num_blocks)  # taken back by its last taker: not reuse
 
     def push(self, block_id: int, key: int | None) -> None:
         if key is None:
@@ -361,6 +387,10 @@ class S3FIFOQueue(EvictionQueue):
             self._unhashed.appendleft(block_id)
             return
         if not self._fresh[block_id]:
+            if self._repeat[block_id]:
+                self._repeat[block_id] = 0
+                (self._small if self._left[block_id] == 1 else self._main).append(block_id)
+                return
             if self._left[block_id] == 2:
                 self._freq[block_id] = min(self._freq[block_id] + 1, 3)
             else:
@@ -375,7 +405,7 @@ class S3FIFOQueue(EvictionQueue):
         else:
             self._small.append(block_id)
 
-    def remove(self, block_id: int) -> None:
+    def remove(self, block_id: int, reuse: bool = True) -> None:
         if block_id in self._small:
             self._small.remove(block_id)
             self._left[block_id] = 1
@@ -384,6 +414,7 @@ class S3FIFOQueue(EvictionQueue):
             self._left[block_id] = 2
         else:
             self._unhashed.remove(block_id)
+        self._repeat[block_id] = not reuse
 
     def pop(self) -> int:
         if len(self._unhashed):
@@ -406,6 +437,13 @@ class S3FIFOQueue(EvictionQueue):
         if self._left[block_id] == 1:
             _remember(self._ghost, key, self._cap)
         self._fresh[block_id] = 1
+
+    def forget_block(self, block_id: int) -> None:
+        self._fresh[block_id] = 1
+        self._repeat[block_id] = 0
+
+    def note_reuse(self, block_id: int) -> None:
+        self._repeat[block_id] = 0
 
     def remembered_keys(self) -> Iterable[int]:
         return list(self._ghost)

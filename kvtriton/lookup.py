@@ -52,15 +52,14 @@ def _full_walk(lookup: Lookup, keys: Sequence[int], ratio: int, limit: int,
                fine_grained: bool) -> tuple[int, list[int]]:
     """``full_attention_hit`` and the blocks it found, one per step of the walk."""
     step = 1 if fine_grained else ratio
-    n = 0
     found = []
-    while n + step <= limit:
-        b = lookup(keys[n + step - 1])
+    append = found.append
+    for k in keys[step - 1:max(limit, 0):step]:  # the walk's keys, n + step <= limit
+        b = lookup(k)
         if b is None:
             break
-        found.append(b)
-        n += step
-    return n, found
+        append(b)
+    return len(found) * step, found
 
 
 def sliding_window_hit(lookup: Lookup, keys: Sequence[int], ratio: int, window_blocks: int,
@@ -176,6 +175,6 @@ def _hit_blocks(layout: KVLayout, lookup: Lookup, keys, n: int, ratios, walks,
                 lookup(ks[(i + 1) * r - 1]) for i in range(first, n_blocks)]
         else:
             blocks = [lookup(ks[min((i + 1) * r, n) - 1]) for i in range(n_blocks)]
-        assert all(b is not None for b in blocks)
+        assert None not in blocks
         out.append(blocks)
     return tuple(out)

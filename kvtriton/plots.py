@@ -12,9 +12,11 @@ import numpy as np
 __all__ = [
     "PLANNER_VARIANTS",
     "plot_capacity",
+    "plot_gap_closed",
     "plot_hole",
     "plot_kernels",
     "plot_planner",
+    "plot_restore_map",
     "plot_simulation",
     "plot_sweep",
 ]
@@ -224,3 +226,59 @@ def plot_connector_soak(doc: dict, path: str | Path) -> Path:
         ax.set_xlabel("distinct blocks seen")
         ax.legend(fontsize=7)
     return _save(fig, path, dpi=140)
+
+
+def plot_restore_map(doc: dict, path: str | Path) -> Path:
+    """Heat maps of re-store's gain over eager stores, in token hit-rate points, one panel per
+    re-store form: CPU/GPU capacity ratio across, running requests (``max_running``) down.
+    ``doc``: ``bench.bench_policies.restore_map``'s result (``ratios``, ``max_running``,
+    ``gain[form][i_running][i_ratio]``)."""
+    plt = _pyplot()
+    forms = list(doc["gain"])
+    ratios, running = doc["ratios"], doc["max_running"]
+    grids = {f: np.array(doc["gain"][f], dtype=float) * 100 for f in forms}
+    lim = max(1e-9, max(float(np.nanmax(np.abs(g))) for g in grids.values()))
+    fig, axes = plt.subplots(1, len(forms), figsize=(4.6 * len(forms), 3.6), squeeze=False)
+    for ax, f in zip(axes[0], forms, strict=True):
+        g = grids[f]
+        im = ax.imshow(g, cmap="RdBu", vmin=-lim, vmax=lim, origin="lower", aspect="auto")
+        for i in range(g.shape[0]):
+            for j in range(g.shape[1]):
+                ax.text(j, i, f"{g[i, j]:+.1f}", ha="center", va="center", fontsize=8)
+        ax.set_xticks(range(len(ratios)), [f"{r:g}x" for r in ratios])
+        ax.set_yticks(range(len(running)), [str(r) for r in running])
+        ax.set_xlabel("CPU tier / GPU capacity")
+        ax.set_ylabel("max running requests")
+        ax.set_title(f"{f} minus eager (points)")
+    fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8)
+    fig.suptitle(doc.get("workload", ""), fontsize=9)
+    path = Path(path)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=130, bbox_inches="tight")
+    plt.close(fig)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("wb") as fh:
+        fh.write(buf.getvalue())
+    return path
+
+
+def plot_gap_closed(runs: list[dict], path: str | Path, title: str = "") -> Path:
+    """Share of the control-to-bound gap each setup closes, one group of bars per capacity.
+    ``runs``: ``[{"label": ..., "rows": [...]}]`` with ``gap_closed`` on every row (oracles
+    left out)."""
+    plt = _pyplot()
+    names = [r["policy"] for r in runs[0]["rows"] if not r.get("oracle")]
+    width = 0.8 / len(runs)
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.7 * len(names) + 2), 3.8))
+    x = np.arange(len(names))
+    for k, run in enumerate(runs):
+        by = {r["policy"]: r.get("gap_closed") for r in run["rows"]}
+        vals = [100 * by[n] if by.get(n) is not None else np.nan for n in names]
+        ax.bar(x + (k - (len(runs) - 1) / 2) * width, vals, width, label=run["label"])
+    ax.axhline(0, color="black", lw=0.8)
+    ax.axhline(25, color="grey", lw=0.8, ls="--")
+    ax.set_xticks(x, names, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("gap closed (%)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    return _save(fig, path)

@@ -81,6 +81,13 @@ class BlockPool:
         # Primary key per block (None: unhashed) and its aliases (hash boundaries inside it).
         self._primary: list[int | None] = [None] * num_blocks
         self._aliases: list[tuple[int, ...]] = [()] * num_blocks
+        # Per hashed block: the KV-cache group it was cached for (``cache_block``'s
+        # ``group_idx``; None when not named), so a pool of several groups' blocks can tell them
+        # apart (lazy offload walks bare free blocks).
+        self._group: list[int | None] = [None] * num_blocks
+        # Per block: who last took it back from the free queue (``touch``'s ``user``), so that a
+        # request pinning the same block again is not mistaken for reuse by a frequency policy.
+        self._last_user: list[object] = [None] * num_blocks
         # key -> block id, or key -> {block id: None} when several blocks share the key.
         self._map: dict[int, int | dict[int, None]] = {}
         self._eviction = make_eviction_queue(eviction) if isinstance(eviction, str) else eviction
@@ -124,11 +131,22 @@ class BlockPool:
         return len(self._map)
 
     def is_free(self, block_id: int) -> bool:
-        return block_id in self._eviction
+        # Ref count 0 is free-queue membership (check_invariants holds them equal) and cheaper
+        # than asking the queue; the null block has ref count 0 and is never free.
+        return self.ref_cnt[block_id] == 0 and block_id != NULL_BLOCK
+
+    def count_present(self, keys) -> int:
+        """How many of ``keys`` are registered (one C-level pass; lookups' hole counts)."""
+        return sum(map(self._map.__contains__, keys))
 
     def block_hash(self, block_id: int) -> int | None:
         """The primary key of ``block_id`` or ``None``."""
         return self._primary[block_id]
+
+    def block_group(self, block_id: int) -> int | None:
+        """The group ``block_id`` was cached for (``cache_block``'s ``group_idx``), or ``None``
+        (unhashed, or cached without one)."""
+        return self._group[block_id]
 
     def block_keys(self, block_id: int) -> tuple[int, ...]:
         """Every key ``block_id`` is registered under: primary first, then aliases."""
@@ -206,13 +224,20 @@ class BlockPool:
             ref[b] = 1
         return out
 
-    def touch(self, block_ids: Sequence[int]) -> None:
-        """Take one more reference on each block; a free block leaves the free queue (a hit)."""
+    def touch(self, block_ids: Sequence[int], user: object = None) -> None:
+        """Take one more reference on each block; a free block leaves the free queue (a hit).
+
+        ``user`` (a request id, say) names who takes the blocks: a free block taken again by
+        the user that took it last is a repeated touch, not reuse, and the eviction queue is
+        told so (a waiting request's lookup pins its CPU hit every step it stays waiting).
+        ``None``: every touch of a free block counts as reuse."""
         self._check_ids(block_ids, "touch")
-        queue, ref = self._eviction, self.ref_cnt
+        queue, ref, last = self._eviction, self.ref_cnt, self._last_user
         for b in block_ids:
             if ref[b] == 0:
-                queue.remove(b)
+                queue.remove(b, reuse=user is None or last[b] != user)
+                if user is not None:
+                    last[b] = user
             ref[b] += 1
 
     def free_blocks(self, block_ids: Sequence[int]) -> None:
@@ -252,7 +277,9 @@ class BlockPool:
         lora_id: int | None = None,
         group_idx: int | None = None,
     ) -> None:
-        """Register ``block_id`` under its primary ``key`` and ``aliases``.
+        """Register ``block_id`` under its primary ``key`` and ``aliases``; ``group_idx`` (the
+        KV-cache group the block belongs to) is kept until the block's hashes are evicted
+        (``block_group``) and named in its ``BlockStored`` event.
 
         The block must be unhashed and referenced (a free block would be evicted unseen).
         """
@@ -268,7 +295,11 @@ class BlockPool:
             # A None key would leave the block looking unhashed while the map holds it.
             if type(k) is not int and not is_int(k):  # the common case first: hot path
                 raise ValueError(f"cache_block: key {k!r} of block {block_id} is not an int")
+        if group_idx is not None and (not is_int(group_idx) or group_idx < 0):
+            raise ValueError(f"cache_block: group_idx {group_idx!r} of block {block_id} is not "
+                             "a non-negative int")
         self._primary[block_id] = key
+        self._group[block_id] = None if group_idx is None else int(group_idx)
         self._aliases[block_id] = aliases
         for k in (key, *aliases):
             self._map_add(k, block_id)
@@ -300,6 +331,8 @@ class BlockPool:
         keys = self.block_keys(b)
         self._eviction.on_evicted(b, keys[0])
         self._primary[b] = None
+        self._group[b] = None
+        self._last_user[b] = None
         self._aliases[b] = ()
         for k in keys:
             self._map_remove(k, b)
@@ -333,6 +366,8 @@ class BlockPool:
         self._map.clear()
         self._primary = [None] * self.num_blocks
         self._aliases = [()] * self.num_blocks
+        self._group = [None] * self.num_blocks
+        self._last_user = [None] * self.num_blocks
         self._fill_free_queue()
         for k, b in dropped:
             for cb in self._on_evict:
@@ -350,6 +385,8 @@ class BlockPool:
         for b in range(1, self.num_blocks):
             assert self.ref_cnt[b] >= 0, f"block {b} ref count {self.ref_cnt[b]}"
             assert (b in self._eviction) == (self.ref_cnt[b] == 0), f"block {b} queue membership"
+            assert self._primary[b] is not None or self._group[b] is None, (
+                f"unhashed block {b} keeps group {self._group[b]}")
             for k in self.block_keys(b):
                 assert b in self.cached_blocks(k), f"block {b} key {k:#x} missing from map"
         n_map = 0

@@ -24,10 +24,11 @@ sys.path.insert(0, str(ROOT))
 
 from kvtriton.plots import (  # noqa: E402 - the repo root goes on the path first
     PLANNER_VARIANTS,
-    plot_capacity,
+    plot_gap_closed,
     plot_hole,
     plot_kernels,
     plot_planner,
+    plot_restore_map,
     plot_sweep,
 )
 
@@ -154,94 +155,177 @@ def planner_section(v: dict) -> None:
     v["fig_planner"] = "![planner cost per step](figures/planner.png)"
 
 
-POLICY_ORDER = ["no_cpu", "control", "restore", "restore_tail", "restore_tail_bounded",
-                "restore_tail_bounded_arc", "restore_tail_bounded_s3fifo"]
+WORKLOADS = (("agent", "agent generator"), ("cc_agentic", "coding-agent traces"),
+             ("mooncake", "Mooncake trace"))
 
 
-def sim_section(v: dict) -> None:
-    doc = _load("sim_agent")
-    if doc is None:
-        v["sim_text"] = "*Pending: `python -m bench.bench_sim` has not been run.*"
-        v["sim_table"] = v["fig_sim"] = ""
-        v["abstract_sim"] = "the simulation has not been run"
+def _gap(x) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
+
+
+def _policy_docs() -> dict[str, dict]:
+    return {tag: doc for tag, _ in WORKLOADS if (doc := _load(f"policies_{tag}")) is not None}
+
+
+def policies_section(v: dict) -> None:
+    docs = _policy_docs()
+    if not docs:
+        for k in ("policies_text", "ablation_table", "policies_tables", "fig_gap",
+                  "targets_text", "bounds_text", "hints_text"):
+            v[k] = "*Pending: `python -m bench.bench_policies` has not been run.*"
+        v["abstract_policies"] = "the policy benchmark has not been run"
         return
-    runs = doc["runs"]
-    cond = runs[0]["conditions"]
-    policies = [p for p in POLICY_ORDER if any(r["policy"] == p for r in runs[0]["rows"])]
-    header = ["CPU tokens", *policies, "Belady bound"]
-    rows = []
-    for run in runs:
-        by = {r["policy"]: r for r in run["rows"]}
-        rows.append([f"{run['cpu_tokens']:,}"]
-                    + [f"{_pct(by[p]['token_hit_rate'])} / {by[p]['ttft_p90_s']:.2f}s"
-                       for p in policies]
-                    + [_pct(run["bound"]["hit_rate"]) if run.get("bound") else "-"])
-    v["sim_table"] = (f"Agent workload (`{doc['workload']}`, {doc['requests']:,} requests), GPU "
-                      f"{doc['gpu_tokens']:,} tokens, {runs[0]['conditions']['model']} on a "
-                      f"modeled {runs[0]['conditions']['gpu']}. Each cell: token hit rate / "
-                      "modeled TTFT p90.\n\n" + _table(header, rows))
-    mid = runs[len(runs) // 2]
-    by = {r["policy"]: r for r in mid["rows"]}
-    detail_cols = ["policy", "hit rate", "CPU hit tokens", "recomputed tokens", "stored",
-                   "re-stored", "re-store thrash", "running evictions", "chain holes",
-                   "TTFT p50 / p99 (s)", "planner ms/step"]
-    detail = [[p, _pct(by[p]["token_hit_rate"]), f"{by[p]['cpu_hit_tokens']:,}",
-               f"{by[p]['recomputed_tokens']:,}", f"{by[p]['stored_blocks']:,}",
-               f"{by[p]['restored_blocks']:,}", f"{by[p]['restore_thrash']:,}",
-               f"{by[p]['running_evictions']:,}", f"{by[p]['chain_holes']:,}",
-               f"{by[p]['ttft_p50_s']:.2f} / {by[p]['ttft_p99_s']:.2f}",
-               f"{by[p]['planner_ms_per_step']:.3f}"] for p in policies]
-    v["sim_detail_table"] = (f"At {mid['cpu_tokens']:,} CPU tokens:\n\n"
-                             + _table(detail_cols, detail))
+    labels = dict(WORKLOADS)
+    first = next(iter(docs.values()))
+    cond = first["runs"][0]["conditions"]
     cm = cond["cost_model"]
-    v["sim_text"] = (
-        f"Machine: {_machine(doc)}. Workload: `{doc['workload']}`, {doc['requests']:,} requests "
-        f"(the agent generator, closed loop). Model {cond['model']} on a modeled {cond['gpu']} "
-        f"({cond['layout']}); GPU {doc['gpu_tokens']:,} tokens; token budget "
-        f"{cond['token_budget']:,} per step; cost model: MFU {cm['mfu']}, step overhead "
+    v["policies_text"] = (
+        f"Machine: {_machine(first)}. Model {cond['model']} on a modeled {cond['gpu']} "
+        f"({cond['layout']}); token budget {cond['token_budget']:,} per step, at most "
+        f"{cond['max_running']} running requests; cost model: MFU {cm['mfu']}, step overhead "
         f"{cm['step_overhead_s'] * 1e3:.1f} ms, host link {cm['h2d_bytes_per_s'] / 1e9:.0f} GB/s "
-        "each way (constants and sources in `kvtriton/sim/cost.py`). TTFT is modeled; planner "
-        "time is measured.")
-    best = max(policies, key=lambda p: by[p]["token_hit_rate"])
-    ctrl = by.get("control")
-    v["abstract_sim"] = (f"on a multi-turn agent workload at {mid['cpu_tokens']:,} CPU tokens "
-                         f"the best policy is `{best}` at {_pct(by[best]['token_hit_rate'])} "
-                         "token hit rate"
-                         + (f" against {_pct(ctrl['token_hit_rate'])} for the control"
-                            if ctrl else ""))
-    v["sim_best"] = best
-    plot_capacity(doc, policies, FIGURES / "sim_capacity.png")
-    v["fig_sim"] = "![hit rate and TTFT vs CPU capacity](figures/sim_capacity.png)"
+        "each way (`kvtriton/sim/cost.py`). TTFT is modeled. Workloads: "
+        + "; ".join(f"{labels[t]}: `{d['workload']}`, {d['requests']:,} requests, GPU "
+                    f"{d['gpu_tokens']:,} tokens" for t, d in docs.items()) + ".")
+    # The ablation: gap closed per setup, workload and capacity.
+    cols, keys = ["setup"], []
+    for tag, doc in docs.items():
+        for run in doc["runs"]:
+            cols.append(f"{labels[tag]}, CPU {run['cpu_ratio']}x")
+            keys.append((tag, run["cpu_ratio"]))
+    by = {(tag, run["cpu_ratio"]): {r["policy"]: r for r in run["rows"]}
+          for tag, doc in docs.items() for run in doc["runs"]}
+    names = []
+    for doc in docs.values():
+        for run in doc["runs"]:
+            names += [r["policy"] for r in run["rows"] if r["policy"] not in names]
+    rows = []
+    for n in names:
+        cells = [f"`{n}`"]
+        for k in keys:
+            r = by[k].get(n)
+            cells.append("-" if r is None else
+                         f"{_pct(r['token_hit_rate'])} ({_gap(r.get('gap_closed'))})")
+        rows.append(cells)
+    v["ablation_table"] = (
+        "Token hit rate and, in parentheses, the share of the gap between the control "
+        "(`eager`) and the in-loop Belady bound that each setup closes, at the same capacity. "
+        "The rows `eager+nextuse`, `lazy+nextuse` and `eager+inf` are the bounds; the bound is "
+        "the better next-use row (100%).\n\n" + _table(cols, rows))
+    # Per capacity detail of the first workload's runs.
+    tables = []
+    detail = ["setup", "hit rate", "gap closed", "CPU hit tokens", "stored", "re-stored",
+              "re-store thrash", "TTFT p50 / p90 (s)"]
+    for tag, doc in docs.items():
+        for run in doc["runs"]:
+            trs = [[f"`{r['policy']}`" + (" (bound)" if r["oracle"] else ""),
+                    _pct(r["token_hit_rate"]), _gap(r.get("gap_closed")),
+                    f"{r['cpu_hit_tokens']:,}", f"{r['stored_blocks']:,}",
+                    f"{r['restored_blocks']:,}", f"{r['restore_thrash']:,}",
+                    f"{r['ttft_p50_s']:.2f} / {r['ttft_p90_s']:.2f}"] for r in run["rows"]]
+            cob = run.get("cache_only_bound")
+            tables.append(
+                f"**{labels[tag]}, CPU {run['cpu_ratio']}x the GPU** ({run['cpu_tokens']:,} "
+                "tokens)" + (f"; cache-only Belady over GPU + CPU: {_pct(cob['hit_rate'])}"
+                             if cob else "") + ":\n\n" + _table(detail, trs))
+    v["policies_tables"] = "\n\n".join(tables)
+    figs = []
+    for tag, doc in docs.items():
+        runs = [{"label": f"CPU {run['cpu_ratio']}x", "rows": run["rows"]}
+                for run in doc["runs"]]
+        plot_gap_closed(runs, FIGURES / f"gap_{tag}.png", f"{labels[tag]}: `{doc['workload']}`")
+        figs.append(f"![{labels[tag]}: gap closed per setup](figures/gap_{tag}.png)")
+    v["fig_gap"] = "\n\n".join(figs)
+    # Targets.
+    def target_line(tag: str, t: dict) -> str:
+        return (f"- {labels[tag]}, CPU {t['cpu_ratio']}x: best online setup with TTFT p50 and "
+                f"p90 no worse than the control's: "
+                + (f"`{t['best']}`, {_gap(t['gap_closed'])} of the gap "
+                   if t["best"] else "none ")
+                + f"(control {_pct(t['control_hit_rate'])}, bound `{t['bound']}` "
+                f"{_pct(t['bound_hit_rate'])}); target {t['target']:.0%}: "
+                + ("no gap to close at this size: the control reaches the bound."
+                   if t.get("no_gap") else "met." if t["met"] else "**missed**."))
+
+    v["targets_text"] = "\n".join(target_line(tag, t) for tag, doc in docs.items()
+                                   for t in doc["targets"])
+    # Bounds: the in-loop bounds against the cache-only one.
+    blines = []
+    for tag, doc in docs.items():
+        for run in doc["runs"]:
+            rb = {r["composition"]: r for r in run["rows"]}
+            cob = run.get("cache_only_bound")
+            parts = [f"{labels[tag]}, CPU {run['cpu_ratio']}x: control "
+                     f"{_pct(rb['eager']['token_hit_rate'])}"]
+            for comp, what in (("eager+nextuse", "next-use eviction, eager"),
+                               ("lazy+nextuse", "next-use eviction, lazy"),
+                               ("eager+inf", "unbounded tier")):
+                if comp in rb:
+                    parts.append(f"{what} {_pct(rb[comp]['token_hit_rate'])}")
+            if cob:
+                parts.append(f"cache-only Belady {_pct(cob['hit_rate'])}")
+            blines.append("- " + ", ".join(parts) + ".")
+    v["bounds_text"] = "\n".join(blines)
+    # Hints and the other online signals, as gains over what they change.
+    hl = []
+    for tag, doc in docs.items():
+        for run in doc["runs"]:
+            rb = {r["composition"]: r for r in run["rows"]}
+            pairs = [("lazy+hints", "lazy"), ("eager+hints", "eager"), ("eager+second", "eager"),
+                     ("eager+refresh", "eager"), ("eager+arc", "eager"),
+                     ("eager+s3fifo", "eager"), ("eager+refresh+arc", "eager+arc")]
+            cells = [f"`{a}` {100 * (rb[a]['token_hit_rate'] - rb[b]['token_hit_rate']):+.1f} "
+                     f"over `{b}`" for a, b in pairs if a in rb and b in rb]
+            if cells:
+                hl.append(f"- {labels[tag]}, CPU {run['cpu_ratio']}x (points of hit rate): "
+                          + "; ".join(cells) + ".")
+    v["hints_text"] = "\n".join(hl)
+    # Abstract: the best online setup per workload at CPU = GPU.
+    ab = []
+    for tag, doc in docs.items():
+        t = doc["targets"][0]
+        if t["best"]:
+            ab.append(f"`{t['best']}` closes {_gap(t['gap_closed'])} of the gap to the in-loop "
+                      f"bound on the {labels[tag]} at CPU {t['cpu_ratio']}x")
+    v["abstract_policies"] = "; ".join(ab) if ab else "no online setup beat the control"
 
 
-def mooncake_sim_section(v: dict) -> None:
-    doc = _load("sim_mooncake")
+def restore_map_section(v: dict) -> None:
+    doc = _load("restore_map_agent")
     if doc is None:
-        v["mooncake_sim"] = ("*Pending: the whole-trace Mooncake simulation "
-                             "(`python -m bench.bench_sim --mooncake`) has not been run.*")
+        v["restore_map_text"] = "*Pending: `python -m bench.bench_policies --only map`.*"
+        v["fig_restore_map"] = ""
+        v["abstract_restore"] = "the re-store map has not been run"
         return
-    st = doc["settings"]
-    c = doc["conditions"]
-    by = {r["policy"]: r for r in doc["rows"]}
-    policies = [p for p in POLICY_ORDER if p in by]
-    cols = ["policy", "hit rate", "CPU hit tokens", "recomputed tokens", "re-stored",
-            "preemptions", "TTFT p50 / p90 (s)", "planner ms/step", "wall (s)"]
-    rows = [[p, _pct(by[p]["token_hit_rate"]), f"{by[p]['cpu_hit_tokens']:,}",
-             f"{by[p]['recomputed_tokens']:,}", f"{by[p]['restored_blocks']:,}",
-             f"{by[p]['preemptions']:,}",
-             f"{by[p]['ttft_p50_s']:.1f} / {by[p]['ttft_p90_s']:.1f}",
-             f"{by[p]['planner_ms_per_step']:.3f}", f"{by[p]['wall_s']:.0f}"] for p in policies]
-    bound = doc.get("bound")
-    v["mooncake_sim"] = (
-        f"The whole shipped Mooncake trace ({doc['requests']:,} requests) through the serving "
-        f"loop with every policy took {doc['wall_s']:.0f} s of wall time on {_machine(doc)}. "
-        f"Settings: {st['block_size']}-token blocks, arrivals spread {st['time_scale']:g}x "
-        "(the trace was recorded on a cluster and saturates one modeled GPU), GPU "
-        f"{c['gpu_gib']:.0f} GiB and CPU {c['cpu_gib']:.0f} GiB of {c['model']} KV on a modeled "
-        f"{c['gpu']}."
-        + (f" Belady's MIN at the same total capacity (cache-only): {_pct(bound['hit_rate'])}."
-           if bound else "")
-        + "\n\n" + _table(cols, rows))
+    ratios, running = doc["ratios"], doc["max_running"]
+    lines = [f"Workload `{doc['workload']}` ({doc['requests']:,} requests), GPU "
+             f"{doc['gpu_tokens']:,} tokens; {_machine(doc)}. Each cell is the token hit rate "
+             "of the re-store form minus that of `eager` at the same capacity and concurrency."]
+    for form, grid in doc["gain"].items():
+        cells = [(grid[i][j], running[i], ratios[j]) for i in range(len(running))
+                 for j in range(len(ratios))]
+        best, worst = max(cells), min(cells)
+        pays = [c for c in cells if c[0] > 0.001]
+        hurts = [c for c in cells if c[0] < -0.001]
+        thrash = doc["restore_thrash"][form]
+        most = max((thrash[i][j], running[i], ratios[j]) for i in range(len(running))
+                   for j in range(len(ratios)))
+        lines.append(
+            f"`{form}`: gains more than 0.1 point in {len(pays)} of {len(cells)} cells and "
+            f"loses more than 0.1 point in {len(hurts)}; best {100 * best[0]:+.1f} points "
+            f"(max_running {best[1]}, CPU {best[2]:g}x), worst {100 * worst[0]:+.1f} points "
+            f"(max_running {worst[1]}, CPU {worst[2]:g}x); most re-store thrash {most[0]:,} "
+            f"(max_running {most[1]}, CPU {most[2]:g}x).")
+    plot_restore_map(doc, FIGURES / "restore_map_agent.png")
+    summary = []
+    for form, grid in doc["gain"].items():
+        flat = [x for row in grid for x in row]
+        summary.append(f"`{form}` gains more than 0.1 point of hit rate over eager stores in "
+                       f"{sum(x > 0.001 for x in flat)} of {len(flat)} cells of the re-store map "
+                       f"(best {100 * max(flat):+.1f}, worst {100 * min(flat):+.1f} points)")
+    v["abstract_restore"] = "; ".join(summary)
+    v["restore_map_text"] = "\n\n".join(lines)
+    v["fig_restore_map"] = "![re-store gain over eager](figures/restore_map_agent.png)"
 
 
 def replay_section(v: dict) -> None:
@@ -311,8 +395,8 @@ def build() -> None:
     v: dict[str, str] = {}
     hole_section(v)
     planner_section(v)
-    sim_section(v)
-    mooncake_sim_section(v)
+    policies_section(v)
+    restore_map_section(v)
     replay_section(v)
     kernel_section(v)
     template = (PAPER / "template.md").read_text()
@@ -323,8 +407,8 @@ def build() -> None:
     (PAPER / "paper.md").write_text(text)
     readme = ROOT / "README.md"
     summary = "\n\n".join(x for x in (
-        f"Abstract figures: {v['abstract_planner']}; {v['abstract_sim']}.",
-        v.get("planner_table", ""), v.get("sim_table", ""),
+        f"Abstract figures: {v['abstract_planner']}; {v['abstract_policies']}.",
+        v.get("planner_table", ""), v.get("targets_text", ""),
         v.get("mooncake_claim", ""),
         "Full write-up with figures and conditions: [paper/paper.md](paper/paper.md).") if x)
     body = readme.read_text()

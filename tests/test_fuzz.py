@@ -18,7 +18,12 @@ interleaving:
   a launch error or a ValueError of its own), reported through ``engine.poll_failures()`` ->
   ``update_connector_output(failed_*)``;
 - ``planner.reset()`` at any moment (optionally the GPU prefix cache too), outside eviction
-  pressure on either pool, and a full drain to quiescence in the middle of a run.
+  pressure on either pool, and a full drain to quiescence in the middle of a run;
+- lazy mode only (it stores from the GPU free queue, so what it offloads depends on how blocks
+  leave the GPU): idle steps, allocation pressure that evicts the next victims as vLLM's
+  allocation does, and a spill (steps and allocation at the pace the walk's target assumes, then
+  the next turn of a finished request, which the CPU alone can serve). Lazy mode runs on every
+  layout, a full-attention + sliding-window + Mamba one included (the eager machines do not).
 
 Invariants after every rule: both pools' own invariants (ref counts, free-queue membership, map
 consistency), every pool reference accounted for by a running table, a transfer in flight or the
@@ -45,6 +50,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -64,7 +70,7 @@ from kvtriton.engine import TransferEngine, allocate_kv_caches
 from kvtriton.lookup import find_longest_hit
 from kvtriton.planner import PlannerConfig, PlannerMeta
 from kvtriton.pool import NULL_BLOCK
-from kvtriton.specs import FullAttentionSpec, KVLayout, SlidingWindowSpec
+from kvtriton.specs import FullAttentionSpec, KVLayout, MambaSpec, SlidingWindowSpec
 
 pytestmark = pytest.mark.device_lane
 
@@ -78,8 +84,14 @@ LAYOUTS = {
     "hybrid": KVLayout([FullAttentionSpec(4, 1, 4, 1, dtype=I32),
                         SlidingWindowSpec(4, 1, 4, 1, sliding_window=10, dtype=I32)],
                        name="fuzz-hybrid"),
+    # Every group kind: full attention and a 10-token window in 4-token blocks, Mamba states
+    # every 8 tokens (the scheduler block); states before the last are freed as it computes.
+    "three": KVLayout([FullAttentionSpec(4, 1, 4, 1, dtype=I32),
+                       SlidingWindowSpec(4, 1, 4, 1, sliding_window=10, dtype=I32),
+                       MambaSpec(8, (3,), (2, 2), 1, dtype=I32)], name="fuzz-three-kinds"),
 }
-SINGLE_GROUP = ["tiny", "alias"]
+# The eager machines' layouts; lazy mode runs on every layout (Mamba included).
+EAGER_LAYOUTS = ["alias", "hybrid", "tiny"]
 MAX_RUNNING = 4
 # Request shapes, in scheduler blocks: shared prefix, own prompt, output.
 MAX_SHARED, MAX_OWN, MAX_OUT = 5, 3, 1
@@ -145,8 +157,9 @@ class Rig(Harness):
         super().__init__(layout, gpu_blocks, cpu_blocks, config, free_out_of_window=True)
         kv = allocate_kv_caches(layout, gpu_blocks, device=DEVICE)
         for group in kv:
-            for t in group:
-                t.fill_(SENTINEL)
+            for layer in group:  # an attention layer's KV tensor, or a Mamba layer's states
+                for t in layer if isinstance(layer, tuple) else (layer,):
+                    t.fill_(SENTINEL)
         self.engine = TransferEngine(layout, kv, self.cpu.num_blocks, backend=backend)
         self.engine.cpu_pool.fill_(0xFF)
         self.world = config.world_size
@@ -464,7 +477,10 @@ class PlannerMachine(RuleBasedStateMachine):
     restore = True
     lazy = False
     backend = "torch"
-    layouts = sorted(LAYOUTS)
+    layouts = EAGER_LAYOUTS
+    actions = ACTIONS
+    cpu_sizes = (8, 24, 1, 2, 3)
+    cpu_per_group = False  # scale the roomier CPU sizes by the layout's groups
 
     def __init__(self) -> None:
         super().__init__()
@@ -482,7 +498,9 @@ class PlannerMachine(RuleBasedStateMachine):
         low = min_gpu_blocks(layout)
         # Hypothesis leans toward the first choice of a list: the roomier pools come first.
         gpu = draw(st.sampled_from([low + 6, 48, low]), label="gpu_blocks")
-        cpu = draw(st.sampled_from([8, 24, 1, 2, 3]), label="cpu_blocks")
+        cpu = draw(st.sampled_from(self.cpu_sizes), label="cpu_blocks")
+        if self.cpu_per_group and cpu > 3:
+            cpu *= layout.num_groups
         cfg = PlannerConfig(
             scan=self.scan, restore=self.restore, lazy=self.lazy,
             lazy_target_blocks=draw(st.sampled_from([None, 2, 8])) if self.lazy else None,
@@ -503,7 +521,11 @@ class PlannerMachine(RuleBasedStateMachine):
             return False
         busy = bool(h.running or h.preempted or h.pending)
         return {
-            "step": busy or h.planner.has_pending_work(),
+            # Lazy mode stores at every step what nears eviction, also with nothing scheduled.
+            "step": (busy or h.planner.has_pending_work()
+                     or (self.lazy and h.gpu.num_cached_keys > 0)),
+            "pressure": h.gpu.num_cached_keys > 0 and h.gpu.num_free_blocks > 0,
+            "spill": bool(self.history) and h.gpu.num_cached_keys > 0,
             "reset": busy,
             "fault": busy,
             "drain": busy,
@@ -520,7 +542,7 @@ class PlannerMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def act(self, data) -> None:
-        choices = [a for a, w in ACTIONS.items() if self._enabled(a) for _ in range(w)]
+        choices = [a for a, w in self.actions.items() if self._enabled(a) for _ in range(w)]
         action = data.draw(st.sampled_from(choices), label="action")
         self.clean = False
         getattr(self, f"_{action}")(data.draw)
@@ -528,10 +550,11 @@ class PlannerMachine(RuleBasedStateMachine):
 
     # ---- requests ---------------------------------------------------------------------------
 
-    def _admit(self, draw) -> None:
+    def _admit(self, draw, kind: str | None = None, best: bool = False) -> None:
         """A new request: the next turn of an earlier one (its whole sequence, then more), or a
         shared prefix of one of three families (or an exact repeat of one) and its own tokens;
-        then output. The scheduler may accept less of the CPU hit."""
+        then output. The scheduler may accept less of the CPU hit. ``best``: the turn of the
+        sequence the CPU holds most of, taking its whole CPU hit."""
         h = self.rig
         B, hbs = h.layout.scheduler_block_size, h.layout.hash_block_size
         q = B // 4  # own prompt and output come in quarter blocks
@@ -539,10 +562,11 @@ class PlannerMachine(RuleBasedStateMachine):
         self.n_req += 1
         rid = f"r{self.n_req}"
         fresh = tokens_for(1000 + self.n_req, own + output)
-        kind = draw(st.sampled_from(["turn", "family", "repeat"] if self.history else ["family"]))
+        kind = kind or draw(st.sampled_from(["turn", "family", "repeat"] if self.history
+                                            else ["family"]))
         if kind == "turn":  # earlier sequences most present in the CPU first
-            ranked = sorted(self.history, key=lambda t: -h.cpu_prefix_blocks(h.request("?", t)))
-            prev = draw(st.sampled_from(ranked))
+            ranked = sorted(self.history, key=lambda t: -self._cpu_presence(h.request("?", t)))
+            prev = ranked[0] if best else draw(st.sampled_from(ranked))
             toks = prev[:max_tokens(h.layout) - len(fresh) - hbs] + fresh
         else:
             family = draw(st.integers(0, 2))
@@ -552,16 +576,24 @@ class PlannerMachine(RuleBasedStateMachine):
             if kind == "repeat":
                 toks = tokens_for(family, len(toks))
         self.tokens[rid] = toks
-        accept = draw(st.sampled_from([None, None, 0, 1, 2]))
+        accept = None if best else draw(st.sampled_from([None, None, 0, 1, 2]))
         req = h.request(rid, toks, output)
         if kind == "turn" and draw(st.sampled_from([True, False])):
             # The GPU prefix cache lost this prefix, so the CPU tier has to serve it.
-            keys = set(req.keys.ravel().tolist())
-            for b in list(h.gpu.iter_free()):
-                if h.gpu.block_hash(b) in keys:
-                    h.gpu.evict_cached(b)
+            self._lose_gpu_copies(set(req.keys.ravel().tolist()))
         if h.blocks_needed(req, len(toks)) <= h.gpu.num_free_blocks:  # else it keeps waiting
             h.admit(req, None if accept is None else accept * hbs)
+
+    def _cpu_presence(self, req) -> int:
+        """How much of ``req`` the CPU holds, to rank earlier sequences for a next turn."""
+        return self.rig.cpu_prefix_blocks(req)
+
+    def _lose_gpu_copies(self, keys: set[int]) -> None:
+        """Drop the GPU prefix cache's free blocks holding ``keys`` (outside pressure)."""
+        h = self.rig
+        for b in list(h.gpu.iter_free()):
+            if h.gpu.block_hash(b) in keys:
+                h.gpu.evict_cached(b)
 
     def _resume(self, draw) -> None:
         h = self.rig
@@ -674,6 +706,47 @@ class PlannerMachine(RuleBasedStateMachine):
             for b in draw(st.permutations(victims))[:how_many]:
                 pool.evict_cached(b)
 
+    def _pressure(self, draw) -> None:
+        """Allocation pressure on the GPU (another tenant's blocks, taken and given back): the
+        first free blocks in eviction order are handed out, losing their hashes, as vLLM's
+        allocation evicts; what the lazy walk stored of them before survives in the CPU."""
+        n = self.rig.gpu.num_free_blocks
+        self._allocate_free(draw(st.sampled_from([n, max(1, n // 2), 1])))
+
+    def _spill(self, draw) -> None:
+        """Lazy mode's way to a CPU hit: steps with nothing scheduled, each followed by every
+        report and by another tenant taking (and holding) the free blocks at the head of the
+        eviction order that are safe to evict (unhashed, or offloaded already), at most half
+        the walk's target (what it assumes one step allocates), until the free queue holds no
+        hashed block; the tenant then gives its blocks back. A turn of a finished request,
+        admitted next, finds its prefix in the CPU only (if the CPU kept every group of it)."""
+        h = self.rig
+        gpu, cpu = h.gpu, h.cpu
+        target = h.planner.config.lazy_target_blocks
+        per_step = max(1, gpu.num_blocks if target is None else target // 2)
+        h.defer = draw(st.sampled_from([(), ("store", "load")]))
+        held: list[int] = []
+        for _ in range(2 * gpu.num_blocks):
+            h.step({})
+            h.deliver_all()
+            if not any(gpu.block_hash(b) is not None for b in gpu.iter_free()):
+                break
+            safe = 0
+            for b in gpu.iter_free():
+                key = gpu.block_hash(b)
+                if safe == per_step or (key is not None and key not in cpu):
+                    break
+                safe += 1
+            held += gpu.get_new_blocks(safe)
+        gpu.free_blocks(held)
+        if len(h.running) < MAX_RUNNING:
+            self._admit(draw, kind="turn", best=True)
+
+    def _allocate_free(self, n: int) -> None:
+        gpu = self.rig.gpu
+        if n > 0:
+            gpu.free_blocks(gpu.get_new_blocks(n))
+
     def _drain(self, draw) -> None:
         self.rig.fail_next = 0
         self.rig.quiesce()
@@ -708,8 +781,31 @@ class LoopNoRestoreMachine(PlannerMachine):
 
 
 class LazyMachine(PlannerMachine):
+    """Lazy offload on every layout: single-group, full attention with a sliding window, and
+    full attention with a window and Mamba states. Stores come from the GPU free queue, each
+    block with the group it was cached for; ``check_bytes`` then proves every CPU block holds
+    the bytes of its key's own group, and every load the bytes of its source key."""
+
     lazy = True
-    layouts = SINGLE_GROUP
+    layouts = ("three", "hybrid", "three", "hybrid", "alias", "tiny")  # hybrids drawn most
+    actions: ClassVar[dict[str, int]] = {**ACTIONS, "pressure": 4, "spill": 2}
+    # A hybrid hit needs every group's blocks at once, and lazy stores reach the CPU in GPU
+    # eviction order (a window's early pages before the rest): room for a few turns per group.
+    cpu_sizes = (24, 8, 48, 1, 3)
+    cpu_per_group = True
+
+    def _cpu_presence(self, req) -> int:
+        """The CPU hit of ``req`` (every group at once: a window or a state may be missing)."""
+        h = self.rig
+        return find_longest_hit(h.layout, h.cpu, req.keys.tolist(), req.num_tokens - 1).num_tokens
+
+    def _lose_gpu_copies(self, keys: set[int]) -> None:
+        """The prefix leaves the GPU as allocation evicts it, with every free block ahead of
+        it in the eviction order: the walks of earlier steps offloaded what they reached."""
+        h = self.rig
+        free = list(h.gpu.iter_free())
+        self._allocate_free(1 + max((i for i, b in enumerate(free)
+                                     if h.gpu.block_hash(b) in keys), default=-1))
 
 
 class TritonMachine(PlannerMachine):
@@ -801,3 +897,73 @@ def test_partial_accept_the_cpu_cannot_serve_is_refused():
     rig.gpu.free_blocks(table[0] + table[1])
     rig.planner.request_finished(req)
     rig.quiesce()
+
+
+# ---- lazy mode on hybrid layouts: stores name their group, a later turn loads every group -------
+
+
+def _lazy_turn_from_cpu(name: str, check_groups: bool = True) -> tuple[Rig, PlannerMeta]:
+    """A 40-token prompt computed and finished under lazy mode; the walk of the next step
+    offloads every block it freed (sliding-window pages and Mamba states dropped while it ran
+    included); allocation then takes the whole GPU free queue, so the next turn (the prompt and
+    8 more tokens) can only be served from the CPU. Returns the rig and the step issuing the
+    load, whose copies have run; every invariant and byte check passed along the way (and,
+    with ``check_groups``, each store named the group of its GPU block's key)."""
+    rig = Rig(LAYOUTS[name], 64, 64, PlannerConfig(lazy=True), "torch")
+    rig.admit(rig.request("a", tokens_for(1, 40)))
+    rig.step({"a": 40})
+    rig.check()
+    rig.finish("a")
+    stores = rig.step({}).store
+    for b, g in zip(stores.gpu_blocks, stores.groups, strict=True):
+        assert not check_groups or g == rig.key_group[rig.gpu.block_hash(b)], (
+            f"GPU block {b} stored as group {g}")
+    rig.deliver_all()
+    rig.check()  # every registered CPU block holds its key's bytes, of its key's group
+    rig.gpu.free_blocks(rig.gpu.get_new_blocks(rig.gpu.num_free_blocks))
+    assert rig.gpu.num_cached_keys == 0
+    assert rig.admit(rig.request("b", tokens_for(1, 48))) == (0, 40)
+    meta = rig.step({})
+    rig.deliver_all()  # checks the loaded bytes, then every block it hashes
+    rig.check()
+    return rig, meta
+
+
+@pytest.mark.parametrize("name", ["hybrid", "three"])
+def test_lazy_stores_serve_a_hybrid_hit_of_every_group(name):
+    """Lazy mode on full attention + a sliding window (and + Mamba states): each store names
+    the group its GPU block was cached for, the CPU registers it under that group, and the next
+    turn's hit loads every group's blocks (10 full-attention blocks, the 3 window pages before
+    token 40, the state saved at 40) with their keys' bytes."""
+    rig, meta = _lazy_turn_from_cpu(name)
+    layout = rig.layout
+    held = {}
+    for c in range(1, rig.cpu.num_blocks):
+        if (k := rig.cpu.block_hash(c)) is not None:
+            g = rig.cpu.block_group(c)
+            assert g == rig.key_group[k], f"CPU block {c} of key {k} registered as group {g}"
+            held[layout.groups[g].kind] = held.get(layout.groups[g].kind, 0) + 1
+    assert held == {"full": 10, "sliding_window": 10, **({"mamba": 5} if name == "three" else {})}
+    load = meta.load
+    expected = {0: 10, 1: 3, **({2: 1} if name == "three" else {})}
+    assert {g: load.groups.count(g) for g in set(load.groups)} == expected
+    assert rig.planner.stats.cpu_hit_tokens == 40
+    assert rig.planner.stats.lazy_stored == sum(held.values())
+    rig.quiesce()
+
+
+@pytest.mark.parametrize("check", ["group_ids", "bytes"])
+def test_lazy_stores_with_the_wrong_group_are_caught(monkeypatch, check):
+    """Negative control: a pool that names group 0 for every block (what lazy mode assumed
+    before it read the block's group) makes the lazy stores copy a window page or a Mamba state
+    from the full-attention group's tensors: the stored group ids disagree with the keys'
+    groups, and without that check the CPU block's bytes give it away."""
+    from kvtriton.pool import BlockPool
+
+    monkeypatch.setattr(BlockPool, "block_group",
+                        lambda self, b: None if self.block_hash(b) is None else 0)
+    match = (r"GPU block \d+ stored as group 0" if check == "group_ids" else
+             r"CPU block \d+ is registered under key \d+ \(group [12]\) but segment 0 holds "
+             r"other bytes")
+    with pytest.raises(AssertionError, match=match):
+        _lazy_turn_from_cpu("three", check_groups=check == "group_ids")

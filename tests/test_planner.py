@@ -144,6 +144,112 @@ def test_lazy_walk_covers_target_blocks_per_step():
     assert h.planner.stats.lazy_stored == 10
 
 
+def test_lazy_walk_restarts_after_a_stored_cursor_block_came_back():
+    """The same walk with every store reported before the next step: a stored block rejoins
+    the free queue at its tail, so a walk resuming after it (the stored cursor) would find
+    nothing left and never reach 6..1; it starts from the head again instead."""
+    h = Harness(num_gpu_blocks=16, config=cfg(lazy=True, lazy_target_blocks=4))
+    stored_prompt(h, "a", tokens_for(1, 161))
+    h.finish("a")
+    stores = []
+    for _ in range(6):
+        m = h.step()
+        stores.append(m.store.gpu_blocks)
+        h.complete(m)
+    assert stores == [[10, 9, 8, 7], [], [6, 5, 4], [], [3, 2, 1], []]
+    assert h.planner.stats.lazy_stored == 10 and h.cpu.num_cached_keys == 10
+
+
+def test_lazy_hybrid_stores_name_each_blocks_group_and_serve_a_hit():
+    """Lazy mode on full attention + a 40-token window: window pages that left the window while
+    the request ran are offloaded as they near eviction, the rest once it finishes, each with
+    the group it was cached for; the next request's hit loads both groups."""
+    h = Harness(HYBRID_TINY, num_gpu_blocks=48, config=cfg(lazy=True, lazy_target_blocks=64),
+                free_out_of_window=True)
+    a = h.request("a", tokens_for(1, 97))
+    h.admit(a)
+    h.step()
+    full, window = (list(t) for t in h.running["a"].tables)
+    assert window[:3] == [NULL_BLOCK] * 3  # pages 0..2 left the window: freed, hashed
+    m = h.step(decode=True)
+    assert (m.store.gpu_blocks, m.store.groups) == ([10, 9, 8], [1, 1, 1])  # last page first
+    h.complete(m)
+    h.finish("a")
+    m = h.step()
+    assert m.store.gpu_blocks == full[:6][::-1] + window[3:6][::-1]
+    assert m.store.groups == [0] * 6 + [1] * 3
+    assert [h.gpu.block_group(b) for b in m.store.gpu_blocks] == m.store.groups
+    h.complete(m)
+    for g in (0, 1):
+        for k in h.primary_keys(a, g)[:6].tolist():
+            assert h.cpu.block_group(h.cpu.get_cached_block(k)) == g
+    evict_gpu_cache(h)
+    b = h.request("b", tokens_for(1, 97))
+    assert h.admit(b) == (0, 96)
+    m = h.step()
+    assert m.load.groups == [0] * 6 + [1] * 3  # the window before token 96: pages 3..5
+    tables = h.running["b"].tables
+    assert m.load.gpu_blocks == tables[0][:6] + tables[1][3:6]
+    assert m.load.cpu_blocks == cpu_blocks_of(h, h.primary_keys(b, 0)[:6]) + cpu_blocks_of(
+        h, h.primary_keys(b, 1)[3:6])
+    h.complete(m)
+    assert h.planner.stats.lazy_stored == 12 and h.planner.stats.cpu_hit_tokens == 96
+    h.check_invariants()
+
+
+def test_lazy_never_guesses_a_blocks_group():
+    """A hashed GPU block whose pool does not name its group is skipped on a layout of several
+    groups (a wrong group would copy another group's bytes) and is group 0 on a single-group
+    layout; a GPU pool that cannot name groups at all is refused for lazy hybrid layouts."""
+    from kvtriton.planner import OffloadPlanner
+    from kvtriton.pool import BlockPool
+
+    def offload(layout, group_idx):
+        gpu = BlockPool(8)
+        planner = OffloadPlanner(layout, gpu, 4, cfg(lazy=True))
+        b = gpu.get_new_blocks(1)
+        gpu.cache_block(b[0], 7, group_idx=group_idx)
+        gpu.free_blocks(b)
+        store = planner.build_meta(StepOutput()).store
+        return store.gpu_blocks, store.groups
+
+    assert offload(HYBRID_TINY, None) == ([], [])
+    assert offload(HYBRID_TINY, 1) == ([1], [1])
+    assert offload(HYBRID_TINY, 2) == ([], [])  # a group the layout lacks
+    assert offload(LLAMA_TINY, None) == ([1], [0])
+    blind = BlockPool(8)
+    blind.block_group = None
+    with pytest.raises(ValueError, match="lazy mode on a layout of 2 groups needs a GPU pool "
+                                         "that knows each block's group"):
+        OffloadPlanner(HYBRID_TINY, blind, 4, cfg(lazy=True))
+    OffloadPlanner(HYBRID_TINY, BlockPool(8), 4, cfg())  # eager mode does not ask
+
+
+def test_pool_keeps_a_blocks_group_until_its_hashes_go():
+    """``cache_block``'s ``group_idx`` is the block's group until the block is handed out again
+    or the prefix cache is reset; a bad one is refused before anything changes."""
+    from kvtriton.pool import BlockPool
+
+    pool = BlockPool(4)
+    a, b, c = pool.get_new_blocks(3)
+    pool.cache_block(a, 10, group_idx=1)
+    pool.cache_block(b, 11)
+    assert (pool.block_group(a), pool.block_group(b)) == (1, None)
+    with pytest.raises(ValueError, match=f"group_idx -1 of block {c} is not a non-negative int"):
+        pool.cache_block(c, 12, group_idx=-1)
+    assert pool.block_hash(c) is None and 12 not in pool
+    pool.free_blocks([a, b, c])
+    assert pool.block_group(a) == 1  # free and still cached: still its group
+    pool.get_new_blocks(3)  # evicts both
+    assert (pool.block_group(a), pool.block_group(b)) == (None, None)
+    pool.check_invariants()
+    pool = BlockPool(4)
+    c = pool.get_new_blocks(1)
+    pool.cache_block(c[0], 10, group_idx=2)
+    pool.free_blocks(c)
+    assert pool.reset_prefix_cache() and pool.block_group(c[0]) is None
+
+
 def test_last_block_is_never_hit():
     h = Harness()
     stored_prompt(h, "a", tokens_for(1, 160))  # exactly 10 blocks

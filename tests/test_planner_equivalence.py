@@ -9,18 +9,29 @@ the same stats (all but the measured selection time), every pool reference must 
 (``Harness.check_invariants``) and the planner's and selector's books must hold
 (``OffloadPlanner.check_invariants``).
 Once every request finished and every transfer completed, both pools must be all-free.
+Lazy mode runs the same schedules on single-group layouts and, with the fused and loop planners
+in lockstep, on hybrid ones (full attention with a sliding window, and with a window and Mamba
+states), where every store must name the group of its GPU block's key.
 """
 
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from planner_harness import ALIAS_TINY, HYBRID_TINY, LLAMA_TINY, Harness, tokens_for
 
+from kvtriton.lookup import find_longest_hit
 from kvtriton.planner import PlannerConfig
+from kvtriton.specs import FullAttentionSpec, KVLayout, MambaSpec, SlidingWindowSpec
 
 LAYOUTS = {"tiny": LLAMA_TINY, "alias": ALIAS_TINY, "hybrid": HYBRID_TINY}
+# Lazy mode on every group kind at once: full attention and a 24-token window in 8-token blocks,
+# Mamba states every 16 tokens (the scheduler block).
+THREE_KINDS = KVLayout([FullAttentionSpec(8, 1, 8, 1),
+                        SlidingWindowSpec(8, 1, 8, 1, sliding_window=24),
+                        MambaSpec(16, (4,), (8,), 1)], name="three-kinds")
+LAZY_HYBRID = {"hybrid": HYBRID_TINY, "three": THREE_KINDS}
 MAX_RUNNING = 5
 STEPS = 60
 
@@ -76,6 +87,25 @@ class Lockstep:
         self.compare()
 
 
+def _servable(h: Harness, req, accept: int | None) -> int | None:
+    """``accept``, or 0 where a sliding window or a Mamba state makes that shorter CPU hit a
+    set of blocks the CPU lacks (the planner refuses it; a scheduler then takes none). Looked
+    up without pinning anything, so the harnesses stay in step."""
+    if not accept or all(g.kind == "full" for g in h.layout.groups):
+        return accept
+    hbs = h.layout.hash_block_size
+    local = h.gpu_hit(req).num_tokens
+    cap = req.num_tokens - 1 - local
+    if local % h.layout.scheduler_block_size or accept >= cap:
+        return accept
+    keys = req.keys[:, local // hbs:].tolist()
+    hit = find_longest_hit(h.layout, h.cpu, keys, cap).num_tokens
+    if not 0 < accept < hit:
+        return accept
+    short = find_longest_hit(h.layout, h.cpu, [k[:accept // hbs] for k in keys], accept)
+    return accept if short.num_tokens == accept else 0
+
+
 def _drive(data, lock: Lockstep) -> None:
     h = lock.h
     layout = h.layout
@@ -98,14 +128,15 @@ def _drive(data, lock: Lockstep) -> None:
             reqs = [hh.request(rid, toks, output) for hh in lock.hs]
             need = h.blocks_needed(reqs[0], reqs[0].num_tokens + output)
             if need + 8 <= h.gpu.num_free_blocks:
-                accept = draw(st.sampled_from([None, None, 0, hbs, B, 2 * B]))
+                accept = _servable(h, reqs[0], draw(st.sampled_from([None, None, 0, hbs, B,
+                                                                      2 * B])))
                 for hh, req in zip(lock.hs, reqs, strict=True):
                     hh.admit(req, accept)
         if h.preempted and draw(st.integers(0, 2)) == 0:
             rid = draw(st.sampled_from(sorted(h.preempted)))
             req = h.preempted[rid]
             if h.blocks_needed(req) + 8 <= h.gpu.num_free_blocks:
-                accept = draw(st.sampled_from([None, 0, B]))
+                accept = _servable(h, req, draw(st.sampled_from([None, 0, B])))
                 lock.all(lambda hh, rid=rid, accept=accept: hh.resume(rid, accept))
         # -- preemption, finish, confirmed-token jitter
         if h.running and draw(st.integers(0, 7)) == 0:
@@ -211,3 +242,41 @@ def test_lazy_mode_invariants(data, layout, gpu_blocks, cpu_blocks, target):
     lock = Lockstep(LAYOUTS[layout], gpu_blocks, cpu_blocks,
                     [PlannerConfig(lazy=True, lazy_target_blocks=target)])
     _drive(data, lock)
+
+
+@pytest.mark.parametrize("layout", sorted(LAZY_HYBRID))
+@settings(max_examples=max(10, settings().max_examples // 4), deadline=None)
+@given(data=st.data(), gpu_blocks=st.sampled_from([64, 96]), cpu_blocks=st.integers(4, 40),
+       target=st.sampled_from([None, 4, 16, 64]), world=st.sampled_from([1, 1, 2]),
+       order=st.sampled_from(["tail_first", "head_first"]))
+def test_lazy_mode_fused_matches_loop_on_hybrid_layouts(data, layout, gpu_blocks, cpu_blocks,
+                                                        target, world, order):
+    """Lazy mode on layouts of several groups (full attention with a sliding window, and with a
+    window and Mamba states): the fused and loop planners pick the same free-queue blocks with
+    the same groups, and every block stored is named with the group whose key it holds."""
+    common = dict(lazy=True, lazy_target_blocks=target, world_size=world, cpu_free_order=order)
+    lock = Lockstep(LAZY_HYBRID[layout], gpu_blocks, cpu_blocks,
+                    [PlannerConfig(scan="fused", **common), PlannerConfig(scan="loop", **common)])
+    h = lock.h
+    key_group: dict[int, int] = {}
+    real_request, real_step = h.request, h.step
+
+    def request(rid, tokens, output=0):
+        req = real_request(rid, tokens, output)
+        for g, row in enumerate(req.keys.tolist()):
+            key_group.update(dict.fromkeys(row, g))
+        return req
+
+    def step(scheduled=None, **kw):
+        meta = real_step(scheduled, **kw)
+        s = meta.store
+        for b, g in zip(s.gpu_blocks, s.groups, strict=True):
+            assert g == key_group[h.gpu.block_hash(b)], f"GPU block {b} stored as group {g}"
+        return meta
+
+    h.request, h.step = request, step
+    _drive(data, lock)
+    # Every CPU block the lazy stores registered names the group of its key.
+    for c in range(1, h.cpu.num_blocks):
+        if (k := h.cpu.block_hash(c)) is not None:
+            assert h.cpu.block_group(c) == key_group[k]

@@ -88,8 +88,9 @@ def test_hit_rates_and_the_bound_cover_the_same_requests():
                    _req("small", 2, 48), _req("small2", 2, 48, after="small")], B)
     res = simulate(wl, gpu_blocks=8, cpu_blocks=8, policies=["no_cpu", "restore_tail"])
     assert res.conditions["rejected"] == 1
-    for r in res.rows:
+    for r in res.rows + res.bounds:
         assert (r["rejected"], r["finished"], r["prompt_tokens"]) == (1, 3, 64 + 48 + 48)
+    for r in res.rows:
         assert r["token_hit_rate"] <= res.bound["hit_rate"] + 1e-9
     admitted = Workload([_req("again", 1, 64), _req("small", 2, 48),
                          _req("small2", 2, 48, after="small")], B)
@@ -98,7 +99,9 @@ def test_hit_rates_and_the_bound_cover_the_same_requests():
         expect.hit_rate, 3, 1)
     header, _, *lines = res.table().splitlines()
     assert header.split()[:2] == ["policy", "rejected"]
-    assert [line.split()[:2] for line in lines] == [["no_cpu", "1"], ["restore_tail", "1"]]
+    assert [line.split()[:2] for line in lines] == [
+        ["no_cpu", "1"], ["restore_tail", "1"], ["eager", "1"], ["eager+nextuse", "1"],
+        ["lazy+nextuse", "1"], ["eager+inf", "1"]]
 
 
 def test_every_request_rejected_is_an_error_not_a_table():

@@ -5,8 +5,10 @@ hit's end, the Mamba state at its boundary. The positions before get null pages 
 nothing is registered that no load wrote. Integrity mode checks every block at the moment it is
 registered under a key, in the GPU prefix cache and in the CPU tier, besides every load as it
 lands, so ``registrations_checked`` accounts for every block computed, loaded or stored. The
-cases: the configurations an attack found failing, the shipped coding-agent traces, seeded random
-hybrid configurations, and negative controls that corrupt or skip one write and must fail. Then
+cases: the configurations an attack found failing, the shipped coding-agent traces, lazy offload on
+hybrid models (stores from the GPU free queue, each named with its block's group), seeded random
+hybrid configurations, and negative controls that corrupt or skip one write, or name the wrong
+group, and must fail. Then
 clean ends: a run steps on until the planner has nothing pending, and both pools end all free
 (``ServingLoop.run`` checks it in every simulation, so every run here checks it too).
 """
@@ -135,6 +137,57 @@ def test_shipped_coding_agent_traces_on_hybrid_models(model):
                    bound=False, policies=["restore_tail_bounded"]).rows[0]
     _check_row(row, len(wl))
     assert row["cpu_hit_tokens"] > 0 and row["rejected"] > 0
+
+
+# ---- lazy offload on hybrid models ---------------------------------------------------------------
+
+# Smaller runs of the issue configurations: turns that come back after their prefix left the GPU.
+LAZY_CASES = {
+    "gemma3-12b": (dict(num_conversations=8, min_turns=2, max_turns=4, system_prompt_tokens=1024,
+                        think_s_mean=2.0, seed=317),
+                   dict(gpu_tokens=16384, cpu_tokens=32768, token_budget=8192, max_running=4)),
+    "nemotron-h-8b": (dict(num_conversations=8, min_turns=3, max_turns=4,
+                           system_prompt_tokens=2048, think_s_mean=8.0, seed=614),
+                      dict(gpu_tokens=24576, cpu_tokens=65536, max_running=16)),
+}
+
+
+def _simulate_lazy(model: str):
+    wl_args, sim_args = LAZY_CASES[model]
+    wl = agent_workload(**wl_args)
+    return wl, simulate(wl, model=model, integrity=True, bound=False, policies=["lazy"],
+                        **sim_args).rows[0]
+
+
+@pytest.mark.parametrize("model", list(LAZY_CASES))
+def test_lazy_offload_on_hybrid_models_serves_hits_of_every_group(model, monkeypatch):
+    """Lazy mode (the free-queue walk) on full attention + sliding window and on full attention
+    + Mamba: its stores name each block's group, so every CPU block registered holds its key's
+    bytes in its key's group, and the hits load blocks of every group, checked as they land."""
+    load_groups: set[int] = set()
+    real = IntegrityChecker.execute
+
+    def execute(self, meta):
+        load_groups.update(meta.load.groups)
+        real(self, meta)
+
+    monkeypatch.setattr(IntegrityChecker, "execute", execute)
+    wl, row = _simulate_lazy(model)
+    _check_row(row, len(wl))
+    assert row["cpu_hit_tokens"] > 0 and row["stored_blocks"] > 0
+    assert row["handoff_stored"] == 0  # Mamba states too come from the free queue
+    assert load_groups == set(range(preset(model).num_groups))
+
+
+def test_lazy_stores_with_the_wrong_group_fail_at_registration(monkeypatch):
+    """Negative control: a GPU pool that names group 0 for every block (lazy mode's old
+    assumption) makes a window page's store read the full-attention tensors; the CPU block is
+    registered as group 0 under a key computed in group 1, and the run stops there."""
+    monkeypatch.setattr(BlockPool, "block_group",
+                        lambda self, b: None if self.block_hash(b) is None else 0)
+    with pytest.raises(IntegrityError, match=r"CPU block \d+ registered under key \d+ as group 0, "
+                                             r"but the key was computed in group 1"):
+        _simulate_lazy("gemma3-12b")
 
 
 # ---- random hybrid configurations ---------------------------------------------------------------

@@ -17,6 +17,7 @@ import pytest
 pytest.importorskip("vllm")
 os.environ["HF_HUB_OFFLINE"] = "1"
 
+from vllm.v1.core.kv_cache_utils import get_group_id
 from vllm.v1.request import RequestStatus
 
 from kvtriton.specs import FullAttentionSpec, SlidingWindowSpec
@@ -141,6 +142,43 @@ def test_lazy_round_trip(model_dir):
     drv.add(vllm_request("b", p + tokens(4, 8), 1, BS))
     run(drv)
     assert side.planner.stats.cpu_hit_tokens == 6 * BS
+    assert_idle(s, side)
+
+
+def test_lazy_hybrid_round_trip(model_dir):
+    """Lazy mode through vLLM's hybrid allocator: the GPU free queue holds both groups' blocks,
+    each store names the group of its block's hash (vLLM's group id suffix), the CPU registers
+    it under that group, and a later request's hit loads both groups."""
+    s, side, drv = build(model_dir, groups=(FULL, WINDOW), num_gpu_blocks=64,
+                         extra_config={"offload": "lazy", "lazy_target_blocks": 64})
+    p = tokens(44, 8 * BS)
+    groups_of_stores = []
+    real_build = s.connector.build_connector_meta
+
+    def build_meta(so):
+        meta = real_build(so)
+        pool = s.kv_cache_manager.block_pool
+        for b, g in zip(meta.store.gpu_blocks, meta.store.groups, strict=True):
+            assert g == get_group_id(pool.blocks[b].block_hash), f"GPU block {b} as group {g}"
+            groups_of_stores.append(g)
+        return meta
+
+    s.connector.build_connector_meta = build_meta
+    drv.add(vllm_request("a", [*p, 1], 2, BS))
+    run(drv)
+    assert set(groups_of_stores) == {0, 1}
+    assert set(gpu_hash_list(p, 0)) | set(gpu_hash_list(p, 1)[5:]) <= cpu_hashes(side)
+    pool = side.cpu_pool
+    for c in range(1, pool.num_blocks):
+        if (k := pool.block_hash(c)) is not None:
+            assert pool.block_group(c) == get_group_id(side.keys.hash_of(k))
+    evict_gpu(drv)
+    drv.add(vllm_request("b", p + tokens(45, 5), 1, BS))
+    so = step_until(drv, lambda so: len(so.kv_connector_metadata.load))
+    load = so.kv_connector_metadata.load
+    assert load.groups.count(0) == 8 and load.groups.count(1) == 2
+    run(drv)
+    assert side.planner.stats.cpu_hit_tokens == 8 * BS
     assert_idle(s, side)
 
 
@@ -590,10 +628,6 @@ def test_bad_setting_is_one_error_when_the_scheduler_starts(model_dir, extra, me
         make_scheduler(model_dir, [FULL], num_gpu_blocks=16, extra_config=extra)
 
 
-def test_lazy_mode_needs_one_group(model_dir):
-    with pytest.raises(ValueError, match=r"'offload'.*one KV cache group"):
-        make_scheduler(model_dir, [FULL, WINDOW], num_gpu_blocks=16, cpu_blocks=8,
-                       extra_config={"offload": "lazy"})
 
 
 def test_worker_role_refuses_kv_tensors_it_cannot_address(model_dir):

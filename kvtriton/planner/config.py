@@ -34,6 +34,12 @@ class PlannerConfig:
       overrides the target derived from the layout and ``max_num_batched_tokens``).
     - ``fine_grained``: CPU hits may end on any hash boundary (full-attention layouts only).
     - ``world_size``: workers that must report a store before it counts.
+    - ``admission``: ``"all"`` stores every block the scan selects; ``"second"`` only blocks
+      whose key at least two requests have held (counted at admission), as SGLang HiCache's
+      ``write_through_selective`` backs up a node on its second hit. Eager stores only.
+    - ``refresh_on_gpu_hit``: a request's GPU prefix hit also counts as a use of the CPU copies
+      of those blocks (their eviction order is refreshed, once per request): the tier's recency
+      then follows every hit, not only CPU hits.
     """
 
     restore: bool = True
@@ -48,6 +54,8 @@ class PlannerConfig:
     max_num_batched_tokens: int = 8192
     fine_grained: bool = False
     world_size: int = 1
+    admission: Literal["all", "second"] = "all"
+    refresh_on_gpu_hit: bool = False
 
     def __post_init__(self) -> None:
         if self.scan not in ("fused", "loop"):
@@ -55,7 +63,7 @@ class PlannerConfig:
         if self.cpu_free_order not in ("tail_first", "head_first"):
             raise ValueError(
                 f"cpu_free_order must be 'tail_first' or 'head_first', got {self.cpu_free_order!r}")
-        for name in ("restore", "scan_idle", "lazy", "fine_grained"):
+        for name in ("restore", "scan_idle", "lazy", "fine_grained", "refresh_on_gpu_hit"):
             v = getattr(self, name)
             if not isinstance(v, bool):
                 raise ValueError(f"{name} must be a bool, got {v!r}")
@@ -66,6 +74,10 @@ class PlannerConfig:
         share = self.restore_share
         if share is not None and (not is_finite_number(share) or not 0 <= share <= 1):
             raise ValueError(f"restore_share must be None or a number in [0, 1], got {share!r}")
+        if self.admission not in ("all", "second"):
+            raise ValueError(f"admission must be 'all' or 'second', got {self.admission!r}")
+        if self.admission != "all" and self.lazy:
+            raise ValueError("admission 'second' applies to eager stores, not lazy mode")
         if not is_int(self.world_size) or self.world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {self.world_size!r}")
         if not is_int(self.max_num_batched_tokens) or self.max_num_batched_tokens <= 0:

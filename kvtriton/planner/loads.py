@@ -71,6 +71,9 @@ class Loads:
         # Requests whose load failed: they recompute, and are not offered a CPU hit again until
         # they finish (a copy that keeps failing would otherwise load, fail and retry forever).
         self._failed: set[str] = set()
+        # Refresh on GPU hits: requests whose GPU-hit prefix already refreshed the CPU copies.
+        self._refresh = config.refresh_on_gpu_hit
+        self._refreshed: set[str] = set()
         self._loads: dict[str, _Load] = {}
         # Loads abandoned by reset() but still in flight, oldest first per request.
         self._abandoned: dict[str, list[_Load]] = {}
@@ -101,6 +104,8 @@ class Loads:
         if (stale := self._pending_hits.pop(rid, None)) is not None:
             self._unpin_hit(stale)
         self._stats.lookups += 1
+        if self._refresh and rid not in self._refreshed and num_computed_tokens:
+            self._refresh_gpu_hit(req, num_computed_tokens)
         if rid in self._failed:
             return 0, False
         layout = self._layout
@@ -120,9 +125,30 @@ class Loads:
         self._count_holes(keys, hit.num_tokens // hbs)
         if hit.num_tokens == 0:
             return 0, False
-        self._cpu_pool.touch([b for grp in hit.blocks for b in grp if b != NULL_BLOCK])
+        self._cpu_pool.touch([b for grp in hit.blocks for b in grp if b != NULL_BLOCK], user=rid)
         self._pending_hits[rid] = _PendingHit(hit.blocks, hit.num_tokens, num_computed_tokens)
         return hit.num_tokens, True
+
+    def _refresh_gpu_hit(self, req: Request, num_computed_tokens: int) -> None:
+        """The CPU copies of ``req``'s GPU-hit prefix are used again: take each free one and
+        free it back (tail first, so the chain head stays longest), once per request. Without
+        it an eager tier's recency is its store time: a prefix hot in the GPU ages out of the
+        CPU though every request uses it, and is gone when the GPU evicts it."""
+        rid = req.request_id
+        self._refreshed.add(rid)
+        pool = self._cpu_pool
+        n = min(num_computed_tokens // self._layout.hash_block_size, req.keys.shape[1])
+        blocks = []
+        for keys in req.keys[:, :n].tolist():
+            for k in keys:
+                b = pool.get_cached_block(k)
+                if b is not None and pool.is_free(b):
+                    blocks.append(b)
+        if blocks:
+            blocks = list(dict.fromkeys(blocks))
+            pool.touch(blocks, user=rid)
+            pool.free_blocks(blocks[::-1])
+            self._stats.gpu_hit_refreshed += len(blocks)
 
     def _count_holes(self, keys: list[list[int]], hit_hash_blocks: int) -> None:
         """Blocks of the first full-attention group present in the CPU past the first miss."""
@@ -134,7 +160,7 @@ class Loads:
             primaries = keys[g][r - 1::r]
             first_miss = hit_hash_blocks // r
             if first_miss < len(primaries) and primaries[first_miss] not in cpu_pool:
-                holes = sum(k in cpu_pool for k in primaries[first_miss + 1:])
+                holes = cpu_pool.count_present(primaries[first_miss + 1:])
                 self._stats.chain_holes += holes
                 self._stats.lookups_with_holes += holes > 0
             return
@@ -230,7 +256,7 @@ class Loads:
             if pending is not None:
                 self._unpin_hit(pending)
             return
-        self._cpu_pool.touch(load.cpu)
+        self._cpu_pool.touch(load.cpu, user=rid)
         self._unpin_hit(pending)
         self._gpu_pool.touch(load.gpu)
         self._loads[rid] = load
@@ -306,6 +332,7 @@ class Loads:
         if (pending := self._pending_hits.pop(rid, None)) is not None:
             self._unpin_hit(pending)
         self._failed.discard(rid)
+        self._refreshed.discard(rid)
         ld = self._loads.get(rid)
         if ld is not None and ld.event is None:
             del self._loads[rid]
@@ -323,6 +350,7 @@ class Loads:
             self._unpin_hit(pending)
         self._pending_hits.clear()
         self._failed.clear()
+        self._refreshed.clear()
 
     # ---- introspection ----------------------------------------------------------------------
 

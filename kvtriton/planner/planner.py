@@ -256,6 +256,7 @@ class OffloadPlanner:
         if len(held):
             raise ValueError(f"forget_keys: keys {held[:5].tolist()} are still referenced")
         self.selector.forget_keys(keys)
+        self._stores.forget_keys(keys)
 
     # ---- 6. reset ---------------------------------------------------------------------------
 

@@ -47,6 +47,8 @@ class PlannerStats:
     handoff_stored: int = 0
     handoff_dropped: int = 0
     lazy_stored: int = 0
+    admission_skipped: int = 0
+    gpu_hit_refreshed: int = 0
     stores_completed: int = 0
     blocks_stored: int = 0
     loads_issued: int = 0

@@ -97,6 +97,9 @@ class Stores:
         self._flush = StoreJob()
         self._reports: dict[int, int] = {}
         self._next_event = 0
+        # Admission on second sight: per key, how many admitted requests held it (saturating).
+        self._second = config.admission == "second"
+        self._sightings = np.zeros(0, dtype=np.uint8)
 
     # ---- rows -------------------------------------------------------------------------------
 
@@ -137,6 +140,34 @@ class Stores:
         self._states[rid] = st
         self._row_req[row] = rid
         self._admit_row(req, st)
+        if self._second:
+            self._sight(req)
+
+    def _sight(self, req: Request) -> None:
+        keys = np.unique(np.concatenate([k for k in self._primary_keys(req)]))
+        if not len(keys):
+            return
+        if int(keys[-1]) >= len(self._sightings):
+            grown = np.zeros(max(2 * len(self._sightings), int(keys[-1]) + 1), dtype=np.uint8)
+            grown[:len(self._sightings)] = self._sightings
+            self._sightings = grown
+        seen = self._sightings
+        seen[keys] = np.minimum(seen[keys], 1) + 1
+
+    def _admitted(self, keys: list[int]) -> np.ndarray:
+        """Mask of ``keys`` the admission rule lets in."""
+        k = np.asarray(keys, dtype=np.int64)
+        seen = self._sightings
+        inside = k < len(seen)
+        out = np.zeros(len(k), dtype=bool)
+        out[inside] = seen[k[inside]] >= 2
+        return out
+
+    def forget_keys(self, keys: np.ndarray) -> None:
+        """Drop the sightings of recycled keys."""
+        if self._second and len(keys):
+            keys = keys[keys < len(self._sightings)]
+            self._sightings[keys] = 0
 
     def validate_step(self, step: StepOutput) -> None:
         """``ValueError`` for a step whose new blocks or hand-offs are not block ids of the GPU
@@ -254,6 +285,13 @@ class Stores:
         self._stats.select_calls += 1
         self._stats.scan.add(sel.outcomes)
         self._stats.restore_thrash += sel.thrash
+        if self._second and len(sel):
+            keep = self._admitted(sel.keys)
+            self._stats.admission_skipped += int(len(keep) - keep.sum())
+            idx = np.flatnonzero(keep).tolist()
+            for name in ("rows", "groups", "positions", "gpu_blocks", "keys", "restore"):
+                col = getattr(sel, name)
+                setattr(sel, name, [col[i] for i in idx])
         if not len(sel):
             return
         start = len(job.gpu)
@@ -426,7 +464,8 @@ class Stores:
                 if src == NULL_BLOCK and spec.kind == "sliding_window":
                     src = gpu_pool.get_cached_block(key) or NULL_BLOCK
                 if (src == NULL_BLOCK or gpu_pool.block_hash(src) != key
-                        or sel.in_flight(src, key) or key in cpu_pool or key in queued):
+                        or sel.in_flight(src, key) or key in cpu_pool or key in queued
+                        or (self._second and not self._admitted([key])[0])):
                     continue
                 if len(job.gpu) >= free:
                     break

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvtriton.eviction import EvictionQueue, make_eviction_queue
+from kvtriton.hints import CLOSED, NORMAL, PROTECTED, HintedQueue
 from kvtriton.planner import OffloadPlanner, PlannerMeta
 from kvtriton.pool import BlockPool
 from kvtriton.records import Request
@@ -39,12 +41,13 @@ from kvtriton.sim.cost import CostModel
 from kvtriton.sim.errors import UncleanEndError
 from kvtriton.sim.hooks import IntegrityHook
 from kvtriton.sim.metrics import RunMetrics
+from kvtriton.sim.next_use import NextUse, NextUseQueue
 from kvtriton.sim.scheduler import BatchScheduler, SeqBlocks
 from kvtriton.sim.setups import TierPolicy
 from kvtriton.sim.workload import Workload, WorkloadRequest
 from kvtriton.specs import KVLayout
 
-__all__ = ["POOL_BYTES_PER_BLOCK", "ServingLoop", "gpu_blocks_for"]
+__all__ = ["POOL_BYTES_PER_BLOCK", "ServingLoop", "gpu_blocks_for", "num_keys"]
 
 # Memory per block of a pool at most: its lists and free queue (73 to 110 bytes measured, by
 # eviction rule, plus the int objects the queue creates as it runs) and the planner's per-block
@@ -56,6 +59,11 @@ def gpu_blocks_for(layout: KVLayout, wr: WorkloadRequest) -> int:
     """GPU blocks ``wr`` holds at its full length in every group: a request needing more than
     the whole GPU pool is rejected, as a server rejects a prompt longer than its context."""
     return sum(-(-wr.total_len // g.block_size) for g in layout.groups)
+
+
+def num_keys(keys: list[np.ndarray]) -> int:
+    """Distinct dense key ids a workload's key arrays use (one past the largest)."""
+    return max((int(k.max()) + 1 for k in keys if k.size), default=0)
 
 
 @dataclass(slots=True, eq=False, kw_only=True)
@@ -103,8 +111,14 @@ class ServingLoop:
         self.gpu = BlockPool(gpu_blocks + 1)
         self.cpu: BlockPool | None = None
         self.planner: OffloadPlanner | None = None
+        self._index = {wr.request_id: i for i, wr in enumerate(workload.requests)}
+        self._next_use: NextUse | None = None
+        self._hinted: HintedQueue | None = None
         if policy.planner is not None:
-            self.cpu = BlockPool(cpu_blocks + 1, eviction=policy.cpu_eviction, medium="CPU")
+            if policy.infinite_cpu:
+                cpu_blocks = num_keys(keys)
+            self.cpu = BlockPool(cpu_blocks + 1, eviction=self._cpu_queue(policy, keys),
+                                 medium="CPU")
             self.planner = OffloadPlanner(layout, self.gpu, self.cpu, policy.planner)
         self.integrity = integrity
         if integrity is not None:
@@ -114,6 +128,9 @@ class ServingLoop:
                                     count_recomputed=True, integrity=integrity,
                                     reserve_full_isl=reserve_full_isl)
         self.metrics = RunMetrics(policy=policy.name)
+        if self._next_use is not None or self._hinted is not None:
+            self.sched.on_first_admit = self._first_admit
+            self._last_holder = np.full(num_keys(keys), -1, dtype=np.int64)
         self._keys = keys
         self._arrivals, self._successors = workload.arrival_queue()
         self._completions: list[tuple[float, int, str, int, list[str]]] = []
@@ -121,6 +138,41 @@ class ServingLoop:
         self._d2h, self._h2d = _Link(), _Link()
         self.now = 0.0
         self.step_no = 0
+
+    def _cpu_queue(self, policy: TierPolicy, keys: list[np.ndarray]) -> EvictionQueue:
+        """The CPU pool's eviction: the named queue, the next-use oracle, or either under
+        hints."""
+        if policy.cpu_eviction == "nextuse":
+            self._next_use = NextUse(keys, num_keys(keys))
+            queue: EvictionQueue = NextUseQueue(self._next_use)
+        else:
+            queue = make_eviction_queue(policy.cpu_eviction)
+        if policy.hints:
+            queue = self._hinted = HintedQueue(queue, policy.hint_protect_share)
+        return queue
+
+    def _first_admit(self, seq: _Seq) -> None:
+        i = self._index[seq.req.request_id]
+        if self._next_use is not None:
+            self._next_use.consume(i)
+        if self._hinted is not None:
+            self._last_holder[self._keys[i].ravel()] = i
+
+    def _apply_hint(self, seq: _Seq) -> None:
+        """A finished turn's hint reaches the CPU tier: ``continue`` protects its keys,
+        ``close`` marks the keys this turn held last as first to go, no hint clears both."""
+        i = self._index[seq.req.request_id]
+        keys = np.unique(self._keys[i].ravel())
+        hint = seq.wr.hint
+        if hint == "close":
+            keys = keys[self._last_holder[keys] == i]
+            level = CLOSED
+        else:
+            level = PROTECTED if hint == "continue" else NORMAL
+        cpu = self.cpu
+        self._hinted.hint(keys, level, lambda k: (b if (b := cpu.get_cached_block(k)) is not
+                                                  None and cpu.is_free(b) else None))
+        self.metrics.hints[hint or "none"] = self.metrics.hints.get(hint or "none", 0) + 1
 
     @staticmethod
     def bytes_needed(gpu_blocks: int, cpu_blocks: int) -> int:
@@ -223,6 +275,8 @@ class ServingLoop:
             self.now += self._compute(scheduled)
             for seq in sched.advance(scheduled, self._sampled):
                 self.metrics.finished += 1
+                if self._hinted is not None:
+                    self._apply_hint(seq)
                 self._release_successors(seq.req.request_id)
             self.metrics.steps += 1
         else:
@@ -282,6 +336,8 @@ class ServingLoop:
         if self.planner is not None:
             m.planner = self.planner.stats.as_dict()
             m.planner["running_evictions"] = self.planner.selector.running_evictions
+        if self._hinted is not None:
+            m.planner["protect_overflow"] = self._hinted.protect_overflow
         if self.progress is not None:
             self.progress(m.finished, total)
         return m

@@ -39,6 +39,8 @@ class RunMetrics:
     ttft_s: list[float] = field(default_factory=list)
     build_meta_ms: list[float] = field(default_factory=list)
     planner: dict = field(default_factory=dict)
+    #: Finished requests per hint the CPU tier was given ("none": no hint), with hints on.
+    hints: dict = field(default_factory=dict)
 
     def summary(self) -> dict:
         """Flat figures for tables and JSON."""
@@ -60,6 +62,10 @@ class RunMetrics:
             "restore_thrash": p.get("restore_thrash", 0),
             "loaded_blocks": p.get("blocks_loaded", 0),
             "handoff_stored": p.get("handoff_stored", 0),
+            "lazy_stored": p.get("lazy_stored", 0),
+            "admission_skipped": p.get("admission_skipped", 0),
+            "protect_overflow": p.get("protect_overflow", 0),
+            "hints_applied": dict(self.hints),
             "bytes_d2h": self.bytes_d2h,
             "bytes_h2d": self.bytes_h2d,
             "running_evictions": p.get("running_evictions", 0),
@@ -84,6 +90,7 @@ _COLUMNS = [
     ("policy", "policy", "{}"),
     ("rejected", "rejected", "{:,}"),
     ("token_hit_rate", "hit rate", "{:.1%}"),
+    ("gap_closed", "gap closed", "{:.0%}"),
     ("gpu_hit_tokens", "GPU hit tok", "{:,}"),
     ("cpu_hit_tokens", "CPU hit tok", "{:,}"),
     ("recomputed_tokens", "recomputed", "{:,}"),
@@ -103,7 +110,8 @@ _COLUMNS = [
 def format_table(rows: list[dict]) -> str:
     """A fixed-width table of ``RunMetrics.summary()`` rows."""
     cells = [[title for _, title, _ in _COLUMNS]]
-    cells += [[fmt.format(r[key]) for key, _, fmt in _COLUMNS] for r in rows]
+    cells += [["-" if r.get(key) is None else fmt.format(r[key]) for key, _, fmt in _COLUMNS]
+              for r in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(_COLUMNS))]
     lines = []
     for n, row in enumerate(cells):

@@ -198,7 +198,7 @@ class KVScheduler:
                     keys = req.keys[g, pos * r:(pos + 1) * r].tolist()
                     if computed_here:
                         self._computed(g, b, keys[-1], spec.block_size)
-                    gpu.cache_block(b, keys[-1], keys[:-1])
+                    gpu.cache_block(b, keys[-1], keys[:-1], group_idx=g)
                     if spec.kind == "mamba":
                         seq.handoffs.append(((pos + 1) * spec.block_size, b, g))
             seq.cached[g] = max(seq.cached[g], full)
@@ -387,6 +387,8 @@ class BatchScheduler(KVScheduler):
         self.cpu_hit_tokens = 0
         self.prefill_tokens = 0
         self.preemptions = 0
+        #: Called with a request the first time it is admitted (its lookup ran, it got blocks).
+        self.on_first_admit: Callable[[SeqBlocks], None] | None = None
         # Per group, the tokens whose blocks a reservation counts at most (None: all of them):
         # vLLM caps a sliding window's admission at the blocks it can hold at once
         # (SlidingWindowSpec.max_admission_blocks_per_request: window - 1 plus one step's tokens,
@@ -478,7 +480,7 @@ class BatchScheduler(KVScheduler):
         hit_blocks = [b for blocks in hit.blocks for b in blocks if b != NULL_BLOCK]
         # Touching a free cached hit block takes it out of the free queue: it counts as taken
         # (vLLM's num_evictable_blocks).
-        touched = sum(map(self.gpu.is_free, hit_blocks))
+        touched = list(map(self.gpu.ref_cnt.__getitem__, hit_blocks)).count(0)
         free = self.gpu.num_free_blocks
         if self.reserve_full_isl and \
                 sum(self.blocks_to_hold(hit.blocks, req.num_tokens, computed)) + touched > free:
@@ -499,6 +501,8 @@ class BatchScheduler(KVScheduler):
             self.prompt_tokens += req.num_prompt_tokens
             self.gpu_hit_tokens += local
             self.cpu_hit_tokens += ext
+            if self.on_first_admit is not None:
+                self.on_first_admit(seq)
         if ext:
             seq.pending_ext = ext
             self.loading[req.request_id] = seq

@@ -12,11 +12,12 @@ from kvtriton.sim.loop import ServingLoop, gpu_blocks_for
 from kvtriton.sim.metrics import format_table
 from kvtriton.sim.progress import Progress
 from kvtriton.sim.replay import BELADY, replay
-from kvtriton.sim.setups import DEFAULT_POLICIES, tier_policy
+from kvtriton.sim.setups import BOUNDS, DEFAULT_POLICIES, NEXT_USE_BOUNDS, TierPolicy, tier_policy
 from kvtriton.sim.workload import Workload
 from kvtriton.specs import KVLayout, preset
 
-__all__ = ["SimulationResult", "capacity_blocks", "machine_memory_bytes", "simulate"]
+__all__ = ["SimulationResult", "add_gap_closed", "capacity_blocks", "gap_closed",
+           "in_loop_bound", "machine_memory_bytes", "simulate"]
 
 GiB = 1 << 30
 
@@ -115,13 +116,42 @@ class SimulationResult:
     conditions: dict
     rows: list[dict] = field(default_factory=list)
     bound: dict | None = None
+    #: The in-loop bounds (next-use eviction, unbounded tier), as rows.
+    bounds: list[dict] = field(default_factory=list)
 
     def table(self) -> str:
-        return format_table(self.rows)
+        return format_table(self.rows + self.bounds)
 
     def to_dict(self) -> dict:
         return {"workload": self.workload, "conditions": self.conditions, "rows": self.rows,
-                "bound": self.bound}
+                "bound": self.bound, "bounds": self.bounds}
+
+
+CONTROL = "eager"
+
+
+def gap_closed(hit_rate: float, control: float, bound: float) -> float | None:
+    """Share of the gap between the control's hit rate and the in-loop next-use bound's that
+    ``hit_rate`` closes (negative: worse than the control; None: no gap to close)."""
+    gap = bound - control
+    return (hit_rate - control) / gap if gap > 1e-9 else None
+
+
+def in_loop_bound(rows: list[dict]) -> dict | None:
+    """The in-loop Belady bound among ``rows``: the better of the next-use runs."""
+    runs = [r for r in rows if r.get("composition") in NEXT_USE_BOUNDS]
+    return max(runs, key=lambda r: r["token_hit_rate"]) if runs else None
+
+
+def add_gap_closed(rows: list[dict], bounds: list[dict]) -> None:
+    """Set ``gap_closed`` on every row and bound from the control row and the in-loop Belady
+    bound (``composition`` names them); None where either is missing."""
+    every = rows + bounds
+    control = next((r for r in every if r.get("composition") == CONTROL), None)
+    bound = in_loop_bound(every)
+    for r in every:
+        r["gap_closed"] = None if control is None or bound is None else gap_closed(
+            r["token_hit_rate"], control["token_hit_rate"], bound["token_hit_rate"])
 
 
 def simulate(
@@ -143,6 +173,7 @@ def simulate(
     bound: bool = True,
     progress: bool = False,
     reserve_full_isl: bool = True,
+    in_loop_bounds: Sequence[str] = BOUNDS,
 ) -> SimulationResult:
     """Replay ``workload`` through the serving loop once per policy.
 
@@ -159,6 +190,12 @@ def simulate(
     rejected. ``reserve_full_isl``: admit a request only when its whole sequence fits in the
     GPU blocks (vLLM 0.32's default, ``scheduler_reserve_full_isl``); False admits it when its
     first chunk fits.
+
+    ``policies`` are preset names or compositions (``kvtriton.sim.setups``). With ``bound``,
+    ``in_loop_bounds`` also run in the same loop (default: next-use eviction and an unbounded
+    tier; see ``kvtriton.sim.next_use``), and the control (``eager``) runs if no policy is it:
+    every row then carries ``gap_closed``, its share of the gap between the control and the
+    next-use bound.
     """
     if not isinstance(token_budget, int) or token_budget < 1:
         raise ValueError(f"token_budget must be a positive int, got {token_budget!r}")
@@ -167,6 +204,9 @@ def simulate(
     if not len(workload):
         raise ValueError(f"workload {workload.name!r} has no requests")
     chosen = [tier_policy(p) for p in policies]
+    oracles = [tier_policy(p) for p in in_loop_bounds] if bound else []
+    if bound and not any(p.composition == CONTROL for p in chosen):
+        oracles.insert(0, tier_policy(CONTROL))
     layout = preset(model, block_size=workload.hash_block_size)
     cost = CostModel.named(model, gpu)
     n_gpu, n_cpu = tier_blocks(layout, gpu_blocks=gpu_blocks, gpu_tokens=gpu_tokens,
@@ -194,18 +234,25 @@ def simulate(
     if integrity:
         # Imported only when asked for: it brings torch's transfer engine and Triton.
         from kvtriton.sim.integrity import IntegrityChecker
-    for pol in chosen:
+    def run(pol: TierPolicy) -> dict:
         checker = IntegrityChecker(layout, n_gpu, n_cpu, integrity_backend) if integrity else None
         loop = ServingLoop(workload, keys, layout, pol, cost, gpu_blocks=n_gpu, cpu_blocks=n_cpu,
                            token_budget=token_budget, max_running=max_running,
                            integrity=checker, reserve_full_isl=reserve_full_isl,
                            progress=Progress(f"{pol.name:>20s}", enabled=progress))
         row = loop.run().summary()
+        row["composition"] = pol.composition
+        row["oracle"] = pol.oracle
+        row["cpu_blocks"] = loop.cpu.num_blocks - 1 if loop.cpu is not None else 0
         if checker is not None:
             row["integrity_blocks_checked"] = checker.blocks_checked
             row["integrity_registrations_checked"] = checker.registrations_checked
             row["integrity_blocks_filled"] = checker.blocks_filled
-        result.rows.append(row)
+        return row
+
+    result.rows = [run(pol) for pol in chosen]
+    result.bounds = [run(pol) for pol in oracles]
+    add_gap_closed(result.rows, result.bounds)
     if bound:
         result.bound = belady_bound(workload, layout, n_gpu, n_cpu, rejected)
     return result

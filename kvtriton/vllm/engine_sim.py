@@ -36,6 +36,7 @@ from kvtriton.sim.setups import DEFAULT_POLICIES, TierPolicy, tier_policy
 from kvtriton.sim.simulate import (
     GiB,
     SimulationResult,
+    add_gap_closed,
     belady_bound,
     cost_conditions,
     tier_blocks,
@@ -390,6 +391,13 @@ def simulate_vllm(
     if not len(workload):
         raise ValueError(f"workload {workload.name!r} has no requests")
     chosen = [tier_policy(p) for p in policies]
+    for pol in chosen:
+        if pol.planner is not None and (pol.oracle or pol.hints
+                                        or pol.planner.admission != "all"
+                                        or pol.planner.refresh_on_gpu_hit):
+            raise ValueError(f"simulate_vllm: policy {pol.name!r} uses an axis the connector "
+                             "does not take (next-use oracle, unbounded tier, hints, "
+                             "second-sight admission, refresh): run it with kvtriton's loop")
     layout = preset(model, block_size=workload.hash_block_size)
     if any(g.kind == "mamba" for g in layout.groups):
         raise ValueError(f"simulate_vllm: model {model!r} has Mamba groups, which this "
@@ -425,7 +433,12 @@ def simulate_vllm(
                            model_dir=model_dir, max_model_len=max_model_len,
                            progress=Progress(f"{pol.name:>20s} (vllm)", enabled=progress),
                            scheduler_overrides=scheduler_overrides)
-            result.rows.append(run.run().summary())
+            row = run.run().summary()
+            row["composition"], row["oracle"] = pol.composition, pol.oracle
+            row["cpu_blocks"] = n_cpu if pol.planner is not None else 0
+            result.rows.append(row)
+    # The in-loop oracles need kvtriton's own loop; gap_closed is set where a control ran.
+    add_gap_closed(result.rows, [])
     if bound:
         result.bound = belady_bound(workload, layout, n_gpu, n_cpu, rejected=set())
     return result

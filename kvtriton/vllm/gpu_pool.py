@@ -160,6 +160,13 @@ class VllmGpuPool:
         h = self._blocks[block_id].block_hash
         return None if h is None else self._keys.id_of(h)
 
+    def block_group(self, block_id: int) -> int | None:
+        """The KV-cache group ``block_id`` is cached for, or None if vLLM has not hashed it:
+        vLLM keys a block by ``BlockHashWithGroupId``, its hash followed by the group id in
+        4 big-endian bytes (``get_group_id``; ``keys.group_suffixes``)."""
+        h = self._blocks[block_id].block_hash
+        return None if h is None else int.from_bytes(h[-4:], "big")
+
     def block_keys(self, block_id: int) -> tuple[int, ...]:
         """Every key id ``block_id`` is cached under: primary first, then the others vLLM
         registered on it (partial-block entries)."""

@@ -47,10 +47,6 @@ class SchedulerSide:
     def __init__(self, vllm_config: Any, kv_cache_config: Any, config: ConnectorConfig) -> None:
         self.config = config
         self.layout, self.scheduler_block_size = layout_from_vllm(vllm_config, kv_cache_config)
-        if config.offload == "lazy" and self.layout.num_groups != 1:
-            raise ValueError("KVTritonConnector: kv_connector_extra_config['offload'] = 'lazy' "
-                             f"needs one KV cache group; this model has "
-                             f"{self.layout.num_groups}: use 'eager'")
         pc = vllm_config.parallel_config
         if getattr(pc, "decode_context_parallel_size", 1) > 1:
             raise ValueError("KVTritonConnector: decode context parallelism "

@@ -1,0 +1,156 @@
+"""Continuation hints on a tier's eviction: protect what will be reused soon, drop what will not.
+
+A request may end with a hint about its context (``kvtriton.sim.workload.HINTS``): ``continue``
+(an agent turn that ended in a tool call: the next turn comes within seconds and extends this
+context) or ``close`` (the client closed the session). ``HintedQueue`` wraps any eviction queue
+and keeps two segments beside it: *drop* blocks (keys last held by a closed session), evicted
+first, and *protected* blocks (keys of a turn hinted ``continue``), evicted last and bounded by a
+share of the tier: past it the oldest protected block returns to the wrapped queue. Everything
+else is the wrapped queue's business (LRU, ARC, S3-FIFO), including whether a touch is reuse.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import numpy as np
+
+from kvtriton.eviction import EvictionQueue, _LinkedQueue, _skip_past
+
+__all__ = ["CLOSED", "NORMAL", "PROTECTED", "HintedQueue"]
+
+NORMAL, PROTECTED, CLOSED = 0, 1, 2
+
+_BASE, _PROTECTED, _CLOSED, _UNHASHED = 0, 1, 2, 3
+
+
+class HintedQueue(EvictionQueue):
+    """``base`` plus the drop and protected segments; ``level`` of each key set by ``hint``.
+
+    Pop order: unhashed blocks, drop blocks (oldest first), the wrapped queue's order, protected
+    blocks (oldest first). ``protect_share``: the most of the pool protected blocks may hold."""
+
+    def __init__(self, base: EvictionQueue, protect_share: float) -> None:
+        if not 0.0 <= protect_share <= 1.0:
+            raise ValueError(f"protect_share must be in [0, 1], got {protect_share!r}")
+        self.base = base
+        self.protect_share = protect_share
+        self.name = f"{base.name}+hints"
+        self._level = np.zeros(0, dtype=np.uint8)
+        #: Blocks demoted from the protected segment because it was full (a count).
+        self.protect_overflow = 0
+
+    def reset(self, num_blocks: int) -> None:
+        self.base.reset(num_blocks)
+        self._unhashed = _LinkedQueue(num_blocks)
+        self._protected = _LinkedQueue(num_blocks)
+        self._closed = _LinkedQueue(num_blocks)
+        self._cap = int(self.protect_share * max(1, num_blocks - 1))
+        self._where = bytearray(num_blocks)  # segment of a free block, or where it left from
+        self._key = [-1] * num_blocks
+
+    def level(self, key: int) -> int:
+        return int(self._level[key]) if key < len(self._level) else NORMAL
+
+    def _place(self, b: int, key: int) -> None:
+        lv = self.level(key)
+        if lv == CLOSED:
+            self._closed.append(b)
+            self._where[b] = _CLOSED
+        elif lv == PROTECTED and self._cap > 0:
+            self._protected.append(b)
+            self._where[b] = _PROTECTED
+            if len(self._protected) > self._cap:
+                old = self._protected.popleft()
+                self.protect_overflow += 1
+                self._where[old] = _BASE
+                self.base.push(old, self._key[old])
+        else:
+            self._where[b] = _BASE
+            self.base.push(b, key)
+
+    def push(self, block_id: int, key: int | None) -> None:
+        if key is None:
+            self._unhashed.appendleft(block_id)
+            self._where[block_id] = _UNHASHED
+            return
+        self._key[block_id] = key
+        self._place(block_id, key)
+
+    def _segment(self, where: int) -> _LinkedQueue:
+        return {_PROTECTED: self._protected, _CLOSED: self._closed,
+                _UNHASHED: self._unhashed}[where]
+
+    def remove(self, block_id: int, reuse: bool = True) -> None:
+        where = self._where[block_id]
+        if where == _BASE:
+            self.base.remove(block_id, reuse)
+        else:
+            self._segment(where).remove(block_id)
+            if reuse:
+                self.base.note_reuse(block_id)
+
+    def pop(self) -> int:
+        for seg, where in ((self._unhashed, _UNHASHED), (self._closed, _CLOSED)):
+            if len(seg):
+                b = seg.popleft()
+                self._where[b] = where
+                self.base.forget_block(b)
+                return b
+        if len(self.base):
+            b = self.base.pop()
+            self._where[b] = _BASE
+            return b
+        b = self._protected.popleft()  # IndexError when every segment is empty
+        self._where[b] = _PROTECTED
+        self.base.forget_block(b)
+        return b
+
+    def on_evicted(self, block_id: int, key: int) -> None:
+        if self._where[block_id] == _BASE:
+            self.base.on_evicted(block_id, key)
+
+    def hint(self, keys: np.ndarray, level: int, free_block_of) -> None:
+        """Set the level of ``keys`` (int array); ``free_block_of(key)`` names the free block
+        holding a key (None if none is free), which moves to its new segment now."""
+        keys = np.asarray(keys, dtype=np.int64)
+        if not len(keys):
+            return
+        top = int(keys.max())
+        if top >= len(self._level):
+            grown = np.zeros(max(2 * len(self._level), top + 1), dtype=np.uint8)
+            grown[:len(self._level)] = self._level
+            self._level = grown
+        changed = keys[self._level[keys] != level]
+        self._level[keys] = level
+        for k in changed.tolist():
+            b = free_block_of(k)
+            if b is None or b not in self or self._key[b] != k:
+                continue
+            self.remove(b, reuse=False)
+            self._place(b, k)
+
+    def __len__(self) -> int:
+        return len(self._unhashed) + len(self._closed) + len(self.base) + len(self._protected)
+
+    def __contains__(self, block_id: int) -> bool:
+        return (block_id in self._unhashed or block_id in self._closed
+                or block_id in self.base or block_id in self._protected)
+
+    def _order(self) -> Iterator[int]:
+        yield from self._unhashed
+        yield from self._closed
+        yield from self.base.iter_blocks()
+        yield from self._protected
+
+    def iter_blocks(self, after: int | None = None) -> Iterator[int]:
+        if after is not None and after in self:
+            return _skip_past(self._order(), after)
+        return self._order()
+
+    def remembered_keys(self) -> Iterable[int]:
+        return self.base.remembered_keys()
+
+    @property
+    def protected_blocks(self) -> int:
+        return len(self._protected)
