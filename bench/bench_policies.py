@@ -8,16 +8,19 @@ and the re-store map.
   control and the in-loop Belady bound at the same capacity. ``targets`` records, per capacity,
   the best online setup whose modeled TTFT p50 and p90 are no worse than the control's, against
   the issue's targets (25%; 10% on Mooncake).
-- ``restore_map_agent.json``: the gain of ``eager+restore`` and of its bounded form over
+- ``restore_map_<tag>.json``: the gain of ``eager+restore`` and of its bounded form over
   ``eager`` (token hit-rate points) over the CPU/GPU capacity ratio and the number of running
-  requests, with a heat map (``restore_map_agent.png``).
+  requests, with a heat map (``restore_map_<tag>.png``): the agent generator and the
+  coding-agent traces (their first ``MAP_CC_TURNS`` turns per session without ``--full``), and
+  with ``--full`` (or ``--maps mooncake``) the Mooncake trace.
 
 Run: ``python -m bench.bench_policies [--full] [--only ablation|map] [--quiet]``. Without
 ``--full`` (quick, the ``make bench`` size on 2 cores): the agent generator's quick workload runs
-the whole ablation; the coding-agent traces are cut to their first ``QUICK_CC_TURNS`` turns per
-session and, with the whole Mooncake trace, run ``QUICK_TRACE_SETS``; the map is 5 x 3 cells.
-``--full`` runs the whole ablation on the whole traces and a larger map. Simulations run in
-parallel, one process per core.
+the whole ablation and ``lazy+hints`` at both capacities; the coding-agent traces, cut to their
+first ``QUICK_CC_TURNS`` turns per session, and the whole Mooncake trace run
+``QUICK_TRACE_SETS`` at ``QUICK_RATIOS``; the maps are small grids (``map_grid``). ``--full``
+runs the whole ablation plus ``COMBINED`` on the whole traces at both capacities and larger
+maps; ``--ratios`` overrides the capacities. Simulations run in parallel, one process per core.
 """
 
 from __future__ import annotations
@@ -45,6 +48,9 @@ from kvtriton.sim.simulate import add_gap_closed, in_loop_bound
 RATIOS = (1, 4)
 TARGETS = {"agent": 0.25, "cc_agentic": 0.25, "mooncake": 0.10}
 QUICK_CC_TURNS = 12
+# Without --full the shipped traces run at CPU = GPU only: on the coding-agent cut the 4x tier
+# holds every block (no gap to close), and each Mooncake run takes a minute on 2 cores.
+QUICK_RATIOS = {"agent": RATIOS, "cc_agentic": (1,), "mooncake": (1,)}
 # Without --full the shipped traces run a subset, to stay within make bench's 10 minutes: the
 # control, the bounded re-store and the signals of section 3.3; on Mooncake (no hints, and each
 # run a minute on 2 cores) only the admission and recency signals. The agent generator runs the
@@ -132,14 +138,14 @@ def _run_all(tasks: list[tuple], progress: bool, what: str) -> dict:
 
 
 def ablation(tag: str, wl: Workload, gpu_tokens: int, policies: tuple[str, ...],
-             progress: bool, results_dir=None) -> dict:
-    """``policies`` and the in-loop bounds at each CPU/GPU ratio of ``RATIOS``; writes
+             progress: bool, results_dir=None, ratios: tuple[int, ...] = RATIOS) -> dict:
+    """``policies`` and the in-loop bounds at each CPU/GPU ratio of ``ratios``; writes
     ``policies_<tag>.json``."""
     t0 = time.perf_counter()
     # One task per (capacity, setup), so that every core stays busy; the control's task also
     # brings the cache-only Belady bound.
     tasks = []
-    for ratio in RATIOS:
+    for ratio in ratios:
         cap = {"gpu_tokens": gpu_tokens, "cpu_tokens": ratio * gpu_tokens}
         for p in dict.fromkeys(("eager", *policies, *BOUNDS)):
             control = p == "eager"
@@ -147,7 +153,7 @@ def ablation(tag: str, wl: Workload, gpu_tokens: int, policies: tuple[str, ...],
                                            "in_loop_bounds": ()}))
     results = _run_all(tasks, progress, tag)
     runs, targets = [], []
-    for ratio in RATIOS:
+    for ratio in ratios:
         control = results[(ratio, "eager")]
         online = [_slim(results[(ratio, p)]["rows"][0]) for p in dict.fromkeys(
             ("eager", *policies))]
@@ -178,7 +184,7 @@ def ablation(tag: str, wl: Workload, gpu_tokens: int, policies: tuple[str, ...],
         print(f"best online: {t['best']}: {t['gap_closed'] or 0:.0%} of the gap "
               f"(target {target:.0%}: {verdict})")
     payload = {"workload": wl.name, "requests": len(wl), "gpu_tokens": gpu_tokens,
-               "ratios": list(RATIOS), "policies": list(policies), "bounds": list(BOUNDS),
+               "ratios": list(ratios), "policies": list(policies), "bounds": list(BOUNDS),
                "runs": runs, "targets": targets, "wall_s": time.perf_counter() - t0}
     print(f"wrote {write_result(f'policies_{tag}', payload, results_dir)}")
     return payload
@@ -187,27 +193,42 @@ def ablation(tag: str, wl: Workload, gpu_tokens: int, policies: tuple[str, ...],
 MAP_FORMS = ("eager+restore", "eager+restore:0.5")
 
 
-def restore_map(quick: bool, progress: bool, results_dir=None, grid=None) -> dict:
-    """Gain of each re-store form over eager stores on the agent generator, over the CPU/GPU
-    ratio and ``max_running``. ``grid``: ``(workload, gpu_tokens, ratios, max_running)``
-    instead of the quick or full one."""
+def map_grid(tag: str, quick: bool) -> tuple[Workload, int, tuple, tuple]:
+    """The re-store map's workload, GPU tokens, CPU/GPU ratios and ``max_running`` values."""
+    if tag == "agent":
+        if quick:
+            return (agent_workload(num_conversations=16, min_turns=4, max_turns=8, seed=1),
+                    16_384, (0.5, 1, 2, 4), (4, 16, 64))
+        return (agent_workload(num_conversations=48, min_turns=6, max_turns=20, seed=1), 65_536,
+                (0.25, 0.5, 1, 2, 4, 8), (4, 16, 64, 256))
+    wl, gpu = workloads(quick)[tag]
+    if tag == "cc_agentic" and quick:
+        return _first_turns(wl, MAP_CC_TURNS), gpu, (0.5, 1, 2), (4, 16)
+    if tag == "cc_agentic":
+        return wl, gpu, (0.5, 1, 2, 4), (4, 16, 64)
+    return wl, gpu, (0.5, 1, 4), (16, 256)
+
+
+#: The maps ``make bench`` draws; ``--full`` adds the Mooncake trace.
+QUICK_MAPS = ("agent", "cc_agentic")
+FULL_MAPS = ("agent", "cc_agentic", "mooncake")
+MAP_CC_TURNS = 6
+
+
+def restore_map(tag: str, quick: bool, progress: bool, results_dir=None, grid=None) -> dict:
+    """Gain of each re-store form over eager stores on workload ``tag``, over the CPU/GPU ratio
+    and ``max_running``; writes ``restore_map_<tag>.json`` and ``.png``. ``grid``:
+    ``(workload, gpu_tokens, ratios, max_running)`` instead of ``map_grid``'s."""
     from bench.common import RESULTS_DIR
     from kvtriton.plots import plot_restore_map
 
-    if grid is not None:
-        wl, gpu, ratios, running = grid
-    elif quick:
-        wl = agent_workload(num_conversations=16, min_turns=4, max_turns=8, seed=1)
-        gpu, ratios, running = 16_384, (0.5, 1, 2, 4, 8), (4, 16, 64)
-    else:
-        wl = agent_workload(num_conversations=48, min_turns=6, max_turns=20, seed=1)
-        gpu, ratios, running = 65_536, (0.25, 0.5, 1, 2, 4, 8), (4, 16, 64, 256)
+    wl, gpu, ratios, running = grid if grid is not None else map_grid(tag, quick)
     t0 = time.perf_counter()
     forms = ("eager", *MAP_FORMS)
     tasks = [((i, j, f), wl, {"gpu_tokens": gpu, "cpu_tokens": int(ratio * gpu),
                               "max_running": mr, "policies": [f], "bound": False})
              for i, mr in enumerate(running) for j, ratio in enumerate(ratios) for f in forms]
-    results = _run_all(tasks, progress, "re-store map")
+    results = _run_all(tasks, progress, f"re-store map {tag}")
     hit = {f: [[0.0] * len(ratios) for _ in running] for f in forms}
     thrash = {f: [[0] * len(ratios) for _ in running] for f in MAP_FORMS}
     for (i, j, f), res in results.items():
@@ -217,11 +238,11 @@ def restore_map(quick: bool, progress: bool, results_dir=None, grid=None) -> dic
             thrash[f][i][j] = row["restore_thrash"]
     gain = {f: [[hit[f][i][j] - hit["eager"][i][j] for j in range(len(ratios))]
                 for i in range(len(running))] for f in MAP_FORMS}
-    payload = {"workload": wl.name, "requests": len(wl), "gpu_tokens": gpu,
+    payload = {"tag": tag, "workload": wl.name, "requests": len(wl), "gpu_tokens": gpu,
                "ratios": list(ratios), "max_running": list(running), "hit_rate": hit,
                "gain": gain, "restore_thrash": thrash, "wall_s": time.perf_counter() - t0}
-    path = write_result("restore_map_agent", payload, results_dir)
-    plot_restore_map(payload, (results_dir or RESULTS_DIR) / "restore_map_agent.png")
+    path = write_result(f"restore_map_{tag}", payload, results_dir)
+    plot_restore_map(payload, (results_dir or RESULTS_DIR) / f"restore_map_{tag}.png")
     print(f"wrote {path}")
     return payload
 
@@ -233,6 +254,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--only", choices=("ablation", "map"), default=None)
     ap.add_argument("--workloads", default="agent,cc_agentic,mooncake",
                     help="comma-separated ablation workloads (agent, cc_agentic, mooncake)")
+    ap.add_argument("--ratios", default=None,
+                    help="comma-separated CPU/GPU capacity ratios for the ablation (default: "
+                         "1,4; without --full the shipped traces run 1 only)")
+    ap.add_argument("--maps", default=None,
+                    help="comma-separated re-store maps (default: agent,cc_agentic; with "
+                         "--full also mooncake)")
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
     quick = not args.full
@@ -242,16 +269,30 @@ def main(argv: list[str] | None = None) -> dict:
     if unknown:
         ap.error(f"--workloads: unknown {', '.join(map(repr, unknown))}; known: "
                  f"{', '.join(TARGETS)}")
+    try:
+        ratios_arg = tuple(int(x) for x in args.ratios.split(",")) if args.ratios else None
+    except ValueError:
+        ap.error(f"--ratios: expected comma-separated positive ints, got {args.ratios!r}")
+    if ratios_arg is not None and (not ratios_arg or min(ratios_arg) < 1):
+        ap.error(f"--ratios: expected comma-separated positive ints, got {args.ratios!r}")
+    maps = [t.strip() for t in args.maps.split(",") if t.strip()] if args.maps \
+        else list(FULL_MAPS if args.full else QUICK_MAPS)
+    if bad := [t for t in maps if t not in FULL_MAPS]:
+        ap.error(f"--maps: unknown {', '.join(map(repr, bad))}; known: {', '.join(FULL_MAPS)}")
     out = {}
     if args.only in (None, "ablation"):
         wls = workloads(quick)
         for tag in tags:
             wl, gpu = wls[tag]
-            policies = ABLATION + COMBINED if not quick or tag == "agent" \
-                else QUICK_TRACE_SETS[tag]
-            out[f"policies_{tag}"] = ablation(tag, wl, gpu, policies, progress)
+            if not quick:
+                policies = ABLATION + COMBINED
+            else:
+                policies = ABLATION + COMBINED[:1] if tag == "agent" else QUICK_TRACE_SETS[tag]
+            ratios = ratios_arg or (QUICK_RATIOS[tag] if quick else RATIOS)
+            out[f"policies_{tag}"] = ablation(tag, wl, gpu, policies, progress, ratios=ratios)
     if args.only in (None, "map"):
-        out["restore_map_agent"] = restore_map(quick, progress)
+        for tag in maps:
+            out[f"restore_map_{tag}"] = restore_map(tag, quick, progress)
     return out
 
 

@@ -291,41 +291,45 @@ def policies_section(v: dict) -> None:
 
 
 def restore_map_section(v: dict) -> None:
-    doc = _load("restore_map_agent")
-    if doc is None:
+    labels = dict(WORKLOADS)
+    docs = {tag: doc for tag, _ in WORKLOADS if (doc := _load(f"restore_map_{tag}"))}
+    if not docs:
         v["restore_map_text"] = "*Pending: `python -m bench.bench_policies --only map`.*"
         v["fig_restore_map"] = ""
         v["abstract_restore"] = "the re-store map has not been run"
         return
-    ratios, running = doc["ratios"], doc["max_running"]
-    lines = [f"Workload `{doc['workload']}` ({doc['requests']:,} requests), GPU "
-             f"{doc['gpu_tokens']:,} tokens; {_machine(doc)}. Each cell is the token hit rate "
-             "of the re-store form minus that of `eager` at the same capacity and concurrency."]
-    for form, grid in doc["gain"].items():
-        cells = [(grid[i][j], running[i], ratios[j]) for i in range(len(running))
-                 for j in range(len(ratios))]
-        best, worst = max(cells), min(cells)
-        pays = [c for c in cells if c[0] > 0.001]
-        hurts = [c for c in cells if c[0] < -0.001]
-        thrash = doc["restore_thrash"][form]
-        most = max((thrash[i][j], running[i], ratios[j]) for i in range(len(running))
-                   for j in range(len(ratios)))
-        lines.append(
-            f"`{form}`: gains more than 0.1 point in {len(pays)} of {len(cells)} cells and "
-            f"loses more than 0.1 point in {len(hurts)}; best {100 * best[0]:+.1f} points "
-            f"(max_running {best[1]}, CPU {best[2]:g}x), worst {100 * worst[0]:+.1f} points "
-            f"(max_running {worst[1]}, CPU {worst[2]:g}x); most re-store thrash {most[0]:,} "
-            f"(max_running {most[1]}, CPU {most[2]:g}x).")
-    plot_restore_map(doc, FIGURES / "restore_map_agent.png")
-    summary = []
-    for form, grid in doc["gain"].items():
-        flat = [x for row in grid for x in row]
-        summary.append(f"`{form}` gains more than 0.1 point of hit rate over eager stores in "
-                       f"{sum(x > 0.001 for x in flat)} of {len(flat)} cells of the re-store map "
-                       f"(best {100 * max(flat):+.1f}, worst {100 * min(flat):+.1f} points)")
-    v["abstract_restore"] = "; ".join(summary)
+    lines, figs, summary = [], [], []
+    for tag, doc in docs.items():
+        ratios, running = doc["ratios"], doc["max_running"]
+        lines.append(f"**{labels[tag]}**: `{doc['workload']}` ({doc['requests']:,} requests), "
+                     f"GPU {doc['gpu_tokens']:,} tokens; {_machine(doc)}. Each cell: the token "
+                     "hit rate of the re-store form minus that of `eager` at the same capacity "
+                     "and concurrency.")
+        for form, grid in doc["gain"].items():
+            cells = [(grid[i][j], running[i], ratios[j]) for i in range(len(running))
+                     for j in range(len(ratios))]
+            best, worst = max(cells), min(cells)
+            pays = [c for c in cells if c[0] > 0.001]
+            hurts = [c for c in cells if c[0] < -0.001]
+            thrash = doc["restore_thrash"][form]
+            most = max((thrash[i][j], running[i], ratios[j]) for i in range(len(running))
+                       for j in range(len(ratios)))
+            lines.append(
+                f"- `{form}`: gains more than 0.1 point in {len(pays)} of {len(cells)} cells and "
+                f"loses more than 0.1 point in {len(hurts)}; best {100 * best[0]:+.1f} points "
+                f"(max_running {best[1]}, CPU {best[2]:g}x), worst {100 * worst[0]:+.1f} "
+                f"points (max_running {worst[1]}, CPU {worst[2]:g}x); most re-store thrash "
+                f"{most[0]:,} (max_running {most[1]}, CPU {most[2]:g}x).")
+            summary.append((tag, form, len(pays), len(hurts), len(cells), best[0], worst[0]))
+        plot_restore_map(doc, FIGURES / f"restore_map_{tag}.png")
+        figs.append(f"![{labels[tag]}: re-store gain over eager](figures/"
+                    f"restore_map_{tag}.png)")
+    v["abstract_restore"] = "; ".join(
+        f"`{form}` gains more than 0.1 point over eager stores in {p} of {n} cells of the "
+        f"{labels[tag]} map and loses in {h} (best {100 * b:+.1f}, worst {100 * w:+.1f} points)"
+        for tag, form, p, h, n, b, w in summary)
     v["restore_map_text"] = "\n\n".join(lines)
-    v["fig_restore_map"] = "![re-store gain over eager](figures/restore_map_agent.png)"
+    v["fig_restore_map"] = "\n\n".join(figs)
 
 
 def replay_section(v: dict) -> None:

@@ -29,7 +29,7 @@ def test_ablation_and_map_write_what_the_paper_reads(tmp_path):
         else:
             assert t["met"] == bool(t["gap_closed"] is not None and t["gap_closed"] >= 0.25)
 
-    m = bench_policies.restore_map(True, False, results_dir=tmp_path,
+    m = bench_policies.restore_map("agent", True, False, results_dir=tmp_path,
                                    grid=(wl, 4096, (1, 2), (2, 8)))
     assert set(m["gain"]) == set(bench_policies.MAP_FORMS)
     for form, grid in m["gain"].items():
