@@ -206,7 +206,7 @@ def map_grid(tag: str, quick: bool) -> tuple[Workload, int, tuple, tuple]:
         return _first_turns(wl, MAP_CC_TURNS), gpu, (0.5, 1, 2), (4, 16)
     if tag == "cc_agentic":
         return wl, gpu, (0.5, 1, 2, 4), (4, 16, 64)
-    return wl, gpu, (0.5, 1, 4), (16, 256)
+    return wl, gpu, (1, 4), (16, 256)
 
 
 #: The maps ``make bench`` draws; ``--full`` adds the Mooncake trace.
