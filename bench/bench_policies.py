@@ -201,11 +201,12 @@ def map_grid(tag: str, quick: bool) -> tuple[Workload, int, tuple, tuple]:
                     16_384, (0.5, 1, 2, 4), (4, 16, 64))
         return (agent_workload(num_conversations=48, min_turns=6, max_turns=20, seed=1), 65_536,
                 (0.25, 0.5, 1, 2, 4, 8), (4, 16, 64, 256))
-    wl, gpu = workloads(quick)[tag]
-    if tag == "cc_agentic" and quick:
-        return _first_turns(wl, MAP_CC_TURNS), gpu, (0.5, 1, 2), (4, 16)
     if tag == "cc_agentic":
-        return wl, gpu, (0.5, 1, 2, 4), (4, 16, 64)
+        cc = mark_session_close(load_trace(data_path(CC_AGENTIC_SAMPLE)))
+        if quick:
+            return _first_turns(cc, MAP_CC_TURNS), 262_144, (0.5, 1, 2), (4, 16)
+        return cc, 262_144, (0.5, 1, 2, 4), (4, 16, 64)
+    wl, gpu = workloads(quick)[tag]
     return wl, gpu, (1, 4), (16, 256)
 
 
