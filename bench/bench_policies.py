@@ -30,10 +30,10 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 
+from bench.bench_sim import mooncake_workload
 from bench.common import OneLineParser, write_result
 from kvtriton.sim import (
     CC_AGENTIC_SAMPLE,
-    MOONCAKE_SYNTHETIC,
     Workload,
     agent_workload,
     data_path,
@@ -91,10 +91,8 @@ def workloads(quick: bool) -> dict[str, tuple[Workload, int]]:
         cc = _first_turns(cc, QUICK_CC_TURNS)
     # The whole Mooncake trace even when quick: its reuse builds up over the trace (the first
     # thousand requests hit under 3% whatever the tier does).
-    mooncake = load_trace(data_path(MOONCAKE_SYNTHETIC), hash_block_size=64)
-    # Mooncake was recorded on a cluster: its arrivals are spread 4x, as in bench_sim.
-    mooncake = Workload([replace(r, arrival_s=r.arrival_s * 4.0) for r in mooncake.requests],
-                        mooncake.hash_block_size, f"{mooncake.name} (arrivals x4)")
+    # Mooncake was recorded on a cluster: its arrivals are spread, as in bench_sim.
+    mooncake = mooncake_workload()
     return {"agent": (mark_session_close(agent), agent_gpu),
             "cc_agentic": (mark_session_close(cc), 262_144),
             "mooncake": (mooncake, 262_144)}

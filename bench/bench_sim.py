@@ -86,16 +86,23 @@ def replay_sweep(workload, tag: str, capacities=None, progress: bool = True) -> 
 MOONCAKE_SIM = {"block_size": 64, "time_scale": 4.0, "gpu_gib": 32.0, "cpu_gib": 256.0}
 
 
-def mooncake_sim(progress: bool = True) -> dict:
-    """Every policy over the whole Mooncake synthetic trace; writes ``sim_mooncake.json``."""
+def mooncake_workload():
+    """The whole shipped Mooncake trace at ``MOONCAKE_SIM``'s block size, arrivals spread by its
+    ``time_scale``: the serving-loop setting every benchmark uses for this trace."""
     from dataclasses import replace
 
     from kvtriton.sim import Workload
 
     c = MOONCAKE_SIM
     wl = load_trace(data_path(MOONCAKE_SYNTHETIC), hash_block_size=c["block_size"])
-    wl = Workload([replace(r, arrival_s=r.arrival_s * c["time_scale"]) for r in wl.requests],
-                  wl.hash_block_size, f"{wl.name} (arrivals x{c['time_scale']:g})")
+    return Workload([replace(r, arrival_s=r.arrival_s * c["time_scale"]) for r in wl.requests],
+                    wl.hash_block_size, f"{wl.name} (arrivals x{c['time_scale']:g})")
+
+
+def mooncake_sim(progress: bool = True) -> dict:
+    """Every policy over the whole Mooncake synthetic trace; writes ``sim_mooncake.json``."""
+    c = MOONCAKE_SIM
+    wl = mooncake_workload()
     t0 = time.perf_counter()
     res = simulate(wl, gpu_gib=c["gpu_gib"], cpu_gib=c["cpu_gib"], policies=DEFAULT_POLICIES,
                    progress=progress)
