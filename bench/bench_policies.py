@@ -1,13 +1,13 @@
 """Which CPU tier design wins, where, and how close to the in-loop bound: the policy ablation
 and the re-store map.
 
-- ``policies_<tag>.json``: every setup of ``kvtriton.sim.setups.ABLATION`` (each axis changed
-  alone from the control) plus the in-loop bounds (``BOUNDS``), at a CPU tier the size of the GPU
-  and at four times that, on the agent generator, the shipped coding-agent traces and the
-  shipped Mooncake trace. Every row carries ``gap_closed``: its share of the gap between the
-  control and the in-loop Belady bound at the same capacity. ``targets`` records, per capacity,
-  the best online setup whose modeled TTFT p50 and p90 are no worse than the control's, against
-  the issue's targets (25%; 10% on Mooncake).
+- ``policies_<tag>.json`` (``policies_<tag>_full.json`` with ``--full``): every setup of
+  ``kvtriton.sim.setups.ABLATION`` (each axis changed alone from the control) plus the in-loop
+  bounds (``BOUNDS``), at a CPU tier the size of the GPU and at four times that, on the agent
+  generator, the shipped coding-agent traces and the shipped Mooncake trace. Every row carries
+  ``gap_closed``: its share of the gap between the control and the in-loop Belady bound at the
+  same capacity. ``targets`` records, per capacity, the best online setup whose modeled TTFT p50
+  and p90 are no worse than the control's, against the issue's targets (25%; 10% on Mooncake).
 - ``restore_map_<tag>.json``: the gain of ``eager+restore`` and of its bounded form over
   ``eager`` (token hit-rate points) over the CPU/GPU capacity ratio and the number of running
   requests, with a heat map (``restore_map_<tag>.png``): the agent generator and the
@@ -16,8 +16,9 @@ and the re-store map.
 
 Run: ``python -m bench.bench_policies [--full] [--only ablation|map] [--quiet]``. Without
 ``--full`` (quick, the ``make bench`` size on 2 cores): the agent generator's quick workload runs
-the whole ablation and ``lazy+hints`` at both capacities; the coding-agent traces, cut to their
-first ``QUICK_CC_TURNS`` turns per session, and the whole Mooncake trace run
+the whole ablation and the hinted combinations (``HINTED_COMBINED``) at both capacities; the
+coding-agent traces, cut to their first ``QUICK_CC_TURNS`` turns per session, and the whole
+Mooncake trace run
 ``QUICK_TRACE_SETS`` at ``QUICK_RATIOS``; the maps are small grids (``map_grid``). ``--full``
 runs the whole ablation plus ``COMBINED`` on the whole traces at both capacities and larger
 maps; ``--ratios`` overrides the capacities. Simulations run in parallel, one process per core.
@@ -42,7 +43,7 @@ from kvtriton.sim import (
     simulate,
 )
 from kvtriton.sim.metrics import format_table
-from kvtriton.sim.setups import ABLATION, BOUNDS, COMBINED
+from kvtriton.sim.setups import ABLATION, BOUNDS, COMBINED, HINTED_COMBINED
 from kvtriton.sim.simulate import add_gap_closed, in_loop_bound
 
 RATIOS = (1, 4)
@@ -57,7 +58,7 @@ QUICK_RATIOS = {"agent": RATIOS, "cc_agentic": (1,), "mooncake": (1,)}
 # whole ablation either way; --full runs it everywhere.
 QUICK_TRACE_SETS = {
     "cc_agentic": ("eager", "eager+restore:0.5", "eager+second", "eager+refresh+arc",
-                   "eager+hints", "lazy", "lazy+hints"),
+                   "eager+hints", "lazy", "lazy+hints", "lazy+hinted+hints"),
     "mooncake": ("eager", "eager+second", "eager+refresh+arc"),
 }
 
@@ -136,9 +137,10 @@ def _run_all(tasks: list[tuple], progress: bool, what: str) -> dict:
 
 
 def ablation(tag: str, wl: Workload, gpu_tokens: int, policies: tuple[str, ...],
-             progress: bool, results_dir=None, ratios: tuple[int, ...] = RATIOS) -> dict:
+             progress: bool, results_dir=None, ratios: tuple[int, ...] = RATIOS,
+             name: str | None = None) -> dict:
     """``policies`` and the in-loop bounds at each CPU/GPU ratio of ``ratios``; writes
-    ``policies_<tag>.json``."""
+    ``<name>.json`` (default ``policies_<tag>``)."""
     t0 = time.perf_counter()
     # One task per (capacity, setup), so that every core stays busy; the control's task also
     # brings the cache-only Belady bound.
@@ -184,7 +186,7 @@ def ablation(tag: str, wl: Workload, gpu_tokens: int, policies: tuple[str, ...],
     payload = {"workload": wl.name, "requests": len(wl), "gpu_tokens": gpu_tokens,
                "ratios": list(ratios), "policies": list(policies), "bounds": list(BOUNDS),
                "runs": runs, "targets": targets, "wall_s": time.perf_counter() - t0}
-    print(f"wrote {write_result(f'policies_{tag}', payload, results_dir)}")
+    print(f"wrote {write_result(name or f'policies_{tag}', payload, results_dir)}")
     return payload
 
 
@@ -286,9 +288,12 @@ def main(argv: list[str] | None = None) -> dict:
             if not quick:
                 policies = ABLATION + COMBINED
             else:
-                policies = ABLATION + COMBINED[:1] if tag == "agent" else QUICK_TRACE_SETS[tag]
+                policies = ABLATION + HINTED_COMBINED if tag == "agent" \
+                    else QUICK_TRACE_SETS[tag]
             ratios = ratios_arg or (QUICK_RATIOS[tag] if quick else RATIOS)
-            out[f"policies_{tag}"] = ablation(tag, wl, gpu, policies, progress, ratios=ratios)
+            # --full runs other workloads (the whole traces, a larger generator): their own file.
+            name = f"policies_{tag}" if quick else f"policies_{tag}_full"
+            out[name] = ablation(tag, wl, gpu, policies, progress, ratios=ratios, name=name)
     if args.only in (None, "map"):
         for tag in maps:
             out[f"restore_map_{tag}"] = restore_map(tag, quick, progress)

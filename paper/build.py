@@ -163,8 +163,16 @@ def _gap(x) -> str:
     return "-" if x is None else f"{100 * x:.0f}%"
 
 
+# ``bench_policies --full`` writes ``policies_<tag>_full``: the whole traces, a larger generator.
+POLICY_LABELS = {**dict(WORKLOADS), "agent_full": "agent generator (full size)",
+                 "cc_agentic_full": "coding-agent traces (whole)",
+                 "mooncake_full": "Mooncake trace (every setup)"}
+
+
 def _policy_docs() -> dict[str, dict]:
-    return {tag: doc for tag, _ in WORKLOADS if (doc := _load(f"policies_{tag}")) is not None}
+    """Per tag (``_full`` for a ``--full`` run), the policy benchmark's results."""
+    return {key: doc for tag, _ in WORKLOADS for key in (tag, f"{tag}_full")
+            if (doc := _load(f"policies_{key}")) is not None}
 
 
 def policies_section(v: dict) -> None:
@@ -175,7 +183,7 @@ def policies_section(v: dict) -> None:
             v[k] = "*Pending: `python -m bench.bench_policies` has not been run.*"
         v["abstract_policies"] = "the policy benchmark has not been run"
         return
-    labels = dict(WORKLOADS)
+    labels = POLICY_LABELS
     first = next(iter(docs.values()))
     cond = first["runs"][0]["conditions"]
     cm = cond["cost_model"]
@@ -271,7 +279,9 @@ def policies_section(v: dict) -> None:
     for tag, doc in docs.items():
         for run in doc["runs"]:
             rb = {r["composition"]: r for r in run["rows"]}
-            pairs = [("lazy+hints", "lazy"), ("eager+hints", "eager"), ("eager+second", "eager"),
+            pairs = [("lazy+hints", "lazy"), ("lazy+hinted", "lazy"),
+                     ("lazy+hinted+hints", "lazy+hints"), ("eager+hints", "eager"),
+                     ("eager+second", "eager"),
                      ("eager+refresh", "eager"), ("eager+arc", "eager"),
                      ("eager+s3fifo", "eager"), ("eager+refresh+arc", "eager+arc")]
             cells = [f"`{a}` {100 * (rb[a]['token_hit_rate'] - rb[b]['token_hit_rate']):+.1f} "

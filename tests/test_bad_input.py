@@ -179,6 +179,8 @@ ARG_ERRORS = {
     "unknown-command": (["simulte"], "invalid choice: 'simulte'"),
     "unknown-flag": (["replay", "--capacity", "10"], "unrecognized arguments: --capacity"),
     "empty-policies": (["simulate", "--policies", ","], "expected a comma-separated list"),
+    "eager-hinted": (["simulate", "--policies", "eager+hinted"],
+                     "'hinted' admission needs 'lazy'"),
     "gpu-below-a-block": (["simulate", "--gpu-tokens", "8", *SMALL],
                           "GPU must be at least one block, got 8 -> 0 blocks"),
     "cpu-gib-below-a-block": (["simulate", "--cpu-gib", "1e-9", *SMALL],

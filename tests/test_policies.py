@@ -60,6 +60,8 @@ def test_each_axis_sets_its_own_switch():
     ("eager+lazy", "'eager' and 'lazy'"),
     ("lazy+restore", "'lazy' with 're-store'"),
     ("lazy+second", "'second'"),
+    ("eager+hinted", "'hinted' admission needs 'lazy'"),
+    ("hinted+restore", "'hinted'"),
     ("eager+restore:1.5", "'1.5'"),
     ("eager+hints:x", "'x'"),
     ("eager+nextuse+hints", "'hints' with 'nextuse'"),

@@ -37,6 +37,8 @@ class PlannerConfig:
     - ``admission``: ``"all"`` stores every block the scan selects; ``"second"`` only blocks
       whose key at least two requests have held (counted at admission), as SGLang HiCache's
       ``write_through_selective`` backs up a node on its second hit. Eager stores only.
+      ``"hinted"`` (lazy mode only): a key whose last holder finished with the hint ``close``
+      (``request_finished(..., hint="close")``: its session ended) is not offloaded.
     - ``refresh_on_gpu_hit``: a request's GPU prefix hit also counts as a use of the CPU copies
       of those blocks (their eviction order is refreshed, once per request): the tier's recency
       then follows every hit, not only CPU hits.
@@ -54,7 +56,7 @@ class PlannerConfig:
     max_num_batched_tokens: int = 8192
     fine_grained: bool = False
     world_size: int = 1
-    admission: Literal["all", "second"] = "all"
+    admission: Literal["all", "second", "hinted"] = "all"
     refresh_on_gpu_hit: bool = False
 
     def __post_init__(self) -> None:
@@ -74,10 +76,14 @@ class PlannerConfig:
         share = self.restore_share
         if share is not None and (not is_finite_number(share) or not 0 <= share <= 1):
             raise ValueError(f"restore_share must be None or a number in [0, 1], got {share!r}")
-        if self.admission not in ("all", "second"):
-            raise ValueError(f"admission must be 'all' or 'second', got {self.admission!r}")
-        if self.admission != "all" and self.lazy:
+        if self.admission not in ("all", "second", "hinted"):
+            raise ValueError(f"admission must be 'all', 'second' or 'hinted', got "
+                             f"{self.admission!r}")
+        if self.admission == "second" and self.lazy:
             raise ValueError("admission 'second' applies to eager stores, not lazy mode")
+        if self.admission == "hinted" and not self.lazy:
+            raise ValueError("admission 'hinted' needs lazy mode: an eager store happens when a "
+                             "block is computed, before the turn's hint is known")
         if not is_int(self.world_size) or self.world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {self.world_size!r}")
         if not is_int(self.max_num_batched_tokens) or self.max_num_batched_tokens <= 0:

@@ -36,9 +36,17 @@ earlier states reach it (and leave an LRU tier) before the full-attention blocks
 span; a hit that needs them ends where they are missing, as a GPU prefix hit would. A block
 still referenced (a running request's) is never on the free queue: lazy mode stores nothing of
 running requests and needs no re-store; only prefixes the GPU lets go are served from the CPU.
+
+Hinted admission (``PlannerConfig.admission == "hinted"``). A lazy store happens after the turn
+that computed the block ended, so the turn's hint is known by then: a key whose last holder
+finished with ``close`` (its session ended) is not offloaded. A later request that holds the key
+again, or a later finish without ``close``, admits it again; the GPU evicting the key forgets it,
+so the closed set never holds more keys than the GPU caches.
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 from kvtriton.planner.config import PlannerConfig
 from kvtriton.planner.selection import StoreSelector
@@ -83,6 +91,12 @@ class LazyOffload:
         self._num_groups = layout.num_groups
         block_group = getattr(gpu_pool, "block_group", None)
         self._block_group = block_group if callable(block_group) else None
+        self._hinted = config.admission == "hinted"
+        # Keys whose last holder closed its session -> whether a walk already skipped them
+        # (counted once in ``admission_skipped``).
+        self._closed: dict[int, bool] = {}
+        if self._hinted:
+            gpu_pool.add_listener(None, self._on_gpu_evict)
         if config.lazy and self._num_groups > 1 and self._block_group is None:
             raise ValueError(f"lazy mode on a layout of {self._num_groups} groups needs a GPU "
                              f"pool that knows each block's group (block_group); "
@@ -99,12 +113,18 @@ class LazyOffload:
         last, last_stored = self._cursor, False
         group_of, G = self._group_of, self._num_groups
         queued = set(job.keys)
+        closed = self._closed
         for covered, b in enumerate(gpu_pool.iter_free(self._cursor)):
             if covered >= self._target or len(job.gpu) >= free:
                 break
             last, last_stored = b, False
             key = gpu_pool.block_hash(b)
             if key is None or key in cpu_pool or key in queued or selector.in_flight(b, key):
+                continue
+            if closed and key in closed:
+                if not closed[key]:
+                    closed[key] = True
+                    self._stats.admission_skipped += 1
                 continue
             g = group_of(b)
             if g is None or not 0 <= g < G:
@@ -124,6 +144,39 @@ class LazyOffload:
         if g is None and self._num_groups == 1:
             return 0
         return g
+
+    # ---- hinted admission ---------------------------------------------------------------------
+
+    def note_admitted(self, keys: np.ndarray) -> None:
+        """A request holding ``keys`` was admitted: they have a holder again."""
+        if self._closed:
+            closed = self._closed
+            for k in np.unique(keys).tolist():
+                closed.pop(k, None)
+
+    def note_finished(self, keys: np.ndarray, hint: str | None) -> None:
+        """A request that held ``keys`` (its computed blocks) finished with ``hint``: ``close``
+        marks the ones the GPU caches as not to be offloaded, any other hint admits them
+        again."""
+        if not self._hinted:
+            return
+        closed, gpu_pool = self._closed, self._gpu_pool
+        if hint == "close":
+            for k in np.unique(keys).tolist():
+                if k in gpu_pool:
+                    closed.setdefault(k, False)
+        elif closed:
+            for k in np.unique(keys).tolist():
+                closed.pop(k, None)
+
+    @property
+    def num_closed(self) -> int:
+        """Keys held back by hinted admission (at most the keys the GPU caches)."""
+        return len(self._closed)
+
+    def _on_gpu_evict(self, key: int, block: int) -> None:
+        if self._closed:
+            self._closed.pop(key, None)
 
     def reset(self) -> None:
         self._cursor, self._cursor_stored = None, False

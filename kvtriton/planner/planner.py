@@ -15,8 +15,9 @@ A scheduler calls it in the order vLLM calls a KV connector:
 4. ``update_connector_output(...)``: completions. A store counts once all ``world_size`` workers
    reported it; its blocks are then registered in the CPU pool under every key of their GPU block
    and freed in the configured order (tail first by default).
-5. ``request_finished(req)``: queue a flush of the confirmed blocks past the cursor; transfers in
-   flight keep their pins and are completed normally.
+5. ``request_finished(req, hint=...)``: queue a flush of the confirmed blocks past the cursor;
+   transfers in flight keep their pins and are completed normally. ``hint`` is what the server
+   knows of the turn's future (``"continue"``, ``"close"`` or None); hinted admission uses it.
 6. ``reset()``: abandon in-flight transfers (their pins are released at completion, nothing is
    cached) and clear the CPU cache when nothing is in flight.
 
@@ -50,6 +51,9 @@ from kvtriton.specs import KVLayout
 from kvtriton.validation import block_id_array, is_int
 
 __all__ = ["OffloadPlanner"]
+
+#: What ``request_finished`` may be told of a turn's future (None: nothing).
+_HINTS = (None, "continue", "close")
 
 
 class OffloadPlanner:
@@ -159,6 +163,8 @@ class OffloadPlanner:
         self._requests[req.request_id] = req
         if not self.config.lazy:
             self._stores.admit(req)
+        else:
+            self._lazy.note_admitted(req.keys)
 
     # ---- 3. per step ----------------------------------------------------------------------
 
@@ -210,7 +216,8 @@ class OffloadPlanner:
     # ---- 5. finish --------------------------------------------------------------------------
 
     def request_finished(self, req: Request,
-                         block_ids: tuple[list[int], ...] | None = None) -> None:
+                         block_ids: tuple[list[int], ...] | None = None, *,
+                         hint: str | None = None) -> None:
         """``req`` finished or was aborted: flush, then clean up once its transfers are done.
 
         ``block_ids``: the request's GPU table per group as the scheduler hands it over at the
@@ -218,9 +225,15 @@ class OffloadPlanner:
         outputs; blocks allocated after the last output that carried them (a request aborted
         while its CPU load was pending was never in one) are taken from here, so its flush can
         store its GPU prefix hits the CPU lacks. A bad table is a ``ValueError`` before anything
-        changes."""
+        changes.
+
+        ``hint``: ``"close"`` (the request's session ended: with hinted admission its keys are
+        not offloaded until another request holds them), ``"continue"`` or None; anything
+        else is a ``ValueError``."""
         rid = req.request_id
         self._request(rid)
+        if hint not in _HINTS:
+            raise ValueError(f"request {rid!r}: hint must be one of {_HINTS}, got {hint!r}")
         tables = None
         if block_ids is not None:
             G = self.layout.num_groups
@@ -232,6 +245,9 @@ class OffloadPlanner:
                       for g, t in enumerate(block_ids)]
         self._loads.drop(rid)
         self._stores.finish(req, tables)
+        if self.config.lazy:
+            computed = req.keys[:, :req.num_computed_tokens // self.layout.hash_block_size]
+            self._lazy.note_finished(computed, hint)
         self._requests.pop(rid, None)
 
     # ---- key ids ----------------------------------------------------------------------------

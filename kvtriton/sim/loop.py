@@ -191,7 +191,7 @@ class ServingLoop:
                 continue
             req = Request(wr.request_id, self._keys[i], num_prompt_tokens=wr.prompt_len,
                           num_tokens=wr.prompt_len)
-            self.sched.add(_Seq(req, wr=wr, arrival_s=at))
+            self.sched.add(_Seq(req, wr=wr, arrival_s=at, hint=wr.hint))
 
     def _release_successors(self, rid: str) -> None:
         for i in self._successors.pop(rid, []):

@@ -62,6 +62,7 @@ class SeqBlocks:
     pending_ext: int = 0
     admitted_once: bool = False
     handoffs: list[tuple[int, int, int]] = field(default_factory=list)
+    hint: str | None = None  # the turn's continuation hint, told to the planner at its finish
 
 
 class KVScheduler:
@@ -270,7 +271,7 @@ class KVScheduler:
         freed."""
         if self.planner is not None:
             t0 = time.perf_counter()
-            self.planner.request_finished(seq.req)
+            self.planner.request_finished(seq.req, hint=seq.hint)
             self.planner_s += time.perf_counter() - t0
         self.free_seq_blocks(seq)
 

@@ -14,7 +14,9 @@ free order  ``head`` (ascending, vLLM's), ``tail`` (chain head last)   ``head``
 eviction    ``lru``, ``arc``, ``s3fifo``; ``nextuse`` is the oracle:    ``lru``
             evict the block whose next use in trace order is furthest
 admission   ``all``, ``second`` (store a key on its second sight, as   ``all``
-            SGLang HiCache's ``write_through_selective``)
+            SGLang HiCache's ``write_through_selective``), ``hinted``
+            (lazy only: never offload a key whose last holder closed
+            its session)
 recency     ``refresh``: a GPU prefix hit also refreshes the CPU       off
             copies of the hit blocks (recency follows every hit)
 hints       ``hints`` (protect blocks of a turn hinted ``continue`` in  off
@@ -27,7 +29,8 @@ capacity    ``inf``: a CPU tier that holds every distinct block        sized
 bounded-free ARC setup with unbounded re-store. The old names stay as presets
 (``TIER_POLICIES``). ``lazy`` with ``restore`` is refused: a lazy tier stores only blocks the
 GPU is about to evict, and a running request's blocks are never on the GPU free queue, so there
-is nothing to re-store.
+is nothing to re-store. ``eager`` with ``hinted`` is refused too: an eager store happens when the
+block is computed, before the turn's hint is known.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ __all__ = [
     "ABLATION",
     "BOUNDS",
     "DEFAULT_POLICIES",
+    "HINTED_COMBINED",
     "NEXT_USE_BOUNDS",
     "TIER_POLICIES",
     "TierPolicy",
@@ -121,6 +125,8 @@ def _describe(store: str, restore: bool, share: float | None, free: str, evictio
     words.append({"nextuse": "next-use eviction (oracle)"}.get(eviction, eviction.upper()))
     if admission == "second":
         words.append("store on second sight")
+    elif admission == "hinted":
+        words.append("closed sessions not offloaded")
     if refresh:
         words.append("GPU hits refresh the CPU copies")
     if protect is not None:
@@ -169,7 +175,7 @@ def parse_policy(spec: str, name: str | None = None) -> TierPolicy:
         elif token in ONLINE_EVICTIONS or token in ORACLE_EVICTIONS:
             axis("eviction", token)
             eviction = token
-        elif token in ("all", "second"):
+        elif token in ("all", "second", "hinted"):
             axis("admission", token)
             admission = token
         elif head == "hints":
@@ -185,7 +191,8 @@ def parse_policy(spec: str, name: str | None = None) -> TierPolicy:
             raise ValueError(
                 f"policy {spec!r}: unknown axis value {token!r}; known: eager, lazy, restore, "
                 f"restore:F, head, tail, {', '.join(ONLINE_EVICTIONS + ORACLE_EVICTIONS)}, all, "
-                f"second, refresh, hints, hints:F, inf; presets: {', '.join(TIER_POLICIES)}")
+                f"second, hinted, refresh, hints, hints:F, inf; presets: "
+                f"{', '.join(TIER_POLICIES)}")
     if store == "lazy" and restore:
         raise ValueError(f"policy {spec!r}: 'lazy' with 're-store' means nothing: a lazy tier "
                          "stores only blocks on the GPU free queue, and a running request's "
@@ -196,6 +203,9 @@ def parse_policy(spec: str, name: str | None = None) -> TierPolicy:
     if store == "lazy" and admission == "second":
         raise ValueError(f"policy {spec!r}: 'second' admission applies to eager stores; a lazy "
                          "tier already stores only what the GPU evicts")
+    if store == "eager" and admission == "hinted":
+        raise ValueError(f"policy {spec!r}: 'hinted' admission needs 'lazy': an eager store "
+                         "happens when a block is computed, before the turn's hint is known")
     args = (store, restore, share, free, eviction, admission, protect, infinite, refresh)
     canonical = _canonical(*args)
     planner = PlannerConfig(restore=restore, cpu_free_order=free, restore_share=share,
@@ -229,7 +239,10 @@ ABLATION = ("eager", "eager+restore", "eager+restore:0.5", "eager+tail", "eager+
             "eager+s3fifo", "eager+second", "eager+refresh", "eager+hints", "lazy")
 
 #: Combinations of the axes that pay, run beside the ablation.
-COMBINED = ("lazy+hints", "eager+refresh+arc", "eager+restore:0.5+tail+arc")
+COMBINED = ("lazy+hints", "lazy+hinted", "lazy+hinted+hints", "eager+refresh+arc",
+            "eager+restore:0.5+tail+arc")
+#: The combinations that use hints (the first of ``COMBINED``).
+HINTED_COMBINED = COMBINED[:3]
 
 #: The bounds measured in the same serving loop: next-use eviction under either store mode
 #: (the in-loop Belady bound is the better of the two), and a tier that never evicts.
