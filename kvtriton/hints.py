@@ -5,12 +5,15 @@ A request may end with a hint about its context (``kvtriton.sim.workload.HINTS``
 context) or ``close`` (the client closed the session). ``HintedQueue`` wraps any eviction queue
 and keeps two segments beside it: *drop* blocks (keys last held by a closed session), evicted
 first, and *protected* blocks (keys of a turn hinted ``continue``), evicted last and bounded by a
-share of the tier: past it the oldest protected block returns to the wrapped queue. Everything
-else is the wrapped queue's business (LRU, ARC, S3-FIFO), including whether a touch is reuse.
+share of the tier: past it the protected block deepest in its chain returns to the wrapped queue
+(oldest first among equal depths). Deepest, not oldest: a hit needs a chain's head, and a tail
+kept without its head serves nothing. Everything else is the wrapped queue's business (LRU, ARC,
+S3-FIFO), including whether a touch is reuse.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable, Iterator
 
 import numpy as np
@@ -37,6 +40,7 @@ class HintedQueue(EvictionQueue):
         self.protect_share = protect_share
         self.name = f"{base.name}+hints"
         self._level = np.zeros(0, dtype=np.uint8)
+        self._depth = np.zeros(0, dtype=np.int32)  # chain position of a key, from ``hint``
         #: Blocks demoted from the protected segment because it was full (a count).
         self.protect_overflow = 0
 
@@ -48,6 +52,11 @@ class HintedQueue(EvictionQueue):
         self._cap = int(self.protect_share * max(1, num_blocks - 1))
         self._where = bytearray(num_blocks)  # segment of a free block, or where it left from
         self._key = [-1] * num_blocks
+        # Protected blocks by (-depth, stamp): the deepest (then the oldest) leaves first when the
+        # segment is full. An entry whose stamp is not its block's current one is stale.
+        self._deepest: list[tuple[int, int, int]] = []
+        self._stamp = [0] * num_blocks
+        self._clock = 0
 
     def level(self, key: int) -> int:
         return int(self._level[key]) if key < len(self._level) else NORMAL
@@ -60,14 +69,36 @@ class HintedQueue(EvictionQueue):
         elif lv == PROTECTED and self._cap > 0:
             self._protected.append(b)
             self._where[b] = _PROTECTED
+            self._clock += 1
+            self._stamp[b] = self._clock
+            depth = int(self._depth[key]) if key < len(self._depth) else 0
+            heap = self._deepest
+            heapq.heappush(heap, (-depth, self._clock, b))
+            if len(heap) > 2 * len(self._protected) + 64:
+                # Entries of blocks that left the segment: rebuild, so the heap stays bounded.
+                heap[:] = [(-self._depth_of(p), self._stamp[p], p) for p in self._protected]
+                heapq.heapify(heap)
             if len(self._protected) > self._cap:
-                old = self._protected.popleft()
+                old = self._pop_deepest()
                 self.protect_overflow += 1
                 self._where[old] = _BASE
                 self.base.push(old, self._key[old])
         else:
             self._where[b] = _BASE
             self.base.push(b, key)
+
+    def _pop_deepest(self) -> int:
+        """Take the deepest protected block (the oldest among equals) out of its segment."""
+        heap, protected = self._deepest, self._protected
+        while True:
+            _, stamp, b = heapq.heappop(heap)
+            if stamp == self._stamp[b] and self._where[b] == _PROTECTED and b in protected:
+                protected.remove(b)
+                return b
+
+    def _depth_of(self, b: int) -> int:
+        key = self._key[b]
+        return int(self._depth[key]) if 0 <= key < len(self._depth) else 0
 
     def push(self, block_id: int, key: int | None) -> None:
         if key is None:
@@ -110,17 +141,24 @@ class HintedQueue(EvictionQueue):
         if self._where[block_id] == _BASE:
             self.base.on_evicted(block_id, key)
 
-    def hint(self, keys: np.ndarray, level: int, free_block_of) -> None:
+    def hint(self, keys: np.ndarray, level: int, free_block_of,
+             depths: np.ndarray | None = None) -> None:
         """Set the level of ``keys`` (int array); ``free_block_of(key)`` names the free block
-        holding a key (None if none is free), which moves to its new segment now."""
+        holding a key (None if none is free), which moves to its new segment now. ``depths``:
+        each key's position in its chain (0: the head), which decides what a full protected
+        segment lets go; None leaves the depths as they were (0 if never given)."""
         keys = np.asarray(keys, dtype=np.int64)
         if not len(keys):
             return
         top = int(keys.max())
         if top >= len(self._level):
-            grown = np.zeros(max(2 * len(self._level), top + 1), dtype=np.uint8)
-            grown[:len(self._level)] = self._level
-            self._level = grown
+            size = max(2 * len(self._level), top + 1)
+            self._level = np.concatenate([self._level,
+                                          np.zeros(size - len(self._level), np.uint8)])
+            self._depth = np.concatenate([self._depth,
+                                          np.zeros(size - len(self._depth), np.int32)])
+        if depths is not None:
+            self._depth[keys] = depths
         changed = keys[self._level[keys] != level]
         self._level[keys] = level
         for k in changed.tolist():

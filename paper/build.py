@@ -281,7 +281,7 @@ def policies_section(v: dict) -> None:
             rb = {r["composition"]: r for r in run["rows"]}
             pairs = [("lazy+hints", "lazy"), ("lazy+hinted", "lazy"),
                      ("lazy+hinted+hints", "lazy+hints"), ("eager+hints", "eager"),
-                     ("eager+second", "eager"),
+                     ("eager+second", "eager"), ("eager+waiting", "eager"),
                      ("eager+refresh", "eager"), ("eager+arc", "eager"),
                      ("eager+s3fifo", "eager"), ("eager+refresh+arc", "eager+arc")]
             cells = [f"`{a}` {100 * (rb[a]['token_hit_rate'] - rb[b]['token_hit_rate']):+.1f} "

@@ -91,6 +91,53 @@ def test_protect_cap_demotes_oldest(base):
     assert list(q.iter_blocks()) == [q.pop() for _ in range(7)] == [1, 2, 6, 3, 4, 5, 7]
 
 
+def test_protect_cap_demotes_the_deepest_block_first():
+    """A hit needs a chain's head: a full protected segment lets the deepest block go."""
+    q = hinted("lru", 0.3)
+    q.reset(11)  # cap 3
+    q.hint(np.arange(5), PROTECTED, NONE, np.array([0, 1, 2, 3, 4], dtype=np.int32))
+    for b, key in [(1, 4), (2, 3), (3, 0), (4, 1), (5, 2)]:  # a tail-first free order
+        q.push(b, key)
+    assert segments(q) == ([], [], [1, 2], [3, 4, 5])  # keys 4 and 3 demoted, 0..2 kept
+    q.hint(np.array([9]), PROTECTED, NONE, np.array([1], dtype=np.int32))
+    q.push(6, 9)  # depth 1, as deep as key 1 (block 4) but newer: block 5 (depth 2) goes
+    assert segments(q) == ([], [], [1, 2, 5], [3, 4, 6])
+
+
+@settings(max_examples=max(100, settings.default.max_examples))
+@given(data=st.data(), num_blocks=st.integers(2, 12), share=st.sampled_from([0.2, 0.5, 1.0]))
+def test_demotion_matches_a_loop_reference(data, num_blocks, share):
+    """Against a list: each overflow removes the deepest protected block, the oldest among
+    equals; removals (hits) take blocks out in between."""
+    q = hinted("lru", share)
+    q.reset(num_blocks)
+    cap = int(share * (num_blocks - 1))
+    depths = data.draw(st.lists(st.integers(0, 4), min_size=N_KEYS, max_size=N_KEYS))
+    q.hint(np.arange(N_KEYS), PROTECTED, NONE, np.array(depths, dtype=np.int32))
+    ref: list[tuple[int, int, int]] = []  # (block, age, depth) in segment order
+    outside = list(range(1, num_blocks))
+    age = 0
+    for _ in range(data.draw(st.integers(1, 40))):
+        if outside and data.draw(st.integers(0, 2)):
+            b = outside.pop(data.draw(st.integers(0, len(outside) - 1)))
+            key = data.draw(st.integers(0, N_KEYS - 1))
+            q.push(b, key)
+            age += 1
+            ref.append((b, age, depths[key]))
+            if len(ref) > cap:
+                gone = max(ref, key=lambda e: (e[2], -e[1]))
+                ref.remove(gone)
+        else:
+            inside = [b for b, _, _ in ref] + [b for b in q.base.iter_blocks()]
+            if not inside:
+                continue
+            b = data.draw(st.sampled_from(inside))
+            q.remove(b)
+            ref = [e for e in ref if e[0] != b]
+            outside.append(b)
+        assert list(q._protected) == [b for b, _, _ in ref]
+
+
 @pytest.mark.parametrize(("share", "num_blocks"), [(0.25, 9), (0.5, 10), (1.0, 5), (0.1, 5)])
 def test_protect_cap_is_share_of_usable_blocks(share, num_blocks):
     q = hinted("lru", share)
@@ -253,7 +300,10 @@ def test_random_operations_keep_the_pool_consistent(data, base, share, num_block
             keys = data.draw(st.lists(st.sampled_from(cached) if cached and data.draw(
                 st.booleans()) else st.integers(0, N_KEYS - 1), min_size=1, max_size=4))
             level = data.draw(st.sampled_from([NORMAL, PROTECTED, PROTECTED, PROTECTED, CLOSED]))
-            q.hint(np.array(keys, dtype=np.int64), level, fbo)
+            depths = data.draw(st.none() | st.lists(st.integers(0, 5), min_size=len(keys),
+                                                    max_size=len(keys)))
+            q.hint(np.array(keys, dtype=np.int64), level, fbo,
+                   None if depths is None else np.array(depths, dtype=np.int32))
         elif op == "evict":
             pool.evict_cached(data.draw(st.integers(1, num_blocks - 1)))
         elif op == "consume" and nu is not None:

@@ -114,6 +114,7 @@ class ServingLoop:
         self._index = {wr.request_id: i for i, wr in enumerate(workload.requests)}
         self._next_use: NextUse | None = None
         self._hinted: HintedQueue | None = None
+        self._waiting: np.ndarray | None = None
         if policy.planner is not None:
             if policy.infinite_cpu:
                 cpu_blocks = num_keys(keys)
@@ -147,8 +148,12 @@ class ServingLoop:
             queue: EvictionQueue = NextUseQueue(self._next_use)
         else:
             queue = make_eviction_queue(policy.cpu_eviction)
-        if policy.hints:
-            queue = self._hinted = HintedQueue(queue, policy.hint_protect_share)
+        if policy.hints or policy.lookahead:
+            share = policy.hint_protect_share if policy.hints else policy.waiting_protect_share
+            queue = self._hinted = HintedQueue(queue, share)
+        if policy.lookahead:
+            # Waiting requests holding each key: protected while at least one waits.
+            self._waiting = np.zeros(num_keys(keys), dtype=np.int32)
         return queue
 
     def _first_admit(self, seq: _Seq) -> None:
@@ -157,21 +162,42 @@ class ServingLoop:
             self._next_use.consume(i)
         if self._hinted is not None:
             self._last_holder[self._keys[i].ravel()] = i
+        if self._waiting is not None:
+            self._note_waiting(i, -1)
+
+    def _note_waiting(self, i: int, delta: int) -> None:
+        """Request ``i`` joined (+1) or left (-1: admitted, its lookup done) the waiting queue:
+        the keys it holds are protected while some waiting request holds them."""
+        keys, depths = self._keys_and_depths(i)
+        waiting = self._waiting
+        waiting[keys] += delta
+        changed = waiting[keys] == (1 if delta > 0 else 0)
+        cpu = self.cpu
+        self._hinted.hint(keys[changed], PROTECTED if delta > 0 else NORMAL,
+                          lambda k: (b if (b := cpu.get_cached_block(k)) is not None
+                                     and cpu.is_free(b) else None), depths[changed])
+
+    def _keys_and_depths(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """Request ``i``'s distinct keys and the first position (hash block) each has in it."""
+        by_position = self._keys[i].T.ravel()  # position-major: first occurrence = shallowest
+        keys, first = np.unique(by_position, return_index=True)
+        return keys, (first // self._keys[i].shape[0]).astype(np.int32)
 
     def _apply_hint(self, seq: _Seq) -> None:
         """A finished turn's hint reaches the CPU tier: ``continue`` protects its keys,
         ``close`` marks the keys this turn held last as first to go, no hint clears both."""
         i = self._index[seq.req.request_id]
-        keys = np.unique(self._keys[i].ravel())
+        keys, depths = self._keys_and_depths(i)
         hint = seq.wr.hint
         if hint == "close":
-            keys = keys[self._last_holder[keys] == i]
+            last = self._last_holder[keys] == i
+            keys, depths = keys[last], depths[last]
             level = CLOSED
         else:
             level = PROTECTED if hint == "continue" else NORMAL
         cpu = self.cpu
         self._hinted.hint(keys, level, lambda k: (b if (b := cpu.get_cached_block(k)) is not
-                                                  None and cpu.is_free(b) else None))
+                                                  None and cpu.is_free(b) else None), depths)
         self.metrics.hints[hint or "none"] = self.metrics.hints.get(hint or "none", 0) + 1
 
     @staticmethod
@@ -192,6 +218,8 @@ class ServingLoop:
             req = Request(wr.request_id, self._keys[i], num_prompt_tokens=wr.prompt_len,
                           num_tokens=wr.prompt_len)
             self.sched.add(_Seq(req, wr=wr, arrival_s=at, hint=wr.hint))
+            if self._waiting is not None:
+                self._note_waiting(i, +1)
 
     def _release_successors(self, rid: str) -> None:
         for i in self._successors.pop(rid, []):
@@ -275,7 +303,7 @@ class ServingLoop:
             self.now += self._compute(scheduled)
             for seq in sched.advance(scheduled, self._sampled):
                 self.metrics.finished += 1
-                if self._hinted is not None:
+                if self.policy.hints:
                     self._apply_hint(seq)
                 self._release_successors(seq.req.request_id)
             self.metrics.steps += 1

@@ -22,6 +22,9 @@ recency     ``refresh``: a GPU prefix hit also refreshes the CPU       off
 hints       ``hints`` (protect blocks of a turn hinted ``continue`` in  off
             up to half the tier, evict a closed session's first),
             ``hints:F`` (protect up to F of the tier)
+lookahead   ``waiting`` (protect the keys of requests in the waiting    off
+            queue, up to half the tier, until they are admitted),
+            ``waiting:F`` (up to F of the tier)
 capacity    ``inf``: a CPU tier that holds every distinct block        sized
 ========== ========================================================= ==========
 
@@ -69,6 +72,8 @@ class TierPolicy:
     description: str
     #: Share of the tier that blocks hinted ``continue`` may hold protected (None: hints off).
     hint_protect_share: float | None = None
+    #: Share of the tier the keys of waiting requests may hold protected (None: lookahead off).
+    waiting_protect_share: float | None = None
     #: The CPU tier holds every distinct block of the workload (a bound, not a setup).
     infinite_cpu: bool = False
     #: The composition this setup is, in canonical axis order.
@@ -83,6 +88,10 @@ class TierPolicy:
     def hints(self) -> bool:
         return self.hint_protect_share is not None
 
+    @property
+    def lookahead(self) -> bool:
+        return self.waiting_protect_share is not None
+
 
 def _share(token: str, value: str) -> float:
     try:
@@ -96,7 +105,8 @@ def _share(token: str, value: str) -> float:
 
 
 def _canonical(store: str, restore: bool, share: float | None, free: str, eviction: str,
-               admission: str, protect: float | None, infinite: bool, refresh: bool) -> str:
+               admission: str, protect: float | None, infinite: bool, refresh: bool,
+               waiting: float | None) -> str:
     parts = [store]
     if restore:
         parts.append("restore" if share is None else f"restore:{share:g}")
@@ -110,13 +120,16 @@ def _canonical(store: str, restore: bool, share: float | None, free: str, evicti
         parts.append("refresh")
     if protect is not None:
         parts.append("hints" if protect == DEFAULT_PROTECT_SHARE else f"hints:{protect:g}")
+    if waiting is not None:
+        parts.append("waiting" if waiting == DEFAULT_PROTECT_SHARE else f"waiting:{waiting:g}")
     if infinite:
         parts.append("inf")
     return "+".join(parts)
 
 
 def _describe(store: str, restore: bool, share: float | None, free: str, eviction: str,
-              admission: str, protect: float | None, infinite: bool, refresh: bool) -> str:
+              admission: str, protect: float | None, infinite: bool, refresh: bool,
+              waiting: float | None) -> str:
     words = ["lazy (store on GPU eviction)" if store == "lazy" else "eager stores"]
     if restore:
         words.append("re-store" if share is None
@@ -131,6 +144,8 @@ def _describe(store: str, restore: bool, share: float | None, free: str, evictio
         words.append("GPU hits refresh the CPU copies")
     if protect is not None:
         words.append(f"hints (protect <= {protect:.0%})")
+    if waiting is not None:
+        words.append(f"waiting-queue lookahead (protect <= {waiting:.0%})")
     if infinite:
         words.append("unbounded CPU tier")
     return ", ".join(words)
@@ -151,6 +166,7 @@ def parse_policy(spec: str, name: str | None = None) -> TierPolicy:
     store, restore, share, free, eviction, admission = "eager", False, None, "head_first", \
         "lru", "all"
     protect: float | None = None
+    waiting: float | None = None
     infinite = False
     refresh = False
 
@@ -181,6 +197,9 @@ def parse_policy(spec: str, name: str | None = None) -> TierPolicy:
         elif head == "hints":
             axis("hints", token)
             protect = _share(token, arg) if arg else DEFAULT_PROTECT_SHARE
+        elif head == "waiting":
+            axis("lookahead", token)
+            waiting = _share(token, arg) if arg else DEFAULT_PROTECT_SHARE
         elif token == "inf":
             axis("capacity", token)
             infinite = True
@@ -191,7 +210,7 @@ def parse_policy(spec: str, name: str | None = None) -> TierPolicy:
             raise ValueError(
                 f"policy {spec!r}: unknown axis value {token!r}; known: eager, lazy, restore, "
                 f"restore:F, head, tail, {', '.join(ONLINE_EVICTIONS + ORACLE_EVICTIONS)}, all, "
-                f"second, hinted, refresh, hints, hints:F, inf; presets: "
+                f"second, hinted, refresh, hints, hints:F, waiting, waiting:F, inf; presets: "
                 f"{', '.join(TIER_POLICIES)}")
     if store == "lazy" and restore:
         raise ValueError(f"policy {spec!r}: 'lazy' with 're-store' means nothing: a lazy tier "
@@ -200,19 +219,26 @@ def parse_policy(spec: str, name: str | None = None) -> TierPolicy:
     if eviction in ORACLE_EVICTIONS and protect is not None:
         raise ValueError(f"policy {spec!r}: 'hints' with {eviction!r} means nothing: the "
                          "oracle already knows every next use")
+    if eviction in ORACLE_EVICTIONS and waiting is not None:
+        raise ValueError(f"policy {spec!r}: 'waiting' with {eviction!r} means nothing: the "
+                         "oracle already knows every next use")
+    if protect is not None and waiting is not None:
+        raise ValueError(f"policy {spec!r}: 'hints' and 'waiting' both protect blocks in one "
+                         "segment of the tier; use one of them")
     if store == "lazy" and admission == "second":
         raise ValueError(f"policy {spec!r}: 'second' admission applies to eager stores; a lazy "
                          "tier already stores only what the GPU evicts")
     if store == "eager" and admission == "hinted":
         raise ValueError(f"policy {spec!r}: 'hinted' admission needs 'lazy': an eager store "
                          "happens when a block is computed, before the turn's hint is known")
-    args = (store, restore, share, free, eviction, admission, protect, infinite, refresh)
+    args = (store, restore, share, free, eviction, admission, protect, infinite, refresh, waiting)
     canonical = _canonical(*args)
     planner = PlannerConfig(restore=restore, cpu_free_order=free, restore_share=share,
                             lazy=store == "lazy", admission=admission,
                             refresh_on_gpu_hit=refresh)
     return TierPolicy(name or canonical, planner, eviction, _describe(*args),
-                      hint_protect_share=protect, infinite_cpu=infinite, composition=canonical)
+                      hint_protect_share=protect, waiting_protect_share=waiting,
+                      infinite_cpu=infinite, composition=canonical)
 
 
 _PRESETS = {
@@ -236,7 +262,8 @@ DEFAULT_POLICIES = tuple(TIER_POLICIES)
 
 #: Every axis changed alone from the control (the ablation the benchmark runs).
 ABLATION = ("eager", "eager+restore", "eager+restore:0.5", "eager+tail", "eager+arc",
-            "eager+s3fifo", "eager+second", "eager+refresh", "eager+hints", "lazy")
+            "eager+s3fifo", "eager+second", "eager+refresh", "eager+hints", "eager+waiting",
+            "lazy")
 
 #: Combinations of the axes that pay, run beside the ablation.
 COMBINED = ("lazy+hints", "lazy+hinted", "lazy+hinted+hints", "eager+refresh+arc",

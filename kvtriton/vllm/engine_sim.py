@@ -392,12 +392,13 @@ def simulate_vllm(
         raise ValueError(f"workload {workload.name!r} has no requests")
     chosen = [tier_policy(p) for p in policies]
     for pol in chosen:
-        if pol.planner is not None and (pol.oracle or pol.hints
+        if pol.planner is not None and (pol.oracle or pol.hints or pol.lookahead
                                         or pol.planner.admission != "all"
                                         or pol.planner.refresh_on_gpu_hit):
             raise ValueError(f"simulate_vllm: policy {pol.name!r} uses an axis the connector "
                              "does not take (next-use oracle, unbounded tier, hints, "
-                             "second-sight admission, refresh): run it with kvtriton's loop")
+                             "waiting-queue lookahead, second-sight or hinted admission, "
+                             "refresh): run it with kvtriton's loop")
     layout = preset(model, block_size=workload.hash_block_size)
     if any(g.kind == "mamba" for g in layout.groups):
         raise ValueError(f"simulate_vllm: model {model!r} has Mamba groups, which this "
