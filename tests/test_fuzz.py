@@ -504,6 +504,8 @@ class PlannerMachine(RuleBasedStateMachine):
         cfg = PlannerConfig(
             scan=self.scan, restore=self.restore, lazy=self.lazy,
             lazy_target_blocks=draw(st.sampled_from([None, 2, 8])) if self.lazy else None,
+            # Hinted admission holds back keys a closed session held last (lazy mode only).
+            admission=draw(st.sampled_from(["all", "hinted"])) if self.lazy else "all",
             world_size=draw(st.sampled_from([1, 1, 2, 3]), label="world_size"),
             cpu_free_order=draw(st.sampled_from(["tail_first", "head_first"])),
             max_restores_per_step=draw(st.sampled_from([None, None, 0, 1])),
@@ -640,19 +642,22 @@ class PlannerMachine(RuleBasedStateMachine):
         h = self.rig
         done = sorted(rid for rid, r in h.running.items()
                       if r.req.num_computed_tokens >= h.length[rid])
-        self._end(draw(st.sampled_from(done)))
+        self._end(draw(st.sampled_from(done)), draw)
 
     def _abort(self, draw) -> None:
         """Finish at any moment: mid-prefill, while preempted, or while its load is in flight."""
         h = self.rig
-        self._end(draw(st.sampled_from(sorted(h.running) + sorted(h.preempted))))
+        self._end(draw(st.sampled_from(sorted(h.running) + sorted(h.preempted))), draw)
 
-    def _end(self, rid: str) -> None:
-        """Finish ``rid``; what it computed becomes a prefix later turns may continue."""
+    def _end(self, rid: str, draw) -> None:
+        """Finish ``rid`` with a drawn hint; what it computed becomes a prefix later turns may
+        continue."""
         h = self.rig
         run = h.running.get(rid)
         if run is not None and run.req.num_computed_tokens >= h.layout.scheduler_block_size:
             self.history = [*self.history[-7:], self.tokens[rid][:run.req.num_computed_tokens]]
+        if run is not None:
+            run.hint = draw(st.sampled_from([None, "close", "continue"]), label="hint")
         h.finish(rid)
 
     # ---- reports, faults, resets --------------------------------------------------------------

@@ -172,10 +172,13 @@ class ServingLoop:
         waiting = self._waiting
         waiting[keys] += delta
         changed = waiting[keys] == (1 if delta > 0 else 0)
-        cpu = self.cpu
         self._hinted.hint(keys[changed], PROTECTED if delta > 0 else NORMAL,
-                          lambda k: (b if (b := cpu.get_cached_block(k)) is not None
-                                     and cpu.is_free(b) else None), depths[changed])
+                          self._free_cpu_block, depths[changed])
+
+    def _free_cpu_block(self, key: int) -> int | None:
+        """The free CPU block caching ``key`` (a hint moves it now), or None."""
+        b = self.cpu.get_cached_block(key)
+        return b if b is not None and self.cpu.is_free(b) else None
 
     def _keys_and_depths(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         """Request ``i``'s distinct keys and the first position (hash block) each has in it."""
@@ -195,9 +198,7 @@ class ServingLoop:
             level = CLOSED
         else:
             level = PROTECTED if hint == "continue" else NORMAL
-        cpu = self.cpu
-        self._hinted.hint(keys, level, lambda k: (b if (b := cpu.get_cached_block(k)) is not
-                                                  None and cpu.is_free(b) else None), depths)
+        self._hinted.hint(keys, level, self._free_cpu_block, depths)
         self.metrics.hints[hint or "none"] = self.metrics.hints.get(hint or "none", 0) + 1
 
     @staticmethod
