@@ -56,6 +56,13 @@ class HintedQueue(EvictionQueue):
         # segment is full. An entry whose stamp is not its block's current one is stale.
         self._deepest: list[tuple[int, int, int]] = []
         self._stamp = [0] * num_blocks
+        # A block's age in the segment (its stamp) is renewed only when it comes back fresh:
+        # handed out and cached again, under another key, or after a real use. A request's own
+        # repeated touch (reuse=False) or a hint moving it keeps the age, as the wrapped queues
+        # put such a block back where it was. ``_heaped``: the stamp of the block's entry still
+        # in the heap (0: none), so a block put back costs no push.
+        self._fresh = [True] * num_blocks
+        self._heaped = [0] * num_blocks
         self._clock = 0
 
     def level(self, key: int) -> int:
@@ -69,15 +76,16 @@ class HintedQueue(EvictionQueue):
         elif lv == PROTECTED and self._cap > 0:
             self._protected.append(b)
             self._where[b] = _PROTECTED
-            self._clock += 1
-            self._stamp[b] = self._clock
-            depth = int(self._depth[key]) if key < len(self._depth) else 0
-            heap = self._deepest
-            heapq.heappush(heap, (-depth, self._clock, b))
-            if len(heap) > 2 * len(self._protected) + 64:
-                # Entries of blocks that left the segment: rebuild, so the heap stays bounded.
-                heap[:] = [(-self._depth_of(p), self._stamp[p], p) for p in self._protected]
-                heapq.heapify(heap)
+            if self._fresh[b]:
+                self._fresh[b] = False
+                self._clock += 1
+                self._stamp[b] = self._clock
+            if self._heaped[b] != self._stamp[b]:
+                self._heaped[b] = self._stamp[b]
+                depth = int(self._depth[key]) if key < len(self._depth) else 0
+                heapq.heappush(self._deepest, (-depth, self._stamp[b], b))
+                if len(self._deepest) > 2 * len(self._protected) + 64:
+                    self._rebuild_heap()
             if len(self._protected) > self._cap:
                 old = self._pop_deepest()
                 self.protect_overflow += 1
@@ -92,9 +100,19 @@ class HintedQueue(EvictionQueue):
         heap, protected = self._deepest, self._protected
         while True:
             _, stamp, b = heapq.heappop(heap)
+            if self._heaped[b] == stamp:
+                self._heaped[b] = 0
             if stamp == self._stamp[b] and self._where[b] == _PROTECTED and b in protected:
                 protected.remove(b)
                 return b
+
+    def _rebuild_heap(self) -> None:
+        """Drop the entries of blocks that left the segment, so the heap stays bounded."""
+        self._heaped = [0] * len(self._heaped)
+        for p in self._protected:
+            self._heaped[p] = self._stamp[p]
+        self._deepest = [(-self._depth_of(p), self._stamp[p], p) for p in self._protected]
+        heapq.heapify(self._deepest)
 
     def _depth_of(self, b: int) -> int:
         key = self._key[b]
@@ -105,6 +123,9 @@ class HintedQueue(EvictionQueue):
             self._unhashed.appendleft(block_id)
             self._where[block_id] = _UNHASHED
             return
+        if self._key[block_id] != key:
+            self._fresh[block_id] = True
+            self._heaped[block_id] = 0  # the old entry has the old key's depth
         self._key[block_id] = key
         self._place(block_id, key)
 
@@ -114,6 +135,8 @@ class HintedQueue(EvictionQueue):
 
     def remove(self, block_id: int, reuse: bool = True) -> None:
         where = self._where[block_id]
+        if reuse:
+            self._fresh[block_id] = True  # a real use: it comes back younger
         if where == _BASE:
             self.base.remove(block_id, reuse)
         else:
@@ -122,6 +145,11 @@ class HintedQueue(EvictionQueue):
                 self.base.note_reuse(block_id)
 
     def pop(self) -> int:
+        b = self._take()
+        self._fresh[b] = True  # handed out: whatever it holds next is new
+        return b
+
+    def _take(self) -> int:
         for seg, where in ((self._unhashed, _UNHASHED), (self._closed, _CLOSED)):
             if len(seg):
                 b = seg.popleft()

@@ -164,7 +164,8 @@ def _gap(x) -> str:
 
 
 # ``bench_policies --full`` writes ``policies_<tag>_full``: the whole traces, a larger generator.
-POLICY_LABELS = {**dict(WORKLOADS), "agent_full": "agent generator (full size)",
+POLICY_LABELS = {**dict(WORKLOADS), "cc_agentic": "coding-agent traces (first turns)",
+                 "agent_full": "agent generator (full size)",
                  "cc_agentic_full": "coding-agent traces (whole)",
                  "mooncake_full": "Mooncake trace (every setup)"}
 

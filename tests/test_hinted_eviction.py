@@ -108,7 +108,9 @@ def test_protect_cap_demotes_the_deepest_block_first():
 @given(data=st.data(), num_blocks=st.integers(2, 12), share=st.sampled_from([0.2, 0.5, 1.0]))
 def test_demotion_matches_a_loop_reference(data, num_blocks, share):
     """Against a list: each overflow removes the deepest protected block, the oldest among
-    equals; removals (hits) take blocks out in between."""
+    equals. Blocks leave in between (a real use, or a request's own repeated touch) and come
+    back: a block keeps its age unless it comes back fresh (after a real use, or cached under
+    another key)."""
     q = hinted("lru", share)
     q.reset(num_blocks)
     cap = int(share * (num_blocks - 1))
@@ -116,14 +118,24 @@ def test_demotion_matches_a_loop_reference(data, num_blocks, share):
     q.hint(np.arange(N_KEYS), PROTECTED, NONE, np.array(depths, dtype=np.int32))
     ref: list[tuple[int, int, int]] = []  # (block, age, depth) in segment order
     outside = list(range(1, num_blocks))
-    age = 0
+    key_of: dict[int, int] = {}
+    age_of: dict[int, int] = {}
+    fresh = set(outside)
+    clock = 0
     for _ in range(data.draw(st.integers(1, 40))):
         if outside and data.draw(st.integers(0, 2)):
             b = outside.pop(data.draw(st.integers(0, len(outside) - 1)))
-            key = data.draw(st.integers(0, N_KEYS - 1))
+            key = data.draw(st.sampled_from([key_of[b]] * 2 + list(range(N_KEYS)))
+                            if b in key_of else st.integers(0, N_KEYS - 1))
+            if key_of.get(b) != key:
+                fresh.add(b)
+            key_of[b] = key
             q.push(b, key)
-            age += 1
-            ref.append((b, age, depths[key]))
+            if b in fresh:
+                clock += 1
+                age_of[b] = clock
+                fresh.discard(b)
+            ref.append((b, age_of[b], depths[key]))
             if len(ref) > cap:
                 gone = max(ref, key=lambda e: (e[2], -e[1]))
                 ref.remove(gone)
@@ -132,7 +144,10 @@ def test_demotion_matches_a_loop_reference(data, num_blocks, share):
             if not inside:
                 continue
             b = data.draw(st.sampled_from(inside))
-            q.remove(b)
+            reuse = data.draw(st.booleans())
+            q.remove(b, reuse=reuse)
+            if reuse:
+                fresh.add(b)
             ref = [e for e in ref if e[0] != b]
             outside.append(b)
         assert list(q._protected) == [b for b, _, _ in ref]
