@@ -5,10 +5,12 @@ A request may end with a hint about its context (``kvtriton.sim.workload.HINTS``
 context) or ``close`` (the client closed the session). ``HintedQueue`` wraps any eviction queue
 and keeps two segments beside it: *drop* blocks (keys last held by a closed session), evicted
 first, and *protected* blocks (keys of a turn hinted ``continue``), evicted last and bounded by a
-share of the tier: past it the protected block deepest in its chain returns to the wrapped queue
-(oldest first among equal depths). Deepest, not oldest: a hit needs a chain's head, and a tail
-kept without its head serves nothing. Everything else is the wrapped queue's business (LRU, ARC,
-S3-FIFO), including whether a touch is reuse.
+share of the tier. Past it, a block of the oldest hint (``demote="oldest"``, the default: a
+``continue`` hinted long ago is the least likely to come back soon) or of the newest
+(``demote="newest"``: for a waiting-queue lookahead, whose newest arrival is admitted last)
+returns to the wrapped queue, the deepest block of that hint's chain first: a hit needs a chain's
+head, and a tail kept without its head serves nothing. Everything else is the wrapped queue's
+business (LRU, ARC, S3-FIFO), including whether a touch is reuse.
 """
 
 from __future__ import annotations
@@ -31,16 +33,24 @@ class HintedQueue(EvictionQueue):
     """``base`` plus the drop and protected segments; ``level`` of each key set by ``hint``.
 
     Pop order: unhashed blocks, drop blocks (oldest first), the wrapped queue's order, protected
-    blocks (oldest first). ``protect_share``: the most of the pool protected blocks may hold."""
+    blocks (oldest first). ``protect_share``: the most of the pool protected blocks may hold;
+    ``demote``: whose blocks a full protected segment lets go first, the oldest hint's or the
+    newest's."""
 
-    def __init__(self, base: EvictionQueue, protect_share: float) -> None:
+    def __init__(self, base: EvictionQueue, protect_share: float,
+                 demote: str = "oldest") -> None:
         if not 0.0 <= protect_share <= 1.0:
             raise ValueError(f"protect_share must be in [0, 1], got {protect_share!r}")
+        if demote not in ("oldest", "newest"):
+            raise ValueError(f"demote must be 'oldest' or 'newest', got {demote!r}")
         self.base = base
         self.protect_share = protect_share
+        self._newest_first = demote == "newest"
         self.name = f"{base.name}+hints"
         self._level = np.zeros(0, dtype=np.uint8)
         self._depth = np.zeros(0, dtype=np.int32)  # chain position of a key, from ``hint``
+        self._epoch = np.zeros(0, dtype=np.int64)  # the ``hint`` call that protected a key
+        self._hints = 0
         #: Blocks demoted from the protected segment because it was full (a count).
         self.protect_overflow = 0
 
@@ -52,9 +62,9 @@ class HintedQueue(EvictionQueue):
         self._cap = int(self.protect_share * max(1, num_blocks - 1))
         self._where = bytearray(num_blocks)  # segment of a free block, or where it left from
         self._key = [-1] * num_blocks
-        # Protected blocks by (-depth, stamp): the deepest (then the oldest) leaves first when the
-        # segment is full. An entry whose stamp is not its block's current one is stale.
-        self._deepest: list[tuple[int, int, int]] = []
+        # Protected blocks by (hint rank, -depth, stamp): the first entry leaves when the segment
+        # is full. An entry whose stamp is not its block's current one is stale.
+        self._deepest: list[tuple[int, int, int, int]] = []
         self._stamp = [0] * num_blocks
         # A block's age in the segment (its stamp) is renewed only when it comes back fresh:
         # handed out and cached again, under another key, or after a real use. A request's own
@@ -82,8 +92,7 @@ class HintedQueue(EvictionQueue):
                 self._stamp[b] = self._clock
             if self._heaped[b] != self._stamp[b]:
                 self._heaped[b] = self._stamp[b]
-                depth = int(self._depth[key]) if key < len(self._depth) else 0
-                heapq.heappush(self._deepest, (-depth, self._stamp[b], b))
+                heapq.heappush(self._deepest, self._entry(b))
                 if len(self._deepest) > 2 * len(self._protected) + 64:
                     self._rebuild_heap()
             if len(self._protected) > self._cap:
@@ -95,11 +104,19 @@ class HintedQueue(EvictionQueue):
             self._where[b] = _BASE
             self.base.push(b, key)
 
+    def _entry(self, b: int) -> tuple[int, int, int, int]:
+        key = self._key[b]
+        known = 0 <= key < len(self._depth)
+        epoch = int(self._epoch[key]) if known else 0
+        depth = int(self._depth[key]) if known else 0
+        return (-epoch if self._newest_first else epoch, -depth, self._stamp[b], b)
+
     def _pop_deepest(self) -> int:
-        """Take the deepest protected block (the oldest among equals) out of its segment."""
+        """Take the first protected block to demote out of its segment: of the oldest (or the
+        newest) hint, the deepest in its chain, the oldest among equals."""
         heap, protected = self._deepest, self._protected
         while True:
-            _, stamp, b = heapq.heappop(heap)
+            _, _, stamp, b = heapq.heappop(heap)
             if self._heaped[b] == stamp:
                 self._heaped[b] = 0
             if stamp == self._stamp[b] and self._where[b] == _PROTECTED and b in protected:
@@ -111,12 +128,8 @@ class HintedQueue(EvictionQueue):
         self._heaped = [0] * len(self._heaped)
         for p in self._protected:
             self._heaped[p] = self._stamp[p]
-        self._deepest = [(-self._depth_of(p), self._stamp[p], p) for p in self._protected]
+        self._deepest = [self._entry(p) for p in self._protected]
         heapq.heapify(self._deepest)
-
-    def _depth_of(self, b: int) -> int:
-        key = self._key[b]
-        return int(self._depth[key]) if 0 <= key < len(self._depth) else 0
 
     def push(self, block_id: int, key: int | None) -> None:
         if key is None:
@@ -172,9 +185,10 @@ class HintedQueue(EvictionQueue):
     def hint(self, keys: np.ndarray, level: int, free_block_of,
              depths: np.ndarray | None = None) -> None:
         """Set the level of ``keys`` (int array); ``free_block_of(key)`` names the free block
-        holding a key (None if none is free), which moves to its new segment now. ``depths``:
-        each key's position in its chain (0: the head), which decides what a full protected
-        segment lets go; None leaves the depths as they were (0 if never given)."""
+        holding a key (None if none is free), which moves to its new segment now. Protecting
+        keys again renews them: they belong to this hint from now on. ``depths``: each key's
+        position in its chain (0: the head), which decides what a full protected segment lets go
+        within one hint; None leaves the depths as they were (0 if never given)."""
         keys = np.asarray(keys, dtype=np.int64)
         if not len(keys):
             return
@@ -185,15 +199,23 @@ class HintedQueue(EvictionQueue):
                                           np.zeros(size - len(self._level), np.uint8)])
             self._depth = np.concatenate([self._depth,
                                           np.zeros(size - len(self._depth), np.int32)])
+            self._epoch = np.concatenate([self._epoch,
+                                          np.zeros(size - len(self._epoch), np.int64)])
         if depths is not None:
             self._depth[keys] = depths
-        changed = keys[self._level[keys] != level]
+        renewed = level == PROTECTED
+        moved = keys if renewed else keys[self._level[keys] != level]
+        if renewed:
+            self._hints += 1
+            self._epoch[keys] = self._hints
         self._level[keys] = level
-        for k in changed.tolist():
+        for k in moved.tolist():
             b = free_block_of(k)
             if b is None or b not in self or self._key[b] != k:
                 continue
             self.remove(b, reuse=False)
+            if renewed:
+                self._fresh[b] = True  # this hint's block now: a new age, a new entry
             self._place(b, k)
 
     def __len__(self) -> int:

@@ -104,6 +104,27 @@ def test_protect_cap_demotes_the_deepest_block_first():
     assert segments(q) == ([], [], [1, 2, 5], [3, 4, 6])
 
 
+@pytest.mark.parametrize(("demote", "kept"), [("oldest", [4, 5, 6]), ("newest", [1, 2, 3])])
+def test_a_full_segment_lets_the_oldest_or_newest_hint_go(demote, kept):
+    """Two hints of three chain blocks each, a segment of three: the other hint's blocks go,
+    deepest first, whatever their depth against the kept hint's."""
+    q = HintedQueue(LRUQueue(), 0.3, demote=demote)
+    q.reset(11)  # cap 3
+    q.hint(np.array([0, 1, 2]), PROTECTED, NONE, np.array([0, 1, 2], dtype=np.int32))
+    q.hint(np.array([3, 4, 5]), PROTECTED, NONE, np.array([5, 6, 7], dtype=np.int32))
+    for b, key in [(1, 0), (2, 1), (3, 2), (4, 3), (5, 4), (6, 5)]:
+        q.push(b, key)
+    assert list(q._protected) == kept and q.protect_overflow == 3
+    # Oldest: each push of the new hint demotes the old hint's deepest block. Newest: each
+    # new block is the newest hint's only one present, and goes at once.
+    assert list(q.base.iter_blocks()) == ([3, 2, 1] if demote == "oldest" else [4, 5, 6])
+
+
+def test_bad_demote():
+    with pytest.raises(ValueError, match="'middle'"):
+        HintedQueue(LRUQueue(), 0.5, demote="middle")
+
+
 @settings(max_examples=max(100, settings.default.max_examples))
 @given(data=st.data(), num_blocks=st.integers(2, 12), share=st.sampled_from([0.2, 0.5, 1.0]))
 def test_demotion_matches_a_loop_reference(data, num_blocks, share):
@@ -200,22 +221,25 @@ def test_hint_moves_free_blocks_and_skips_referenced(base):
     assert segments(q) == ([7, 8, 9], [6, 1, 4], [3, 5], [2])
     q.hint(np.array([100]), NORMAL, fbo)  # closed -> the base's tail
     assert segments(q) == ([7, 8, 9], [6, 4], [3, 5, 1], [2])
-    q.hint(np.array([104, 101]), PROTECTED, fbo)
+    q.hint(np.array([104, 101]), PROTECTED, fbo)  # 101 again: renewed, the newest now
+    assert segments(q) == ([7, 8, 9], [6, 4], [3, 1], [5, 2])
+    q.hint(np.array([104]), PROTECTED, fbo)
     assert segments(q) == ([7, 8, 9], [6, 4], [3, 1], [2, 5])
-    q.hint(np.array([101]), PROTECTED, fbo)  # no change of level: the block stays put
+    q.hint(np.array([101]), PROTECTED, fbo)
+    assert segments(q) == ([7, 8, 9], [6, 4], [3, 1], [5, 2])
     q.hint(np.array([], dtype=np.int64), CLOSED, fbo)
     q.hint(np.array([555]), CLOSED, fbo)  # no block holds it
-    assert segments(q) == ([7, 8, 9], [6, 4], [3, 1], [2, 5])
+    assert segments(q) == ([7, 8, 9], [6, 4], [3, 1], [5, 2])
     assert q.level(555) == CLOSED
     pool.check_invariants()
 
     pool.touch([3])  # referenced: a hint sets the level, the block moves when freed
     q.hint(np.array([102]), CLOSED, fbo)
-    assert segments(q) == ([7, 8, 9], [6, 4], [1], [2, 5])
+    assert segments(q) == ([7, 8, 9], [6, 4], [1], [5, 2])
     assert 3 not in q and pool.ref_cnt[3] == 1
     pool.check_invariants()
     pool.free_blocks([3])  # the level is read at push time
-    assert segments(q) == ([7, 8, 9], [6, 4, 3], [1], [2, 5])
+    assert segments(q) == ([7, 8, 9], [6, 4, 3], [1], [5, 2])
     pool.touch([2])
     q.hint(np.array([101]), NORMAL, fbo)
     pool.free_blocks([2])

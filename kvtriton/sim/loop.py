@@ -149,8 +149,13 @@ class ServingLoop:
         else:
             queue = make_eviction_queue(policy.cpu_eviction)
         if policy.hints or policy.lookahead:
-            share = policy.hint_protect_share if policy.hints else policy.waiting_protect_share
-            queue = self._hinted = HintedQueue(queue, share)
+            # A full segment lets go of the oldest continue hint, or of the newest arrival in
+            # the waiting queue (the last to be admitted).
+            if policy.hints:
+                queue = self._hinted = HintedQueue(queue, policy.hint_protect_share)
+            else:
+                queue = self._hinted = HintedQueue(queue, policy.waiting_protect_share,
+                                                   demote="newest")
         if policy.lookahead:
             # Waiting requests holding each key: protected while at least one waits.
             self._waiting = np.zeros(num_keys(keys), dtype=np.int32)
