@@ -250,7 +250,7 @@ def policies_section(v: dict) -> None:
         return (f"- {labels[tag]}, CPU {t['cpu_ratio']}x: best online setup with TTFT p50 and "
                 f"p90 no worse than the control's: "
                 + (f"`{t['best']}`, {_gap(t['gap_closed'])} of the gap "
-                   if t["best"] else "none ")
+                   if t["best"] and t["gap_closed"] > 0 else "none closes any of the gap ")
                 + f"(control {_pct(t['control_hit_rate'])}, bound `{t['bound']}` "
                 f"{_pct(t['bound_hit_rate'])}); target {t['target']:.0%}: "
                 + ("no gap to close at this size: the control reaches the bound."

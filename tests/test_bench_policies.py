@@ -50,3 +50,8 @@ def test_best_online_skips_oracles_and_slower_setups():
              "ttft_p50_s": 0.5, "ttft_p90_s": 1.0}]
     assert bench_policies.best_online(rows)["composition"] == "eager+arc"
     assert bench_policies.best_online(rows[:2]) is None
+    # A setup that ties the control closes nothing: it is no best setup (it was reported as
+    # the best, at 0%, when every setup that closed some gap had a worse TTFT).
+    tie = {"composition": "eager+restore", "oracle": False, "gap_closed": 0.0,
+           "ttft_p50_s": 1.0, "ttft_p90_s": 2.0}
+    assert bench_policies.best_online([rows[0], tie, rows[1]]) is None
