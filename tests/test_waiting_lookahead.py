@@ -78,18 +78,6 @@ def test_the_protected_share_is_bounded():
     assert row["cpu_hit_tokens"] == 8 * BLOCK
 
 
-@pytest.mark.parametrize(("spec", "named"), [
-    ("eager+waiting+hints", "'hints' and 'waiting'"),
-    ("eager+nextuse+waiting", "'waiting' with 'nextuse'"),
-    ("eager+waiting:2", "'2'"),
-    ("eager+waiting+waiting:0.2", "'waiting' and 'waiting:0.2' both set the lookahead"),
-])
-def test_bad_lookahead_compositions(spec, named):
-    with pytest.raises(ValueError) as e:
-        parse_policy(spec)
-    assert named in str(e.value)
-
-
 def test_lookahead_composition():
     p = parse_policy("waiting:0.25+lazy")
     assert p.composition == "lazy+waiting:0.25" and p.lookahead and not p.hints
