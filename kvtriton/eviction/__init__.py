@@ -1,0 +1,41 @@
+"""Eviction queues: which free block a ``BlockPool`` hands out next.
+
+The registry of the queues a pool is built with by name (``EVICTION_QUEUES``,
+``make_eviction_queue``). The protocol and the building blocks the queues share live in
+``base``; one algorithm per module: ``lru``, ``arc``, ``s3fifo``; ``protected`` wraps any of them
+with the drop and protected segments of continuation hints and the waiting-queue lookahead
+(``HintedQueue``).
+"""
+
+from kvtriton.eviction.arc import ARCQueue
+from kvtriton.eviction.base import EvictionQueue
+from kvtriton.eviction.lru import LRUQueue
+from kvtriton.eviction.protected import CLOSED, NORMAL, PROTECTED, HintedQueue
+from kvtriton.eviction.s3fifo import S3FIFOQueue
+
+__all__ = [
+    "CLOSED",
+    "EVICTION_QUEUES",
+    "NORMAL",
+    "PROTECTED",
+    "ARCQueue",
+    "EvictionQueue",
+    "HintedQueue",
+    "LRUQueue",
+    "S3FIFOQueue",
+    "make_eviction_queue",
+]
+
+EVICTION_QUEUES: dict[str, type[EvictionQueue]] = {
+    "lru": LRUQueue,
+    "arc": ARCQueue,
+    "s3fifo": S3FIFOQueue,
+}
+
+
+def make_eviction_queue(name: str) -> EvictionQueue:
+    """A fresh eviction queue by name (``lru`` and any registered in ``EVICTION_QUEUES``)."""
+    try:
+        return EVICTION_QUEUES[name]()
+    except KeyError:
+        raise ValueError(f"unknown eviction {name!r}; known: {sorted(EVICTION_QUEUES)}") from None
