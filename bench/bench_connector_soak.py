@@ -1,7 +1,7 @@
 """Soak through the vLLM connector: memory stays flat while distinct blocks grow without bound.
 
 vLLM's real ``Scheduler`` with ``KVTritonConnector`` serves a stream of requests that are almost
-all new content (``kvtriton.vllm.soak``; no model runs, transfers report one step later), first
+all new content (``bench.connector_soak``; no model runs, transfers report one step later), first
 with key-id recycling (the connector's default), then with it off as the control. Every
 ``--sample`` finished requests it records the key ids bound and their capacity, the planner's
 per-key slots and the process RSS. The run sees ``--requests`` requests, over ten times more
@@ -44,8 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
-        from kvtriton.vllm.harness import tiny_model_dir
-        from kvtriton.vllm.soak import ConnectorSoak
+        from bench.connector_soak import ConnectorSoak
+        from kvtriton.sim.vllm_scheduler import tiny_model_dir
     except ImportError as e:
         print(f"bench_connector_soak: needs vLLM ({e}); `make test` installs it", file=sys.stderr)
         return 2

@@ -2,7 +2,7 @@
 and the re-store map.
 
 - ``policies_<tag>.json`` (``policies_<tag>_full.json`` with ``--full``): every setup of
-  ``kvtriton.sim.setups.ABLATION`` (each axis changed alone from the control) plus the in-loop
+  ``kvtriton.setups.ABLATION`` (each axis changed alone from the control) plus the in-loop
   bounds (``BOUNDS``), at a CPU tier the size of the GPU and at four times that, on the agent
   generator, the shipped coding-agent traces and the shipped Mooncake trace. Every row carries
   ``gap_closed``: its share of the gap between the control and the in-loop Belady bound at the
@@ -29,10 +29,9 @@ from __future__ import annotations
 import os
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import replace
 
-from bench.bench_sim import mooncake_workload
 from bench.common import OneLineParser, write_result
+from kvtriton.setups import ABLATION, BOUNDS, COMBINED, HINTED_COMBINED
 from kvtriton.sim import (
     CC_AGENTIC_SAMPLE,
     Workload,
@@ -43,8 +42,8 @@ from kvtriton.sim import (
     simulate,
 )
 from kvtriton.sim.metrics import format_table
-from kvtriton.sim.setups import ABLATION, BOUNDS, COMBINED, HINTED_COMBINED
 from kvtriton.sim.simulate import add_gap_closed, in_loop_bound
+from kvtriton.sim.workloads import first_turns, serving_workload
 
 RATIOS = (1, 4)
 TARGETS = {"agent": 0.25, "cc_agentic": 0.25, "mooncake": 0.10}
@@ -63,21 +62,6 @@ QUICK_TRACE_SETS = {
 }
 
 
-def _first_turns(wl: Workload, turns: int) -> Workload:
-    """The first ``turns`` turns of every session (and every request without one)."""
-    seen: dict[str | None, int] = {}
-    kept = []
-    for r in wl.requests:
-        n = seen.get(r.session, 0)
-        if r.session is None or n < turns:
-            kept.append(r)
-            seen[r.session] = n + 1
-    ids = {r.request_id for r in kept}
-    kept = [replace(r, after=None) if r.after is not None and r.after not in ids else r
-            for r in kept]
-    return Workload(kept, wl.hash_block_size, f"{wl.name} (first {turns} turns per session)")
-
-
 def workloads(quick: bool) -> dict[str, tuple[Workload, int]]:
     """Per tag, the workload and its GPU capacity in tokens. Session closes are marked on every
     trace (only the hinted setups read them)."""
@@ -89,11 +73,11 @@ def workloads(quick: bool) -> dict[str, tuple[Workload, int]]:
         agent_gpu = 131_072
     cc = load_trace(data_path(CC_AGENTIC_SAMPLE))
     if quick:
-        cc = _first_turns(cc, QUICK_CC_TURNS)
+        cc = first_turns(cc, QUICK_CC_TURNS)
     # The whole Mooncake trace even when quick: its reuse builds up over the trace (the first
     # thousand requests hit under 3% whatever the tier does).
     # Mooncake was recorded on a cluster: its arrivals are spread, as in bench_sim.
-    mooncake = mooncake_workload()
+    mooncake, _ = serving_workload("mooncake")
     return {"agent": (mark_session_close(agent), agent_gpu),
             "cc_agentic": (mark_session_close(cc), 262_144),
             "mooncake": (mooncake, 262_144)}
@@ -207,7 +191,7 @@ def map_grid(tag: str, quick: bool) -> tuple[Workload, int, tuple, tuple]:
     if tag == "cc_agentic":
         cc = mark_session_close(load_trace(data_path(CC_AGENTIC_SAMPLE)))
         if quick:
-            return _first_turns(cc, MAP_CC_TURNS), 262_144, (0.5, 1, 2), (4, 16)
+            return first_turns(cc, MAP_CC_TURNS), 262_144, (0.5, 1, 2), (4, 16)
         return cc, 262_144, (0.5, 1, 2, 4), (4, 16, 64)
     wl, gpu = workloads(quick)[tag]
     return wl, gpu, (1, 4), (16, 256)

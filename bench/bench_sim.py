@@ -18,6 +18,7 @@ import argparse
 import time
 
 from bench.common import write_result
+from kvtriton.setups import DEFAULT_POLICIES
 from kvtriton.sim import (
     CC_AGENTIC_SAMPLE,
     MOONCAKE_SYNTHETIC,
@@ -28,7 +29,7 @@ from kvtriton.sim import (
     simulate,
 )
 from kvtriton.sim.progress import Progress
-from kvtriton.sim.setups import DEFAULT_POLICIES
+from kvtriton.sim.workloads import WORKLOADS, serving_workload
 
 
 def agent(quick: bool):
@@ -80,38 +81,18 @@ def replay_sweep(workload, tag: str, capacities=None, progress: bool = True) -> 
     return payload
 
 
-# The whole shipped Mooncake trace through the serving loop, every policy. 64-token blocks keep
-# it within minutes on 2 cores (the trace's own granularity is 512 tokens); arrivals are spread 4x
-# because the trace was recorded on a cluster and saturates one modeled GPU.
-MOONCAKE_SIM = {"block_size": 64, "time_scale": 4.0, "gpu_gib": 32.0, "cpu_gib": 256.0}
-
-
-def mooncake_workload():
-    """The whole shipped Mooncake trace at ``MOONCAKE_SIM``'s block size, arrivals spread by its
-    ``time_scale``: the serving-loop setting every benchmark uses for this trace."""
-    from dataclasses import replace
-
-    from kvtriton.sim import Workload
-
-    c = MOONCAKE_SIM
-    wl = load_trace(data_path(MOONCAKE_SYNTHETIC), hash_block_size=c["block_size"])
-    return Workload([replace(r, arrival_s=r.arrival_s * c["time_scale"]) for r in wl.requests],
-                    wl.hash_block_size, f"{wl.name} (arrivals x{c['time_scale']:g})")
-
-
 def mooncake_sim(progress: bool = True) -> dict:
     """Every policy over the whole Mooncake synthetic trace; writes ``sim_mooncake.json``."""
-    c = MOONCAKE_SIM
-    wl = mooncake_workload()
+    wl, capacities = serving_workload("mooncake")
     t0 = time.perf_counter()
-    res = simulate(wl, gpu_gib=c["gpu_gib"], cpu_gib=c["cpu_gib"], policies=DEFAULT_POLICIES,
-                   progress=progress)
+    res = simulate(wl, policies=DEFAULT_POLICIES, progress=progress, **capacities)
     wall = time.perf_counter() - t0
     print(f"\nmooncake: {len(wl)} requests, every policy, {wall:.0f}s wall")
     print(res.table())
     if res.bound:
         print(f"bound: {res.bound['policy']}: {res.bound['hit_rate']:.1%}")
-    payload = {"workload": wl.name, "requests": len(wl), "settings": c, **res.to_dict(),
+    payload = {"workload": wl.name, "requests": len(wl),
+               "settings": dict(WORKLOADS["mooncake"].serving), **res.to_dict(),
                "wall_s": wall}
     print(f"wrote {write_result('sim_mooncake', payload)}")
     return payload

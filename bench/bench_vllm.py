@@ -38,9 +38,9 @@ TRACES = ("agent", "mooncake", "cc_agentic")
 
 
 def _workload(name: str, limit: int | None, quick: bool):
-    from kvtriton.cli import limit_workload
     from kvtriton.sim import CC_AGENTIC_SAMPLE, MOONCAKE_SYNTHETIC, agent_workload, data_path
     from kvtriton.sim.traces import load_trace
+    from kvtriton.sim.workloads import limit_workload
 
     if name == "agent":
         kw = dict(num_conversations=4, min_turns=2, max_turns=3, system_prompt_tokens=256,
@@ -135,7 +135,7 @@ def run_system(system: str, model: str, wl: Any, tokens: dict, args: Any) -> dic
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    from kvtriton.vllm.engine_run import _shutdown
+    from bench.engine_run import _shutdown
 
     cpu_bytes = int(args.cpu_gib * 2**30)
     kv = None
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.model is not None and not Path(args.model).is_dir():
         ap.error(f"--model {args.model!r}: not a folder (no download is attempted)")
     if args.tiny:
-        from kvtriton.vllm.engine_run import tiny_llama
+        from bench.engine_run import tiny_llama
 
         args.model = str(tiny_llama(Path(tempfile.gettempdir()) / "kvtriton-tiny-llama"))
         # 1 MiB of fp32 KV holds 992 tokens: the quick agent turns do not all fit, so later

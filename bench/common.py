@@ -8,12 +8,42 @@ import datetime as _dt
 import json
 import os
 import platform
+import subprocess
+import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from kvtriton.machine import cpu_name, git_sha
-
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` says."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def git_sha(where: str | Path, pathspec: Sequence[str] = ()) -> str:
+    """HEAD's short sha of the checkout holding ``where``, with ``+dirty`` when tracked files
+    (those of ``pathspec`` if given) differ from it; ``unknown`` outside a checkout."""
+    # No optional locks: a concurrent git command in the same tree must not see index.lock.
+    env = {**os.environ, "GIT_OPTIONAL_LOCKS": "0"}
+    status = ["git", "status", "--porcelain", "--untracked-files=no"]
+    if pathspec:
+        status += ["--", *pathspec]
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, cwd=where, timeout=10, env=env).stdout.strip()
+        dirty = subprocess.run(status, capture_output=True, text=True, cwd=where, timeout=10,
+                               env=env).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (sha + ("+dirty" if dirty else "")) if sha else "unknown"
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -33,7 +63,8 @@ def _git_sha() -> str:
 
 
 def machine_info() -> dict:
-    """CPU, core count, GPU (or None), torch, triton, git sha and UTC date of this run."""
+    """CPU, core count, GPU (or None), torch, triton, vLLM (where this run imported it), git sha
+    and UTC date of this run."""
     import torch
     import triton
 
@@ -44,6 +75,7 @@ def machine_info() -> dict:
         "gpu": gpu,
         "torch": torch.__version__,
         "triton": triton.__version__,
+        "vllm": getattr(sys.modules.get("vllm"), "__version__", None),
         "python": platform.python_version(),
         "git_sha": _git_sha(),
         "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),

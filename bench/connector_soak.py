@@ -4,7 +4,7 @@ bounded however many distinct blocks it sees?
 Requests arrive as others finish (``concurrency`` at once). Each prompt is a shared prefix
 followed by tokens of its own; every ``repeat_every``-th request repeats a recent prompt, so the
 CPU tier serves hits and the planner's re-store and load paths run too. Outputs are distinct per
-request (``harness._default_token``). So almost every block a request makes is new: after ``n``
+request (``kvtriton.sim.vllm_scheduler``). So almost every block a request makes is new: after ``n``
 requests the connector has seen about ``n * (blocks per request - shared)`` distinct blocks,
 counted here by construction (``distinct_blocks``), never by asking the connector.
 
@@ -26,8 +26,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvtriton.sim.vllm_scheduler import Driver, make_scheduler, vllm_request
 from kvtriton.specs import FullAttentionSpec
-from kvtriton.vllm.harness import Driver, make_scheduler, vllm_request
 
 __all__ = ["ConnectorSoak", "SoakSample", "rss_mib"]
 

@@ -1,13 +1,13 @@
-"""kvtriton's ``ServingLoop`` beside vLLM's real scheduler (``simulate_vllm``), policy by policy.
+"""kvtriton's ``ServingLoop`` beside vLLM's real scheduler (``VllmLoop``), policy by policy.
 
 Each workload (the agent generator and every trace shipped in ``kvtriton/sim/data``) runs
 through both loops with the same capacities, policies and cost model; a row gives both hit rates
 and recomputed tokens and their differences (vLLM minus ServingLoop). A hit rate difference over
-one point is a finding, to be explained (see the closing note of issue 12). vLLM runs with its
+one point is a finding, to be explained. vLLM runs with its
 defaults unless ``--vllm-scheduler`` says otherwise, and ServingLoop with the options that model
 the same settings (``serving_loop_options``): like is compared with like.
 
-Run: ``python -m kvtriton.vllm.crosscheck [--workloads agent cc_agentic mooncake]
+Run: ``python -m bench.crosscheck [--workloads agent cc_agentic mooncake]
 [--limit N | --limit NAME=N ...] [--json out.json]``. It prints each workload's rows as it
 finishes, then one markdown table of every row; ``--json`` holds the machine, date, versions,
 conditions and every row, rewritten after each workload so a long run leaves what it finished.
@@ -16,28 +16,18 @@ conditions and every row, rewritten after each workload so a long run leaves wha
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
-import os
-import platform
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from kvtriton.machine import cpu_name, git_sha
-from kvtriton.sim import (
-    CC_AGENTIC_SAMPLE,
-    MOONCAKE_SYNTHETIC,
-    Workload,
-    agent_workload,
-    data_path,
-    load_trace,
-    simulate,
-)
-from kvtriton.sim.setups import DEFAULT_POLICIES
+from bench.common import OneLineParser, machine_info
+from kvtriton.setups import DEFAULT_POLICIES
+from kvtriton.sim import Workload, data_path, simulate
+from kvtriton.sim.workloads import WORKLOADS as NAMED
+from kvtriton.sim.workloads import limit_workload, load_workload, serving_workload
 
 __all__ = ["WORKLOADS", "compare", "cross_check", "markdown_table", "serving_loop_options",
            "shipped_traces"]
@@ -46,43 +36,24 @@ __all__ = ["WORKLOADS", "compare", "cross_check", "markdown_table", "serving_loo
 FINDING_POINTS = 1.0
 
 
-def _agent() -> Workload:
-    return agent_workload(num_conversations=24, min_turns=6, max_turns=12, seed=0)
-
-
-def _trace(name: str, time_scale: float = 1.0) -> Callable[[], Workload]:
-    def load() -> Workload:
-        # 64-token blocks, as bench_sim's whole-trace Mooncake run.
-        wl = load_trace(data_path(name), hash_block_size=64)
-        if time_scale == 1.0:
-            return wl
-        return Workload([replace(r, arrival_s=r.arrival_s * time_scale) for r in wl.requests],
-                        wl.hash_block_size, f"{wl.name} (arrivals x{time_scale:g})")
-
-    return load
-
-
 def shipped_traces() -> list[str]:
     """The trace files and folders in ``kvtriton/sim/data`` (everything but its manifest)."""
     return sorted(p.name for p in data_path("").iterdir()
                   if p.name != "MANIFEST.md" and not p.name.startswith((".", "_")))
 
 
-# bench_sim's whole-trace setting (GPU 32 GiB, CPU 256 GiB of Llama-3-8B KV); Mooncake's
-# arrivals slowed 4x, as there, so that the GPU is not simply overrun.
-_TRACE_CAPACITIES = {"gpu_gib": 32.0, "cpu_gib": 256.0}
-_KNOWN_TRACES = {CC_AGENTIC_SAMPLE: ("cc_agentic", 1.0), MOONCAKE_SYNTHETIC: ("mooncake", 4.0)}
-
-
 def _workloads() -> dict[str, tuple[Callable[[], Workload], dict[str, Any]]]:
-    # From the data folder, not a fixed list: a trace shipped later is cross-checked too.
+    """Every named workload at its serving setting, and any trace shipped without a name (at
+    the traces' 64-token blocks and capacities): a trace shipped later is cross-checked too."""
     out: dict[str, tuple[Callable[[], Workload], dict[str, Any]]] = {
-        # The agent setting of the README's table: GPU 32,768 tokens, CPU 65,536.
-        "agent": (_agent, {"gpu_tokens": 32_768, "cpu_tokens": 65_536}),
-    }
+        name: ((lambda name=name: serving_workload(name)[0]), spec.capacities())
+        for name, spec in NAMED.items()}
+    named = {spec.trace for spec in NAMED.values()}
     for trace in shipped_traces():
-        name, scale = _KNOWN_TRACES.get(trace, (Path(trace).name.split(".")[0], 1.0))
-        out[name] = (_trace(trace, scale), dict(_TRACE_CAPACITIES))
+        if trace not in named:
+            out[Path(trace).name.split(".")[0]] = (
+                (lambda trace=trace: load_workload(str(data_path(trace)), block_size=64)),
+                NAMED["cc_agentic"].capacities())
     return out
 
 
@@ -127,14 +98,13 @@ def cross_check(workload: Workload, capacities: dict[str, Any],
     fields for the vLLM loop (default: vLLM's defaults). Like is compared with like:
     ServingLoop models vLLM 0.32 as shipped, and an override it models is passed to it too
     (``scheduler_reserve_full_isl`` as ``reserve_full_isl``)."""
-    from kvtriton.vllm.engine_sim import simulate_vllm
-
     t0 = time.perf_counter()
     loop = simulate(workload, policies=policies, bound=False, progress=progress, **capacities,
                     **serving_loop_options(scheduler_overrides), **sim_kw)
     t1 = time.perf_counter()
-    vllm = simulate_vllm(workload, policies=policies, bound=False, progress=progress,
-                         scheduler_overrides=scheduler_overrides, **capacities, **sim_kw)
+    vllm = simulate(workload, policies=policies, bound=False, progress=progress,
+                    engine="vllm", scheduler_overrides=scheduler_overrides, **capacities,
+                    **sim_kw)
     t2 = time.perf_counter()
     rows = [compare(a, b) for a, b in zip(loop.rows, vllm.rows, strict=True)]
     return {"workload": workload.name, "requests": len(workload), "capacities": capacities,
@@ -178,22 +148,6 @@ def markdown_table(results: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
-def machine_info() -> dict:
-    """The machine, date (UTC) and versions a cross-check ran with."""
-    import numpy
-    import torch
-    import vllm
-
-    import kvtriton
-
-    return {"cpu": cpu_name(), "cpu_cores": os.cpu_count(), "platform": platform.platform(),
-            "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "versions": {"kvtriton": kvtriton.__version__, "vllm": vllm.__version__,
-                         "torch": torch.__version__, "numpy": numpy.__version__,
-                         "python": platform.python_version()},
-            "git_sha": git_sha(Path(__file__).resolve().parent)}
-
-
 def _limits(items: Sequence[str], names: Sequence[str], ap: argparse.ArgumentParser) -> dict:
     """``--limit`` values as {workload: requests}: ``N`` for every shipped trace (the agent
     generator's setting is already small), ``NAME=N`` for one workload."""
@@ -222,7 +176,7 @@ def _document(args, limits: dict, results: list[dict], wall_s: float, done: bool
             if abs(r["hit_rate_diff_points"]) > FINDING_POINTS]
     return {
         "benchmark": "crosscheck", "machine": machine_info(), "complete": done,
-        "command": " ".join(["python -m kvtriton.vllm.crosscheck", *args.argv]),
+        "command": " ".join(["python -m bench.crosscheck", *args.argv]),
         "wall_s": wall_s,
         "conditions": {
             "model": args.model, "gpu": args.gpu, "policies": args.policies,
@@ -242,12 +196,11 @@ def _document(args, limits: dict, results: list[dict], wall_s: float, done: bool
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    from kvtriton.cli import limit_workload
     from kvtriton.sim.cost import GPUS
     from kvtriton.specs import PRESETS
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    ap = argparse.ArgumentParser(prog="python -m kvtriton.vllm.crosscheck",
+    ap = OneLineParser(prog="python -m bench.crosscheck",
                                  description=__doc__.splitlines()[0])
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     ap.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES))

@@ -1,15 +1,14 @@
 """vLLM's whole engine (``LLM``) on token prompts, with or without ``KVTritonConnector``.
 
-The end-to-end tests and ``bench/bench_vllm.py`` run through here: ``tiny_llama`` writes a small
+The end-to-end tests and ``bench.bench_vllm`` run through here: ``tiny_llama`` writes a small
 Llama checkpoint with random weights (``transformers``; no download, about 1 MB), ``run_turns``
 serves batches of token prompts in order (a multi-turn workload: each batch may extend the
 prompts of the one before) with greedy sampling and returns every output's tokens and
 logprobs, with the connector's counters after each batch. Between batches a turn may be
 ``"reset_gpu"`` (vLLM's ``reset_prefix_cache()``: the GPU prefix cache only) or ``"reset_all"``
 (``reset_prefix_cache(reset_connector=True)``: the CPU tier too, transfers in flight or
-not). ``fault="corrupt_loads"`` is the negative control: each CPU load's destination blocks get
-the wrong (valid) KV once the load landed, so outputs that depend on loaded KV must change;
-``fault="fail_loads"`` makes each load fail half-way (``_inject``).
+not). ``patch`` runs before the engine starts and returns its undo: the tests' fault
+injection (``tests/helpers/faults.py``) patches the transfer engine through it.
 
 The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) unless
 ``multiprocess=True``; the connector is then in the engine-core and worker processes, and only
@@ -71,53 +70,6 @@ class EngineRun:
     wall_s: float = 0.0
 
 
-FAULTS = ("corrupt_loads", "fail_loads")
-
-
-def _scramble(engine: Any, gpu_blocks: Sequence[int], groups: Sequence[int]) -> None:
-    """Rotate the contents of ``gpu_blocks`` by one (block i gets block i+1's KV; one block
-    gets zeros): valid KV in the wrong place, as a wrong block mapping would leave it."""
-    for g, views in enumerate(engine.segments):
-        rows = [b for b, gg in zip(gpu_blocks, groups, strict=True) if gg == g]
-        for view, _ in views:  # uint8 [num_gpu_blocks, nbytes], sharing the KV storage
-            if len(rows) > 1:
-                view[rows] = view[rows[1:] + rows[:1]].clone()
-            elif rows:
-                view[rows] = 0
-
-
-def _inject(fault: str) -> Callable[[], None]:
-    """Patch ``TransferEngine`` in this process; returns the undo. ``"corrupt_loads"``: every
-    load lands scrambled (the negative control). ``"fail_loads"``: every load writes the
-    scrambled blocks and then raises, as a copy that dies half-way would (the connector must
-    report it failed, and vLLM recompute)."""
-    from kvtriton.engine.transfer import TransferEngine
-
-    if fault not in FAULTS:
-        raise ValueError(f"fault {fault!r}: expected one of {FAULTS}")
-    load, copy = TransferEngine.load, TransferEngine._copy
-
-    def corrupted(self, event, req_ids, gpu_blocks, cpu_blocks, groups, **kw):
-        load(self, event, req_ids, gpu_blocks, cpu_blocks, groups, **kw)
-        _scramble(self, list(gpu_blocks), list(groups))
-
-    def failing(self, direction, pairs):
-        copy(self, direction, pairs)
-        if direction == "load":
-            _scramble(self, pairs.gpu.tolist(), pairs.grp.tolist())
-            raise RuntimeError("injected load failure")
-
-    if fault == "corrupt_loads":
-        TransferEngine.load = corrupted
-    else:
-        TransferEngine._copy = failing
-
-    def undo() -> None:
-        TransferEngine.load, TransferEngine._copy = load, copy
-
-    return undo
-
-
 def _llm_kwargs(model_dir: str | Path, connector: dict[str, Any] | None, *, block_size: int,
                 kv_cache_memory_bytes: int, max_model_len: int, max_num_batched_tokens: int,
                 max_num_seqs: int, dtype: str) -> dict[str, Any]:
@@ -143,7 +95,7 @@ def run_turns(model_dir: str | Path, turns: Sequence[Sequence[Prompt] | str], *,
               connector: dict[str, Any] | None, max_tokens: int = 8, block_size: int = 32,
               kv_cache_memory_bytes: int = 4 << 20, max_model_len: int = 2048,
               max_num_batched_tokens: int = 256, max_num_seqs: int = 8,
-              dtype: str = "float32", fault: str | None = None,
+              dtype: str = "float32", patch: Callable[[], Callable[[], None]] | None = None,
               multiprocess: bool = False) -> EngineRun:
     """Serve ``turns`` in order with greedy sampling, on vLLM with ``KVTritonConnector``
     configured by ``connector`` (its ``kv_connector_extra_config``; None: no CPU tier). A turn
@@ -154,10 +106,9 @@ def run_turns(model_dir: str | Path, turns: Sequence[Sequence[Prompt] | str], *,
     flips tokens of a random model's near-uniform logits."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
-    if fault is not None and multiprocess:
-        raise ValueError(f"fault {fault!r} patches this process's engine: not with "
-                         "multiprocess=True")
-    undo = _inject(fault) if fault is not None else None
+    if patch is not None and multiprocess:
+        raise ValueError("patch changes this process's engine: not with multiprocess=True")
+    undo = patch() if patch is not None else None
     try:
         return _run(model_dir, turns, connector, max_tokens, multiprocess,
                     dict(block_size=block_size, kv_cache_memory_bytes=kv_cache_memory_bytes,
@@ -232,7 +183,7 @@ def _shutdown(llm: Any) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m kvtriton.vllm.engine_run SPEC.json OUT.json``: ``run_turns`` with the keyword
+    """``python -m bench.engine_run SPEC.json OUT.json``: ``run_turns`` with the keyword
     arguments in SPEC (``model_dir``, ``turns`` and the rest) in a fresh process, its
     ``EngineRun`` written to OUT as JSON. The multi-process engine needs this: its worker
     processes re-import the launching module, which a test runner's is not fit for."""
@@ -242,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 2:
-        print("usage: python -m kvtriton.vllm.engine_run SPEC.json OUT.json", file=sys.stderr)
+        print("usage: python -m bench.engine_run SPEC.json OUT.json", file=sys.stderr)
         return 2
     spec = json.loads(Path(args[0]).read_text())
     spec["turns"] = [t if isinstance(t, str) else

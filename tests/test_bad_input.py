@@ -144,7 +144,7 @@ def test_a_bad_file_in_a_folder_is_named(tmp_path, capsys):
 ARG_ERRORS = {
     "block-size-vs-mooncake": (["replay", "--workload", "mooncake", "--block-size", "48"],
                                "hash_block_size=48 does not divide the trace block size 512"),
-    "block-size-vs-tester": (["simulate", "--workload", "cc-agentic", "--block-size", "48",
+    "block-size-vs-tester": (["simulate", "--workload", "cc_agentic", "--block-size", "48",
                               "--quiet"], "does not divide the trace block size 64"),
     "block-size-vs-stats": (["trace-stats", MOONCAKE, "--block-size", "96"],
                             "hash_block_size=96 does not divide the trace block size 512"),

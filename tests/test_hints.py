@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvtriton.cli import limit_workload, main, scale_times
+from kvtriton.cli import main
 from kvtriton.sim import (
     CC_AGENTIC_SAMPLE,
     HINTS,
@@ -29,6 +29,7 @@ from kvtriton.sim import (
     mark_session_close,
     trace_stats,
 )
+from kvtriton.sim.workloads import limit_workload, scale_times
 
 CC_DIR = data_path(CC_AGENTIC_SAMPLE)
 SMALL = {"num_conversations": 6, "min_turns": 3, "max_turns": 8, "system_prompt_tokens": 100,

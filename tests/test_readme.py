@@ -14,7 +14,7 @@ def test_readme_python_example_runs(capsys):
     for code in blocks:
         exec(compile(code, str(README), "exec"), {})
     out = capsys.readouterr().out
-    assert "restore_tail" in out and "hit rate" in out
+    assert "eager+restore+tail" in out and "hit rate" in out
 
 
 def test_readme_connector_settings_match_the_code():

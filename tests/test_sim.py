@@ -135,14 +135,15 @@ def test_restore_policies_are_reported_side_by_side():
     wl = agent_workload(num_conversations=4, min_turns=3, max_turns=4, system_prompt_tokens=256,
                         first_user_tokens=128, user_tokens=64, output_tokens=32, seed=2)
     res = simulate(wl, gpu_tokens=2048, cpu_tokens=4096)
+    # The default setups are named by composition, in the presets' order.
     assert [r["policy"] for r in res.rows] == [
-        "no_cpu", "control", "restore", "restore_tail", "restore_tail_bounded",
-        "restore_tail_bounded_arc", "restore_tail_bounded_s3fifo"]
+        "none", "eager", "eager+restore", "eager+restore+tail", "eager+restore:0.5+tail",
+        "eager+restore:0.5+tail+arc", "eager+restore:0.5+tail+s3fifo"]
     for r in res.rows:
         assert r["finished"] == len(wl)
         assert 0 <= r["token_hit_rate"] <= res.bound["hit_rate"] + 1e-9
-    assert _row(res, "no_cpu")["cpu_hit_tokens"] == 0
-    assert _row(res, "control")["restored_blocks"] == 0
+    assert _row(res, "none")["cpu_hit_tokens"] == 0
+    assert _row(res, "eager")["restored_blocks"] == 0
 
 
 @settings(max_examples=6, deadline=None)

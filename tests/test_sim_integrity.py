@@ -23,6 +23,7 @@ import pytest
 import kvtriton.sim.loop as loop_module
 from kvtriton.planner import OffloadPlanner, Request
 from kvtriton.pool import NULL_BLOCK, BlockPool
+from kvtriton.setups import tier_policy
 from kvtriton.sim import (
     CC_AGENTIC_SAMPLE,
     MOONCAKE_SYNTHETIC,
@@ -37,13 +38,12 @@ from kvtriton.sim.integrity import IntegrityChecker
 from kvtriton.sim.keys import workload_keys
 from kvtriton.sim.loop import ServingLoop
 from kvtriton.sim.scheduler import BatchScheduler, KVScheduler, SeqBlocks
-from kvtriton.sim.setups import tier_policy
 from kvtriton.specs import FullAttentionSpec, KVLayout, MambaSpec, SlidingWindowSpec, preset
 
 
 def _limit(wl, n: int):
     """The first ``n`` requests of ``wl`` whose predecessors are kept (as ``--limit``)."""
-    from kvtriton.cli import limit_workload
+    from kvtriton.sim.workloads import limit_workload
 
     return limit_workload(wl, n)
 

@@ -75,3 +75,27 @@ def test_bad_value_names_key_and_allowed_values(key, value, allowed):
         parse_extra_config({key: value})
     msg = str(e.value)
     assert f"[{key!r}] = {value!r}" in msg and allowed in msg, msg
+
+
+@pytest.mark.parametrize("setup", ["eager", "eager+restore", "eager+restore:0.5+tail+arc",
+                                   "eager+s3fifo", "eager+tail", "lazy", "lazy+arc"])
+def test_extra_config_for_a_setup_gives_back_its_planner(setup):
+    # The simulator's vLLM loop configures the connector through extra_config_for: parsing it
+    # must give the planner the setup itself has, field for field.
+    from kvtriton.setups import tier_policy
+    from kvtriton.vllm.config import extra_config_for
+
+    policy = tier_policy(setup)
+    cfg = parse_extra_config(extra_config_for(policy))
+    assert cfg.cpu_eviction == policy.cpu_eviction
+    assert cfg.planner_config(world_size=1, max_num_batched_tokens=8192) == policy.planner
+
+
+@pytest.mark.parametrize("setup", ["none", "eager+hints", "eager+second", "eager+refresh",
+                                   "eager+nextuse", "eager+inf", "lazy+hinted", "eager+waiting"])
+def test_extra_config_for_refuses_what_the_connector_cannot_take(setup):
+    from kvtriton.setups import tier_policy
+    from kvtriton.vllm.config import extra_config_for
+
+    with pytest.raises(ValueError, match="setup"):
+        extra_config_for(tier_policy(setup))

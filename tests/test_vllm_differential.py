@@ -59,14 +59,14 @@ from vllm.v1.request import RequestStatus
 from vllm.v1.simple_kv_offload.manager import SimpleCPUOffloadScheduler
 from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata
 
-from kvtriton.specs import FullAttentionSpec
-from kvtriton.vllm.config import parse_extra_config
-from kvtriton.vllm.harness import (
+from kvtriton.sim.vllm_scheduler import (
     _default_token,
     make_scheduler,
     tiny_model_dir,
     vllm_request,
 )
+from kvtriton.specs import FullAttentionSpec
+from kvtriton.vllm.config import parse_extra_config
 from kvtriton.vllm.metadata import KVTritonWorkerMetadata
 from kvtriton.vllm.scheduler_side import SchedulerSide
 

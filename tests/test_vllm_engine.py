@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import random
+from pathlib import Path
 
 import pytest
 
@@ -28,7 +29,9 @@ pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 os.environ["HF_HUB_OFFLINE"] = "1"
 
-from kvtriton.vllm.engine_run import EngineRun, run_turns, tiny_llama
+from helpers.faults import inject
+
+from bench.engine_run import EngineRun, run_turns, tiny_llama
 
 LOGPROB_TOL = 1e-4
 BS = 32
@@ -70,7 +73,8 @@ def multi_turn(model_dir):
     turns = conversations()
     return {"recompute": run_turns(model_dir, turns, connector=None),
             "tier": run_turns(model_dir, turns, connector=TIER),
-            "corrupt": run_turns(model_dir, turns, connector=TIER, fault="corrupt_loads"),
+            "corrupt": run_turns(model_dir, turns, connector=TIER,
+                                 patch=lambda: inject("corrupt_loads")),
             "bigger_cache": run_turns(model_dir, turns, connector=None,
                                       kv_cache_memory_bytes=64 << 20)}
 
@@ -157,7 +161,7 @@ def test_failed_loads_are_recomputed(model_dir, multi_turn):
     """Every load writes garbage and then fails: the worker reports it failed (never done),
     vLLM (``kv_load_failure_policy="recompute"``) recomputes those blocks, and the outputs are
     the recompute's; the failures are counted on both sides."""
-    run = run_turns(model_dir, conversations(), connector=TIER, fault="fail_loads")
+    run = run_turns(model_dir, conversations(), connector=TIER, patch=lambda: inject("fail_loads"))
     # Counted per request on both sides; not one load counted as done.
     assert run.worker_stats["loads_issued"] > 0 and run.worker_stats["failed_loads"] > 0
     assert run.connector_stats["failed_transfers"] == run.worker_stats["failed_loads"]
@@ -179,8 +183,11 @@ def test_multiprocess_engine(model_dir, tmp_path, multi_turn):
     out = tmp_path / "out.json"
     spec.write_text(json.dumps({"model_dir": str(model_dir), "turns": turns,
                                 "connector": TIER, "multiprocess": True}))
-    proc = subprocess.run([sys.executable, "-m", "kvtriton.vllm.engine_run", str(spec),
-                           str(out)], capture_output=True, text=True, timeout=600)
+    import bench
+
+    root = Path(bench.__file__).resolve().parent.parent  # where `-m bench.engine_run` resolves
+    proc = subprocess.run([sys.executable, "-m", "bench.engine_run", str(spec), str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = EngineRun(**json.loads(out.read_text()))
     ref = multi_turn["recompute"]

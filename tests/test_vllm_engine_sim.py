@@ -1,5 +1,6 @@
-"""``simulate_vllm``: kvtriton's workloads through vLLM's real scheduler, rows shaped as
-``kvtriton.simulate``'s, and exact agreement with ``ServingLoop`` where the two must agree."""
+"""``simulate(engine="vllm")`` (``VllmLoop``): kvtriton's workloads through vLLM's real
+scheduler, rows shaped as the kvtriton engine's, and exact agreement with ``ServingLoop`` where
+the two must agree."""
 
 from __future__ import annotations
 
@@ -10,9 +11,8 @@ import pytest
 pytest.importorskip("vllm")
 os.environ["HF_HUB_OFFLINE"] = "1"
 
+from bench.crosscheck import compare, serving_loop_options
 from kvtriton.sim import agent_workload, simulate
-from kvtriton.vllm import simulate_vllm
-from kvtriton.vllm.crosscheck import compare, serving_loop_options
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +27,7 @@ POLICIES = ["no_cpu", "control", "restore_tail_bounded_arc"]
 def test_rows_have_simulates_shape_and_everything_finishes(workload):
     # A GPU too small for the conversations' histories: next turns hit in the CPU tier.
     kw = {"gpu_tokens": 2048, "cpu_tokens": 16384, "policies": POLICIES, "bound": False}
-    ours = simulate_vllm(workload, **kw)
+    ours = simulate(workload, engine="vllm", **kw)
     ref = simulate(workload, **kw)
     assert [r["policy"] for r in ours.rows] == POLICIES
     assert ours.conditions["engine"] == "vllm"
@@ -50,8 +50,8 @@ def test_ample_gpu_gives_the_serving_loops_hits_exactly(workload):
     # the same prefix hits, token for token, and recompute nothing.
     kw = {"gpu_tokens": 1 << 18, "cpu_tokens": 1 << 18, "policies": ["no_cpu", "control"],
           "bound": False}
-    for a, b in zip(simulate_vllm(workload, **kw).rows, simulate(workload, **kw).rows,
-                    strict=True):
+    vllm, ours = simulate(workload, engine="vllm", **kw), simulate(workload, **kw)
+    for a, b in zip(vllm.rows, ours.rows, strict=True):
         assert (a["gpu_hit_tokens"], a["cpu_hit_tokens"], a["recomputed_tokens"]) == (
             b["gpu_hit_tokens"], b["cpu_hit_tokens"], b["recomputed_tokens"])
         assert a["recomputed_tokens"] == 0
@@ -59,11 +59,11 @@ def test_ample_gpu_gives_the_serving_loops_hits_exactly(workload):
 
 def test_bad_input(workload):
     with pytest.raises(ValueError, match="integrity"):
-        simulate_vllm(workload, integrity=True)
+        simulate(workload, engine="vllm", integrity=True)
     with pytest.raises(ValueError, match="unknown policy"):
-        simulate_vllm(workload, policies=["nope"])
+        simulate(workload, engine="vllm", policies=["nope"])
     with pytest.raises(ValueError, match="Mamba"):
-        simulate_vllm(workload, model="nemotron-h-8b")
+        simulate(workload, engine="vllm", model="nemotron-h-8b")
 
 
 # Measured wall time (the planner's own cost), the only figures the two loops may not share.
@@ -84,7 +84,7 @@ def test_under_gpu_pressure_the_serving_loop_is_vllms_step_for_step(full_isl):
     overrides = {"scheduler_reserve_full_isl": full_isl}
     loop = simulate(wl, **serving_loop_options(overrides), **kw)
     assert loop.conditions["reserve_full_isl"] is full_isl
-    vllm = simulate_vllm(wl, scheduler_overrides=overrides, **kw)
+    vllm = simulate(wl, engine="vllm", scheduler_overrides=overrides, **kw)
     for a, b in zip(loop.rows, vllm.rows, strict=True):
         assert a["preemptions"] > 0 and a["finished"] == len(wl)
         assert {k: v for k, v in a.items() if k not in _MEASURED} == \
@@ -104,14 +104,14 @@ def test_finished_loads_reach_vllm_in_completion_order():
     # iterate in string-hash order, so every figure would depend on PYTHONHASHSEED.
     from types import SimpleNamespace
 
-    from kvtriton.vllm.engine_sim import _VllmRun
+    from kvtriton.sim.vllm_loop import VllmLoop
 
     loads = [f"conv{i}-turn{7 * i % 5}" for i in range(24)][::-1]
     run = SimpleNamespace(scheduler=SimpleNamespace(requests={}))
-    out = _VllmRun._output(run, SimpleNamespace(num_scheduled_tokens={}), loads, {})
+    out = VllmLoop._output(run, SimpleNamespace(num_scheduled_tokens={}), loads, {})
     got = out.kv_connector_output.finished_recving
     assert isinstance(got, set) and got == set(loads) and list(got) == loads
-    assert _VllmRun._output(run, SimpleNamespace(num_scheduled_tokens={}), [], {}
+    assert VllmLoop._output(run, SimpleNamespace(num_scheduled_tokens={}), [], {}
                             ).kv_connector_output.finished_recving is None
 
 
@@ -122,8 +122,8 @@ def test_sliding_window_admission_cap_is_vllms():
 
     from kvtriton.pool import BlockPool
     from kvtriton.sim.scheduler import BatchScheduler
+    from kvtriton.sim.vllm_scheduler import make_scheduler, tiny_model_dir
     from kvtriton.specs import preset
-    from kvtriton.vllm.harness import make_scheduler, tiny_model_dir
 
     layout = preset("gemma3-12b", block_size=16)
     with tempfile.TemporaryDirectory() as tmp:

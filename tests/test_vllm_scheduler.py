@@ -20,13 +20,13 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 from vllm.v1.core.kv_cache_utils import get_group_id
 from vllm.v1.request import RequestStatus
 
-from kvtriton.specs import FullAttentionSpec, SlidingWindowSpec
-from kvtriton.vllm.harness import (
+from kvtriton.sim.vllm_scheduler import (
     Driver,
     make_scheduler,
     tiny_model_dir,
     vllm_request,
 )
+from kvtriton.specs import FullAttentionSpec, SlidingWindowSpec
 
 BS = 16
 FULL = FullAttentionSpec(BS, 1, 8, 1)
@@ -637,8 +637,8 @@ def test_worker_role_refuses_kv_tensors_it_cannot_address(model_dir):
     import torch
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
+    from kvtriton.sim.vllm_scheduler import make_configs
     from kvtriton.vllm import KVTritonConnector
-    from kvtriton.vllm.harness import make_configs
 
     vllm_config, kv_cache_config, _ = make_configs(model_dir, [FULL], num_gpu_blocks=16,
                                                    cpu_blocks=8)

@@ -1,6 +1,6 @@
 """Bounded memory through the connector: key ids recycled in vLLM's real scheduler.
 
-A soak (``kvtriton.vllm.soak``) makes over ten times more distinct blocks than the GPU and CPU
+A soak (``bench.connector_soak``) makes over ten times more distinct blocks than the GPU and CPU
 pools hold together. With recycling the connector's key ids and the planner's per-key slots stay
 flat; the control (recycling off) shows they would grow with every distinct block. Recycling
 changes ids only: the hashes stored and loaded step by step are those of the control run, and a
@@ -16,8 +16,8 @@ import pytest
 pytest.importorskip("vllm")
 os.environ["HF_HUB_OFFLINE"] = "1"
 
-from kvtriton.vllm.harness import tiny_model_dir
-from kvtriton.vllm.soak import ConnectorSoak
+from bench.connector_soak import ConnectorSoak
+from kvtriton.sim.vllm_scheduler import tiny_model_dir
 
 GPU, CPU = 64, 128
 REQUESTS = 700  # about 4,800 distinct blocks: 25x the pools, past the planner's first 4,096 slots

@@ -4,9 +4,9 @@ Importing it does not import Triton or the transfer engine: integrity mode loads
 simulation asks for it.
 """
 
+from kvtriton.setups import DEFAULT_POLICIES, TIER_POLICIES, TierPolicy
 from kvtriton.sim.cost import GPUS, MODELS, CostModel, transfer_s
 from kvtriton.sim.replay import ReplayResult, SweepResult, capacity_sweep, max_hit_rate, replay
-from kvtriton.sim.setups import DEFAULT_POLICIES, TIER_POLICIES, TierPolicy
 from kvtriton.sim.simulate import SimulationResult, simulate
 from kvtriton.sim.trace_stats import trace_stats
 from kvtriton.sim.traces import (

@@ -13,10 +13,12 @@ over).
 ``build_meta`` is called before the step's tokens count as computed. Finished requests free their
 blocks tail first. A request that needs more blocks than the whole GPU pool is rejected.
 
-This module adds the workload and the clock: arrivals (a conversation's next turn arrives its
-think time after the previous one finished), modeled compute time per step, stores and loads
-that complete after their modeled transfer time on a per-direction link and reach the planner at
-the first step boundary after that, and the run's metrics. Time is modeled
+The clock (``kvtriton.sim.clock.ServingClock``, shared with ``VllmLoop``) adds the workload and
+time: arrivals (a conversation's next turn arrives its think time after the previous one
+finished), modeled compute time per step, stores and loads that complete after their modeled
+transfer time on a per-direction link and reach the planner at the first step boundary after
+that, and the run's metrics. This module adds the CPU tier's policy signals (next-use oracle,
+hints, waiting-queue lookahead) and the clean-end check. Time is modeled
 (``kvtriton.sim.cost``), except the planner's own cost, which is measured. A run ends clean: it
 steps on until the planner has nothing pending (the last finish flush issued, every transfer
 reported), then both pools must be all free (``UncleanEndError`` otherwise).
@@ -24,26 +26,24 @@ reported), then both pools must be all free (``UncleanEndError`` otherwise).
 
 from __future__ import annotations
 
-import heapq
-import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from kvtriton.eviction import EvictionQueue, make_eviction_queue
-from kvtriton.hints import CLOSED, NORMAL, PROTECTED, HintedQueue
-from kvtriton.planner import OffloadPlanner, PlannerMeta
+from kvtriton.eviction.protected import CLOSED, NORMAL, PROTECTED, HintedQueue
+from kvtriton.planner import OffloadPlanner
 from kvtriton.pool import BlockPool
 from kvtriton.records import Request
+from kvtriton.setups import TierPolicy
+from kvtriton.sim.clock import ServingClock, gpu_blocks_for
 from kvtriton.sim.cost import CostModel
 from kvtriton.sim.errors import UncleanEndError
 from kvtriton.sim.hooks import IntegrityHook
 from kvtriton.sim.metrics import RunMetrics
 from kvtriton.sim.next_use import NextUse, NextUseQueue
 from kvtriton.sim.scheduler import BatchScheduler, SeqBlocks
-from kvtriton.sim.setups import TierPolicy
 from kvtriton.sim.workload import Workload, WorkloadRequest
 from kvtriton.specs import KVLayout
 
@@ -53,12 +53,6 @@ __all__ = ["POOL_BYTES_PER_BLOCK", "ServingLoop", "gpu_blocks_for", "num_keys"]
 # eviction rule, plus the int objects the queue creates as it runs) and the planner's per-block
 # arrays (8 bytes).
 POOL_BYTES_PER_BLOCK = 160
-
-
-def gpu_blocks_for(layout: KVLayout, wr: WorkloadRequest) -> int:
-    """GPU blocks ``wr`` holds at its full length in every group: a request needing more than
-    the whole GPU pool is rejected, as a server rejects a prompt longer than its context."""
-    return sum(-(-wr.total_len // g.block_size) for g in layout.groups)
 
 
 def num_keys(keys: list[np.ndarray]) -> int:
@@ -76,21 +70,7 @@ class _Seq(SeqBlocks):
     output_done: int = 0  # output tokens sampled
 
 
-@dataclass(slots=True)
-class _Link:
-    """One direction of the host link: transfers queue behind each other."""
-
-    free_at: float = 0.0
-    bytes: int = 0
-
-    def submit(self, now: float, nbytes: int, seconds: float) -> float:
-        start = max(now, self.free_at)
-        self.free_at = start + seconds
-        self.bytes += nbytes
-        return self.free_at
-
-
-class ServingLoop:
+class ServingLoop(ServingClock):
     """One simulation of one workload under one tier policy; ``run()`` returns its metrics.
 
     ``integrity``: a hook that moves real bytes (``kvtriton.sim.integrity.IntegrityChecker``),
@@ -103,11 +83,9 @@ class ServingLoop:
                  integrity: IntegrityHook | None = None,
                  progress: Callable[[int, int], None] | None = None,
                  reserve_full_isl: bool = True) -> None:
-        self.workload = workload
-        self.layout = layout
+        super().__init__(workload, layout, cost, RunMetrics(policy=policy.name),
+                         gpu_blocks=gpu_blocks, progress=progress)
         self.policy = policy
-        self.cost = cost
-        self.progress = progress
         self.gpu = BlockPool(gpu_blocks + 1)
         self.cpu: BlockPool | None = None
         self.planner: OffloadPlanner | None = None
@@ -121,6 +99,7 @@ class ServingLoop:
             self.cpu = BlockPool(cpu_blocks + 1, eviction=self._cpu_queue(policy, keys),
                                  medium="CPU")
             self.planner = OffloadPlanner(layout, self.gpu, self.cpu, policy.planner)
+            self.world_size = policy.planner.world_size
         self.integrity = integrity
         if integrity is not None:
             integrity.attach(self.gpu, self.cpu)
@@ -128,16 +107,10 @@ class ServingLoop:
                                     max_running=max_running, null_out_of_window=True,
                                     count_recomputed=True, integrity=integrity,
                                     reserve_full_isl=reserve_full_isl)
-        self.metrics = RunMetrics(policy=policy.name)
         if self._next_use is not None or self._hinted is not None:
             self.sched.on_first_admit = self._first_admit
             self._last_holder = np.full(num_keys(keys), -1, dtype=np.int64)
         self._keys = keys
-        self._arrivals, self._successors = workload.arrival_queue()
-        self._completions: list[tuple[float, int, str, int, list[str]]] = []
-        self._seq_no = 0
-        self._d2h, self._h2d = _Link(), _Link()
-        self.now = 0.0
         self.step_no = 0
 
     def _cpu_queue(self, policy: TierPolicy, keys: list[np.ndarray]) -> EvictionQueue:
@@ -214,57 +187,18 @@ class ServingLoop:
     # ---- arrivals -----------------------------------------------------------------------------
 
     def _admit_arrivals(self) -> None:
-        while self._arrivals and self._arrivals[0][0] <= self.now:
-            at, i = heapq.heappop(self._arrivals)
-            wr = self.workload.requests[i]
-            if gpu_blocks_for(self.layout, wr) > self.gpu.num_blocks - 1:
-                self.metrics.rejected += 1
-                self._release_successors(wr.request_id)
-                continue
+        for at, i, wr in self._due_arrivals():
             req = Request(wr.request_id, self._keys[i], num_prompt_tokens=wr.prompt_len,
                           num_tokens=wr.prompt_len)
             self.sched.add(_Seq(req, wr=wr, arrival_s=at, hint=wr.hint))
             if self._waiting is not None:
                 self._note_waiting(i, +1)
 
-    def _release_successors(self, rid: str) -> None:
-        for i in self._successors.pop(rid, []):
-            heapq.heappush(self._arrivals, (self.now + self.workload.requests[i].think_s, i))
-
-    # ---- transfers and compute time -----------------------------------------------------------
-
-    def _transfer_bytes(self, groups: list[int]) -> int:
-        per = self.layout.group_block_bytes
-        return sum(per[g] for g in groups)
-
-    def _submit_transfers(self, meta: PlannerMeta) -> None:
-        if len(meta.store):
-            nbytes = self._transfer_bytes(meta.store.groups)
-            done = self._d2h.submit(self.now, nbytes, self.cost.d2h_s(nbytes))
-            self._push_completion(done, "store", meta.store.event, [])
-        if len(meta.load):
-            nbytes = self._transfer_bytes(meta.load.groups)
-            done = self._h2d.submit(self.now, nbytes, self.cost.h2d_s(nbytes))
-            self._push_completion(done, "load", meta.load.event,
-                                  meta.load_event_to_reqs[meta.load.event])
-
-    def _push_completion(self, at: float, kind: str, event: int, reqs: list[str]) -> None:
-        self._seq_no += 1
-        heapq.heappush(self._completions, (at, self._seq_no, kind, event, reqs))
-
-    def _compute(self, scheduled: dict[str, int]) -> float:
-        cost = self.cost
-        seconds = cost.step_overhead_s
-        decode_ctx = []
+    def _chunks(self, scheduled: dict[str, int]):
+        """The step's chunks as ``ServingClock._step_seconds`` takes them."""
         for rid, n in scheduled.items():
             req = self.sched.seqs[rid].req
-            if n == 1 and req.num_computed_tokens >= req.num_prompt_tokens:
-                decode_ctx.append(req.num_computed_tokens)
-            else:
-                seconds += cost.prefill_s(n, req.num_computed_tokens)
-        if decode_ctx:
-            seconds += cost.decode_step_s(decode_ctx)
-        return seconds
+            yield n, req.num_computed_tokens, req.num_prompt_tokens
 
     def _sampled(self, seq: _Seq) -> bool:
         """A token was sampled for ``seq``; whether it was its last."""
@@ -273,24 +207,6 @@ class ServingLoop:
             seq.first_token_s = self.now
             self.metrics.ttft_s.append(self.now - seq.arrival_s)
         return seq.output_done >= max(1, seq.wr.output_len)
-
-    def _deliver(self) -> None:
-        loads, stores = [], {}
-        while self._completions and self._completions[0][0] <= self.now:
-            _, _, kind, event, reqs = heapq.heappop(self._completions)
-            if kind == "store":
-                stores[event] = self.planner.config.world_size
-            else:
-                loads += reqs
-        self.sched.deliver(loads, stores, self.step_no)
-
-    def _next_event_time(self) -> float:
-        times = []
-        if self._arrivals:
-            times.append(self._arrivals[0][0])
-        if self._completions:
-            times.append(self._completions[0][0])
-        return min(times) if times else math.inf
 
     # ---- one step -------------------------------------------------------------------------------
 
@@ -306,29 +222,21 @@ class ServingLoop:
             self.metrics.build_meta_ms.append(sched.last_build_meta_s * 1e3)
             self._submit_transfers(meta)
         if scheduled:
-            self.now += self._compute(scheduled)
+            self.now += self._step_seconds(self._chunks(scheduled))
             for seq in sched.advance(scheduled, self._sampled):
                 self.metrics.finished += 1
                 if self.policy.hints:
                     self._apply_hint(seq)
                 self._release_successors(seq.req.request_id)
             self.metrics.steps += 1
-        else:
-            nxt = self._next_event_time()
-            if math.isinf(nxt):
-                if sched.busy:
-                    # Nothing ran and nothing will arrive or complete: every later step would
-                    # be this one (a scheduling deadlock); fail instead of spinning.
-                    raise RuntimeError(f"policy {self.policy.name!r}: step {self.step_no} "
-                                       f"scheduled nothing with {len(sched.seqs)} requests "
-                                       "left and no arrival or transfer to wait for")
-                return False
-            self.now = max(self.now, nxt)
+        elif not self._wait_for_next_event(sched.busy, len(sched.seqs)):
+            return False
         if self.planner is not None:
-            self._deliver()
+            loads, stores = self._due_reports()
+            sched.deliver(loads, stores, self.step_no)
         self.step_no += 1
         # A finish flush is issued by the next build_meta, even when nothing else is in flight.
-        return bool(self._arrivals or sched.busy or self._completions
+        return bool(self._pending() or sched.busy
                     or (self.planner is not None and self.planner.has_pending_work()))
 
     def _check_clean_end(self) -> None:
@@ -351,27 +259,15 @@ class ServingLoop:
             raise UncleanEndError(f"policy {self.policy.name!r}: the run ended at step "
                                   f"{self.step_no} with " + "; ".join(problems))
 
-    def run(self) -> RunMetrics:
-        t0 = time.perf_counter()
-        total = len(self.workload)
-        while self.step():
-            if self.progress is not None and self.step_no % 256 == 0:
-                self.progress(self.metrics.finished, total)
+    def _end_run(self) -> None:
         self._check_clean_end()
         m, sched = self.metrics, self.sched
-        m.wall_s = time.perf_counter() - t0
-        m.makespan_s = self.now
-        m.requests = total
         m.prompt_tokens, m.prefill_tokens = sched.prompt_tokens, sched.prefill_tokens
         m.gpu_hit_tokens, m.cpu_hit_tokens = sched.gpu_hit_tokens, sched.cpu_hit_tokens
         m.recomputed_tokens, m.preemptions = sched.recomputed_tokens, sched.preemptions
         m.planner_s = sched.planner_s
-        m.bytes_d2h, m.bytes_h2d = self._d2h.bytes, self._h2d.bytes
         if self.planner is not None:
             m.planner = self.planner.stats.as_dict()
             m.planner["running_evictions"] = self.planner.selector.running_evictions
         if self._hinted is not None:
             m.planner["protect_overflow"] = self._hinted.protect_overflow
-        if self.progress is not None:
-            self.progress(m.finished, total)
-        return m

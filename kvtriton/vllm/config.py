@@ -16,8 +16,10 @@ from typing import Any
 
 from kvtriton.eviction import EVICTION_QUEUES
 from kvtriton.planner import PlannerConfig
+from kvtriton.setups import TierPolicy
 
-__all__ = ["DEFAULT_CPU_BYTES_PER_RANK", "ConnectorConfig", "parse_extra_config"]
+__all__ = ["DEFAULT_CPU_BYTES_PER_RANK", "ConnectorConfig", "extra_config_for",
+           "parse_extra_config"]
 
 DEFAULT_CPU_BYTES_PER_RANK = 8 << 30  # 8 GiB, vLLM SimpleCPUOffloadConnector's default size
 
@@ -87,6 +89,26 @@ class ConnectorConfig:
                 + (f" ({', '.join(bound)})" if bound else "")
                 + f", free {self.cpu_free_order}, eviction {self.cpu_eviction}, "
                 f"scan {self.scan}")
+
+
+# Keys whose value is the planner's field of the same name.
+_PLANNER_KEYS = ("restore", "cpu_free_order", "restore_share", "max_restores_per_step",
+                 "max_restores_per_key", "scan", "scan_idle", "lazy_target_blocks")
+
+
+def extra_config_for(policy: TierPolicy) -> dict[str, Any]:
+    """The ``kv_connector_extra_config`` that runs ``policy`` (a ``kvtriton.setups`` setup) in
+    the connector: the inverse of ``ConnectorConfig.planner_config``. ``ValueError`` for a setup
+    with no CPU tier or with an axis the connector has no key for."""
+    p = policy.planner
+    if p is None:
+        raise ValueError(f"setup {policy.name!r} has no CPU tier: run vLLM without the connector")
+    if (policy.oracle or policy.hints or policy.lookahead or p.admission != "all"
+            or p.refresh_on_gpu_hit):
+        raise ValueError(f"setup {policy.name!r}: the connector has no setting for its oracle, "
+                         "hints, lookahead, admission or refresh axis")
+    return {**{k: getattr(p, k) for k in _PLANNER_KEYS},
+            "cpu_eviction": policy.cpu_eviction, "offload": "lazy" if p.lazy else "eager"}
 
 
 _CHOICES: dict[str, tuple[str, ...]] = {

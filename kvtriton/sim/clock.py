@@ -1,0 +1,188 @@
+"""The serving-loop skeleton both schedulers share: arrivals, the modeled clock, the host link,
+transfer completions, step time and the end of a run.
+
+``ServingClock`` owns everything of a simulation that is not a scheduling decision. A loop
+(``kvtriton.sim.loop.ServingLoop`` with kvtriton's scheduler, ``kvtriton.sim.vllm_loop.VllmLoop``
+with vLLM's) subclasses it and writes ``step()``: admit the due arrivals, schedule, submit the
+step's transfers, advance the clock by the step's modeled time (or to the next event when
+nothing ran), deliver the reports that are due. So the two loops cannot drift in how time,
+transfers or arrivals are modeled. Times are modeled seconds (``kvtriton.sim.cost``).
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+from kvtriton.records import PlannerMeta
+from kvtriton.sim.cost import CostModel
+from kvtriton.sim.metrics import RunMetrics
+from kvtriton.sim.workload import Workload, WorkloadRequest
+from kvtriton.specs import KVLayout
+
+__all__ = ["PROGRESS_EVERY", "Link", "ServingClock", "gpu_blocks_for"]
+
+#: Steps between two progress callbacks.
+PROGRESS_EVERY = 256
+
+
+def gpu_blocks_for(layout: KVLayout, wr: WorkloadRequest) -> int:
+    """GPU blocks ``wr`` holds at its full length in every group: a request needing more than
+    the whole GPU pool is rejected, as a server rejects a prompt longer than its context."""
+    return sum(-(-wr.total_len // g.block_size) for g in layout.groups)
+
+
+@dataclass(slots=True)
+class Link:
+    """One direction of the host link: transfers queue behind each other."""
+
+    free_at: float = 0.0
+    bytes: int = 0
+
+    def submit(self, now: float, nbytes: int, seconds: float) -> float:
+        """Queue ``nbytes`` taking ``seconds`` at ``now``; returns when it completes."""
+        self.free_at = max(now, self.free_at) + seconds
+        self.bytes += nbytes
+        return self.free_at
+
+
+class ServingClock:
+    """One workload's clock under one tier policy: a subclass supplies ``step()`` (one scheduler
+    step, False when everything is done) and ``_end_run()`` (its end-of-run checks and
+    counters); ``run()`` drives it and returns the metrics.
+
+    ``gpu_blocks``: the GPU pool's usable blocks (a request needing more is rejected);
+    ``world_size``: how many workers report each store."""
+
+    def __init__(self, workload: Workload, layout: KVLayout, cost: CostModel,
+                 metrics: RunMetrics, *, gpu_blocks: int, world_size: int = 1,
+                 progress: Callable[[int, int], None] | None = None) -> None:
+        self.workload = workload
+        self.layout = layout
+        self.cost = cost
+        self.metrics = metrics
+        self.progress = progress
+        self.world_size = world_size
+        self._gpu_capacity = gpu_blocks
+        self._arrivals, self._successors = workload.arrival_queue()
+        self._completions: list[tuple[float, int, str, int, list[str]]] = []
+        self._seq_no = 0
+        self._d2h, self._h2d = Link(), Link()
+        self.now = 0.0
+
+    # ---- arrivals ------------------------------------------------------------------------------
+
+    def _due_arrivals(self) -> Iterator[tuple[float, int, WorkloadRequest]]:
+        """The requests that have arrived by now, as ``(arrival time, index, request)``; a
+        request larger than the whole GPU pool is counted rejected and not yielded (the turns
+        after it are released)."""
+        while self._arrivals and self._arrivals[0][0] <= self.now:
+            at, i = heapq.heappop(self._arrivals)
+            wr = self.workload.requests[i]
+            if gpu_blocks_for(self.layout, wr) > self._gpu_capacity:
+                self.metrics.rejected += 1
+                self._release_successors(wr.request_id)
+                continue
+            yield at, i, wr
+
+    def _release_successors(self, rid: str) -> None:
+        """``rid`` finished: the turns waiting for it arrive after their think time."""
+        for i in self._successors.pop(rid, []):
+            heapq.heappush(self._arrivals, (self.now + self.workload.requests[i].think_s, i))
+
+    # ---- transfers -----------------------------------------------------------------------------
+
+    def _submit_transfers(self, meta: PlannerMeta) -> None:
+        """The step's store and load: each completes after its modeled time on its link."""
+        per = self.layout.group_block_bytes
+        if len(meta.store):
+            nbytes = sum(per[g] for g in meta.store.groups)
+            done = self._d2h.submit(self.now, nbytes, self.cost.d2h_s(nbytes))
+            self._push_completion(done, "store", meta.store.event, [])
+        if len(meta.load):
+            nbytes = sum(per[g] for g in meta.load.groups)
+            done = self._h2d.submit(self.now, nbytes, self.cost.h2d_s(nbytes))
+            self._push_completion(done, "load", meta.load.event,
+                                  meta.load_event_to_reqs[meta.load.event])
+
+    def _push_completion(self, at: float, kind: str, event: int, reqs: list[str]) -> None:
+        self._seq_no += 1
+        heapq.heappush(self._completions, (at, self._seq_no, kind, event, reqs))
+
+    def _due_reports(self) -> tuple[list[str], dict[int, int]]:
+        """Transfers completed by now: request ids whose loads landed (in completion order),
+        and per store event the workers reporting it."""
+        loads, stores = [], {}
+        while self._completions and self._completions[0][0] <= self.now:
+            _, _, kind, event, reqs = heapq.heappop(self._completions)
+            if kind == "store":
+                stores[event] = self.world_size
+            else:
+                loads += reqs
+        return loads, stores
+
+    # ---- time ----------------------------------------------------------------------------------
+
+    def _step_seconds(self, chunks: Iterable[tuple[int, int, int]]) -> float:
+        """Modeled seconds of a step computing ``chunks``: per request ``(tokens, tokens
+        computed before, prompt tokens)``. One token past the prompt is a decode."""
+        cost = self.cost
+        seconds = cost.step_overhead_s
+        decode_ctx = []
+        for n, before, prompt in chunks:
+            if n == 1 and before >= prompt:
+                decode_ctx.append(before)
+            else:
+                seconds += cost.prefill_s(n, before)
+        if decode_ctx:
+            seconds += cost.decode_step_s(decode_ctx)
+        return seconds
+
+    def _wait_for_next_event(self, busy: bool, requests_left: int) -> bool:
+        """Nothing ran this step: move the clock to the next arrival or completion. False when
+        there is none and the scheduler is not ``busy`` (the run is over); a ``RuntimeError``
+        when it is, with nothing to wait for: every later step would repeat this one (a
+        scheduling deadlock)."""
+        times = [q[0][0] for q in (self._arrivals, self._completions) if q]
+        if not times:
+            if busy:
+                raise RuntimeError(f"policy {self.metrics.policy!r}: {requests_left} requests "
+                                   "left with nothing scheduled and no arrival or transfer to "
+                                   "wait for")
+            return False
+        self.now = max(self.now, min(times))
+        return True
+
+    def _pending(self) -> bool:
+        """Arrivals or transfer completions still to come."""
+        return bool(self._arrivals or self._completions)
+
+    # ---- the run -------------------------------------------------------------------------------
+
+    def step(self) -> bool:
+        raise NotImplementedError
+
+    def _end_run(self) -> None:
+        """The subclass's end-of-run checks and counters, before the common ones are set."""
+
+    def run(self) -> RunMetrics:
+        """Step until done; the run's metrics (times modeled, ``wall_s`` measured)."""
+        t0 = time.perf_counter()
+        total = len(self.workload)
+        steps = 0
+        while self.step():
+            steps += 1
+            if self.progress is not None and steps % PROGRESS_EVERY == 0:
+                self.progress(self.metrics.finished, total)
+        self._end_run()
+        m = self.metrics
+        m.wall_s = time.perf_counter() - t0
+        m.makespan_s = self.now
+        m.requests = total
+        m.bytes_d2h, m.bytes_h2d = self._d2h.bytes, self._h2d.bytes
+        if self.progress is not None:
+            self.progress(m.finished, total)
+        return m
+

@@ -1,0 +1,131 @@
+"""The workloads by name: one registry for the CLI, the benchmarks and the cross-check.
+
+A name is ``agent`` (the generator), ``mooncake`` or ``cc_agentic`` (traces shipped in
+``kvtriton/sim/data``); anything else is read as a trace file or folder. Each named workload
+carries the serving setting the benchmarks run it at (``WorkloadSpec.serving``), so a setting is
+written once. The transformations every experiment applies are here too: ``limit_workload``
+(the first N requests), ``scale_times`` (arrivals and think times stretched) and
+``first_turns`` (the first turns of every session).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from kvtriton.sim.traces import CC_AGENTIC_SAMPLE, MOONCAKE_SYNTHETIC, data_path, load_trace
+from kvtriton.sim.workload import AgentConfig, Workload, agent_workload
+
+__all__ = ["WORKLOADS", "WorkloadSpec", "first_turns", "limit_workload", "load_workload",
+           "scale_times", "serving_workload"]
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """A named workload. ``trace``: its file or folder in ``kvtriton/sim/data`` (None: the
+    agent generator). ``serving``: the setting the benchmarks simulate it at: ``block_size``
+    (tokens), ``time_scale`` (arrivals stretched by it) and the capacities (``gpu_gib``,
+    ``cpu_gib`` or ``gpu_tokens``, ``cpu_tokens``) as ``simulate`` takes them."""
+
+    name: str
+    description: str
+    trace: str | None
+    serving: Mapping[str, Any] = field(default_factory=dict)
+
+    def capacities(self) -> dict[str, Any]:
+        """The serving setting's capacities, as ``simulate`` keyword arguments."""
+        return {k: v for k, v in self.serving.items() if k.startswith(("gpu_", "cpu_"))}
+
+
+WORKLOADS: Mapping[str, WorkloadSpec] = MappingProxyType({
+    # The agent setting of the README's table: GPU 32,768 tokens, CPU 65,536.
+    "agent": WorkloadSpec("agent", "agent generator (multi-turn sessions, shared system prompt)",
+                          None, {"block_size": 16, "time_scale": 1.0, "gpu_tokens": 32_768,
+                                 "cpu_tokens": 65_536}),
+    # Recorded on a cluster: its arrivals are spread 4x, or it overruns one modeled GPU.
+    # 64-token blocks keep the whole trace within minutes on 2 cores (its own are 512).
+    "mooncake": WorkloadSpec("mooncake", "Mooncake's synthetic conversation trace",
+                             MOONCAKE_SYNTHETIC, {"block_size": 64, "time_scale": 4.0,
+                                                  "gpu_gib": 32.0, "cpu_gib": 256.0}),
+    "cc_agentic": WorkloadSpec("cc_agentic", "coding-agent traces (kv-cache-tester)",
+                               CC_AGENTIC_SAMPLE, {"block_size": 64, "time_scale": 1.0,
+                                                   "gpu_gib": 32.0, "cpu_gib": 256.0}),
+})
+
+#: The agent generator's setting where an experiment names only ``agent``.
+DEFAULT_AGENT = AgentConfig(num_conversations=24, min_turns=6, max_turns=12, seed=0)
+
+
+def load_workload(name: str, *, block_size: int | None = None, limit: int | None = None,
+                  time_scale: float = 1.0, turns: int | None = None,
+                  agent: AgentConfig | None = None) -> Workload:
+    """The workload called ``name`` (a ``WORKLOADS`` key, or a trace file or folder).
+
+    ``block_size``: hash block size in tokens (default: the trace's own; the generator's 16);
+    ``agent``: the generator's setting (default ``DEFAULT_AGENT`` at ``block_size``);
+    ``turns``: keep the first ``turns`` turns of every session; ``limit``: then the first
+    ``limit`` requests; ``time_scale``: then multiply arrival and think times."""
+    if name == "agent":
+        cfg = agent or DEFAULT_AGENT
+        if block_size is not None:
+            cfg = replace(cfg, hash_block_size=block_size)
+        wl = agent_workload(cfg)
+    else:
+        spec = WORKLOADS.get(name)
+        # An unknown name is read as a path: the trace loader says what is wrong with it.
+        path = data_path(spec.trace) if spec is not None else Path(name)
+        wl = load_trace(path, hash_block_size=block_size)
+    if turns is not None:
+        wl = first_turns(wl, turns)
+    if limit is not None:
+        wl = limit_workload(wl, limit)
+    return scale_times(wl, time_scale) if time_scale != 1.0 else wl
+
+
+def serving_workload(name: str, **kw: Any) -> tuple[Workload, dict[str, Any]]:
+    """``WORKLOADS[name]`` at its serving setting (block size, time scale), and its capacities
+    as ``simulate`` keyword arguments; ``kw`` as ``load_workload`` takes them."""
+    spec = WORKLOADS[name]
+    s = spec.serving
+    kw.setdefault("block_size", s["block_size"])
+    kw.setdefault("time_scale", s["time_scale"])
+    return load_workload(name, **kw), spec.capacities()
+
+
+def limit_workload(wl: Workload, n: int) -> Workload:
+    """The first ``n`` requests of ``wl`` whose predecessors (closed loop) are kept too."""
+    kept, ids = [], set()
+    for r in wl.requests:
+        if len(kept) == n:
+            break
+        if r.after is None or r.after in ids:
+            kept.append(r)
+            ids.add(r.request_id)
+    return Workload(kept, wl.hash_block_size, f"{wl.name}[:{n}]")
+
+
+def scale_times(wl: Workload, factor: float) -> Workload:
+    """``wl`` with every arrival and think time multiplied by ``factor`` (> 1 lightens the
+    load)."""
+    reqs = [replace(r, arrival_s=r.arrival_s * factor, think_s=r.think_s * factor)
+            for r in wl.requests]
+    return Workload(reqs, wl.hash_block_size, f"{wl.name} (times x{factor:g})")
+
+
+def first_turns(wl: Workload, turns: int) -> Workload:
+    """The first ``turns`` turns of every session (and every request without one); a kept turn
+    whose predecessor was cut no longer waits for it."""
+    seen: dict[str | None, int] = {}
+    kept = []
+    for r in wl.requests:
+        n = seen.get(r.session, 0)
+        if r.session is None or n < turns:
+            kept.append(r)
+            seen[r.session] = n + 1
+    ids = {r.request_id for r in kept}
+    kept = [replace(r, after=None) if r.after is not None and r.after not in ids else r
+            for r in kept]
+    return Workload(kept, wl.hash_block_size, f"{wl.name} (first {turns} turns per session)")

@@ -1,0 +1,1 @@
+"""Fixtures and drivers shared by the test folders."""

@@ -1,0 +1,58 @@
+"""Faults injected into the worker's ``TransferEngine`` for the end-to-end tests.
+
+``inject("corrupt_loads")`` is the negative control: each CPU load's destination blocks get the
+wrong (valid) KV once the load landed, so outputs that depend on loaded KV must change.
+``inject("fail_loads")`` makes each load fail half-way, as a copy that dies would. Pass
+``patch=lambda: inject(fault)`` to ``bench.engine_run.run_turns``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+FAULTS = ("corrupt_loads", "fail_loads")
+
+
+def _scramble(engine: Any, gpu_blocks: Sequence[int], groups: Sequence[int]) -> None:
+    """Rotate the contents of ``gpu_blocks`` by one (block i gets block i+1's KV; one block
+    gets zeros): valid KV in the wrong place, as a wrong block mapping would leave it."""
+    for g, views in enumerate(engine.segments):
+        rows = [b for b, gg in zip(gpu_blocks, groups, strict=True) if gg == g]
+        for view, _ in views:  # uint8 [num_gpu_blocks, nbytes], sharing the KV storage
+            if len(rows) > 1:
+                view[rows] = view[rows[1:] + rows[:1]].clone()
+            elif rows:
+                view[rows] = 0
+
+
+def inject(fault: str) -> Callable[[], None]:
+    """Patch ``TransferEngine`` in this process; returns the undo. ``"corrupt_loads"``: every
+    load lands scrambled (the negative control). ``"fail_loads"``: every load writes the
+    scrambled blocks and then raises, as a copy that dies half-way would (the connector must
+    report it failed, and vLLM recompute)."""
+    from kvtriton.engine.transfer import TransferEngine
+
+    if fault not in FAULTS:
+        raise ValueError(f"fault {fault!r}: expected one of {FAULTS}")
+    load, copy = TransferEngine.load, TransferEngine._copy
+
+    def corrupted(self, event, req_ids, gpu_blocks, cpu_blocks, groups, **kw):
+        load(self, event, req_ids, gpu_blocks, cpu_blocks, groups, **kw)
+        _scramble(self, list(gpu_blocks), list(groups))
+
+    def failing(self, direction, pairs):
+        copy(self, direction, pairs)
+        if direction == "load":
+            _scramble(self, pairs.gpu.tolist(), pairs.grp.tolist())
+            raise RuntimeError("injected load failure")
+
+    if fault == "corrupt_loads":
+        TransferEngine.load = corrupted
+    else:
+        TransferEngine._copy = failing
+
+    def undo() -> None:
+        TransferEngine.load, TransferEngine._copy = load, copy
+
+    return undo
