@@ -298,7 +298,7 @@ def _cmd_trace_stats(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvtriton.setups import DEFAULT_POLICIES, TIER_POLICIES
+    from kvtriton.setups import DEFAULT_POLICIES, grammar_help
     from kvtriton.sim.cost import GPUS
     from kvtriton.sim.replay import DEFAULT_EVICTIONS
     from kvtriton.sim.simulate import ENGINES
@@ -320,10 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument(f"--{tier}-blocks", type=_positive_int, default=None,
                        help=f"{tier.upper()} capacity in blocks")
     s.add_argument("--policies", type=_policies, default=list(DEFAULT_POLICIES),
-                   help=f"comma-separated presets ({', '.join(TIER_POLICIES)}) or compositions "
-                        "of axis values joined by '+', e.g. eager+restore+tail+arc, lazy+hints "
-                        "(axes: eager|lazy, restore[:F], head|tail, lru|arc|s3fifo|nextuse, "
-                        "all|second, hints[:F], inf)")
+                   help="comma-separated tier setups, e.g. eager+restore:0.5+tail, lazy+hints: "
+                        + grammar_help().replace("%", "%%"))
     s.add_argument("--token-budget", type=_positive_int, default=8192)
     s.add_argument("--max-running", type=_positive_int, default=256)
     s.add_argument("--integrity", action="store_true",

@@ -32,26 +32,31 @@ capacity    ``inf``: a CPU tier that holds every distinct block        sized
 ``none`` alone is the GPU prefix cache without a CPU tier. ``eager+restore+tail+arc`` is the
 bounded-free ARC setup with unbounded re-store. The first names of these setups stay accepted as
 presets (``TIER_POLICIES``: ``control`` is ``eager``), but every default and result names a
-composition. ``lazy`` with ``restore`` is refused: a lazy tier stores only blocks the
-GPU is about to evict, and a running request's blocks are never on the GPU free queue, so there
-is nothing to re-store. ``eager`` with ``hinted`` is refused too: an eager store happens when the
-block is computed, before the turn's hint is known.
+composition. The grammar is written once, as data: ``AXES`` (the axes, their values and
+defaults, from which the CLI's help is generated) and ``REFUSED`` (the combinations that mean
+nothing, each with its reason, e.g. ``lazy`` with ``restore``: a lazy tier stores only blocks
+on the GPU free queue, where a running request's blocks never are). A share ``F`` is written
+with digits and a point only; a composition has no spaces.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 
 from kvtriton.planner import PlannerConfig
 
 __all__ = [
     "ABLATION",
+    "AXES",
     "BOUNDS",
     "DEFAULT_POLICIES",
     "HINTED_COMBINED",
     "NEXT_USE_BOUNDS",
+    "REFUSED",
     "TIER_POLICIES",
     "TierPolicy",
+    "grammar_help",
     "parse_policy",
     "tier_policy",
 ]
@@ -61,6 +66,82 @@ __all__ = [
 ONLINE_EVICTIONS = ("lru", "arc", "s3fifo")
 ORACLE_EVICTIONS = ("nextuse",)
 DEFAULT_PROTECT_SHARE = 0.5
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One axis of a composition: its values (``NAME:F`` takes a share F in [0, 1]), the value
+    it has when left out (None: off) and what it does, for the help text."""
+
+    name: str
+    values: tuple[str, ...]
+    default: str | None
+    help: str
+
+
+#: The grammar: every axis, each value at most once per composition.
+AXES = (
+    Axis("store", ("eager", "lazy"), "eager",
+         "eager: every computed block, as vLLM's connector; lazy: on GPU eviction only"),
+    Axis("re-store", ("restore", "restore:F"), None,
+         "re-store running requests' evicted blocks (while they hold < F of the tier)"),
+    Axis("free order", ("head", "tail"), "head", "chain head first (vLLM's) or last"),
+    Axis("eviction", (*ONLINE_EVICTIONS, *ORACLE_EVICTIONS), "lru",
+         "the CPU tier's eviction; nextuse is the oracle (furthest next use in trace order)"),
+    Axis("admission", ("all", "second", "hinted"), "all",
+         "second: store a key on its second sight; hinted (lazy): skip closed sessions' keys"),
+    Axis("recency", ("refresh",), None, "a GPU prefix hit refreshes the CPU copies too"),
+    Axis("hints", ("hints", "hints:F"), None,
+         "protect turns hinted continue in up to F of the tier (0.5), closed sessions go first"),
+    Axis("lookahead", ("waiting", "waiting:F"), None,
+         "protect waiting requests' keys in up to F of the tier (0.5) until admitted"),
+    Axis("capacity", ("inf",), None, "a CPU tier that holds every distinct block (a bound)"),
+)
+
+_TOKENS = {v.split(":")[0]: axis for axis in AXES for v in axis.values}
+_TAKES_SHARE = {v.split(":")[0] for axis in AXES for v in axis.values if v.endswith(":F")}
+_SHARE = re.compile(r"(?:\d+(?:\.\d*)?|\.\d+)")
+
+#: Compositions refused, each as the axis values that together mean nothing (an axis left out
+#: counts at its default), and why.
+REFUSED: tuple[tuple[dict[str, tuple[str, ...]], str], ...] = (
+    ({"store": ("lazy",), "re-store": ("restore",)},
+     "'lazy' with 're-store' means nothing: a lazy tier stores only blocks on the GPU free "
+     "queue, and a running request's blocks are never there"),
+    ({"store": ("lazy",), "admission": ("second",)},
+     "'second' admission applies to eager stores; a lazy tier already stores only what the "
+     "GPU evicts"),
+    ({"store": ("eager",), "admission": ("hinted",)},
+     "'hinted' admission needs 'lazy': an eager store happens when a block is computed, before "
+     "the turn's hint is known"),
+    ({"eviction": ORACLE_EVICTIONS, "hints": ("hints",)},
+     "'hints' with 'nextuse' means nothing: the oracle already knows every next use"),
+    ({"eviction": ORACLE_EVICTIONS, "lookahead": ("waiting",)},
+     "'waiting' with 'nextuse' means nothing: the oracle already knows every next use"),
+    ({"hints": ("hints",), "lookahead": ("waiting",)},
+     "'hints' and 'waiting' both protect blocks in one segment of the tier; use one of them"),
+    ({"capacity": ("inf",), "eviction": ("arc", "s3fifo", *ORACLE_EVICTIONS)},
+     "'inf' with an eviction rule means nothing: an unbounded tier never evicts"),
+    ({"capacity": ("inf",), "hints": ("hints",)},
+     "'inf' with 'hints' means nothing: an unbounded tier never evicts, nothing needs "
+     "protecting"),
+    ({"capacity": ("inf",), "lookahead": ("waiting",)},
+     "'inf' with 'waiting' means nothing: an unbounded tier never evicts, nothing needs "
+     "protecting"),
+    ({"capacity": ("inf",), "re-store": ("restore",)},
+     "'inf' with 're-store' means nothing: an unbounded tier never evicts a running request's "
+     "blocks"),
+    ({"capacity": ("inf",), "store": ("lazy",)},
+     "'inf' with 'lazy': the unbounded tier is the bound for every store mode, written "
+     "'eager+inf' (a lazy tier would hold only what the GPU happened to evict)"),
+)
+
+
+def grammar_help() -> str:
+    """The grammar in one paragraph, for ``--help``: every axis and its values."""
+    axes = "; ".join(f"{a.name}: {'|'.join(a.values)}" for a in AXES)
+    return (f"compositions of axis values joined by '+', each axis at most once, defaults left "
+            f"out ({axes}); 'none' is no CPU tier; presets: {', '.join(_PRESETS)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,10 +177,8 @@ class TierPolicy:
 
 
 def _share(token: str, value: str) -> float:
-    try:
-        f = float(value)
-    except ValueError:
-        f = float("nan")
+    """``value`` as a share in [0, 1]: digits and a point only (no sign, space or exponent)."""
+    f = float(value) if _SHARE.fullmatch(value) else float("nan")
     if not 0.0 <= f <= 1.0:
         raise ValueError(f"policy axis {token!r}: the share must be a number in [0, 1], "
                          f"got {value!r}")
@@ -164,75 +243,42 @@ def parse_policy(spec: str, name: str | None = None) -> TierPolicy:
     if spec == "none":
         return TierPolicy(name or "none", None, "lru", "GPU prefix cache only",
                           composition="none")
-    seen: dict[str, str] = {}
-    store, restore, share, free, eviction, admission = "eager", False, None, "head_first", \
-        "lru", "all"
-    protect: float | None = None
-    waiting: float | None = None
-    infinite = False
-    refresh = False
-
-    def axis(which: str, token: str) -> None:
-        if which in seen:
-            raise ValueError(f"policy {spec!r}: {seen[which]!r} and {token!r} both set the "
-                             f"{which}")
-        seen[which] = token
-
+    if any(c.isspace() for c in spec):
+        raise ValueError(f"policy {spec!r}: a composition has no spaces (axis values joined by "
+                         "'+', e.g. eager+restore:0.5)")
+    seen: dict[str, str] = {}  # axis name -> the token that set it
+    values: dict[str, str] = {}  # axis name -> its value, without the share
+    shares: dict[str, float] = {}
     for token in spec.split("+"):
-        head, _, arg = token.partition(":")
-        if token in ("eager", "lazy"):
-            axis("store mode", token)
-            store = token
-        elif head == "restore":
-            axis("re-store", token)
-            restore = True
-            share = _share(token, arg) if arg else None
-        elif token in ("head", "tail"):
-            axis("free order", token)
-            free = "tail_first" if token == "tail" else "head_first"
-        elif token in ONLINE_EVICTIONS or token in ORACLE_EVICTIONS:
-            axis("eviction", token)
-            eviction = token
-        elif token in ("all", "second", "hinted"):
-            axis("admission", token)
-            admission = token
-        elif head == "hints":
-            axis("hints", token)
-            protect = _share(token, arg) if arg else DEFAULT_PROTECT_SHARE
-        elif head == "waiting":
-            axis("lookahead", token)
-            waiting = _share(token, arg) if arg else DEFAULT_PROTECT_SHARE
-        elif token == "inf":
-            axis("capacity", token)
-            infinite = True
-        elif token == "refresh":
-            axis("recency", token)
-            refresh = True
-        else:
+        head, colon, arg = token.partition(":")
+        axis = _TOKENS.get(head)
+        if axis is None or (colon and head not in _TAKES_SHARE):
             raise ValueError(
-                f"policy {spec!r}: unknown axis value {token!r}; known: eager, lazy, restore, "
-                f"restore:F, head, tail, {', '.join(ONLINE_EVICTIONS + ORACLE_EVICTIONS)}, all, "
-                f"second, hinted, refresh, hints, hints:F, waiting, waiting:F, inf; presets: "
+                f"policy {spec!r}: unknown axis value {token!r}; known: "
+                f"{', '.join(v for a in AXES for v in a.values)}; presets: "
                 f"{', '.join(TIER_POLICIES)}")
-    if store == "lazy" and restore:
-        raise ValueError(f"policy {spec!r}: 'lazy' with 're-store' means nothing: a lazy tier "
-                         "stores only blocks on the GPU free queue, and a running request's "
-                         "blocks are never there")
-    if eviction in ORACLE_EVICTIONS and protect is not None:
-        raise ValueError(f"policy {spec!r}: 'hints' with {eviction!r} means nothing: the "
-                         "oracle already knows every next use")
-    if eviction in ORACLE_EVICTIONS and waiting is not None:
-        raise ValueError(f"policy {spec!r}: 'waiting' with {eviction!r} means nothing: the "
-                         "oracle already knows every next use")
-    if protect is not None and waiting is not None:
-        raise ValueError(f"policy {spec!r}: 'hints' and 'waiting' both protect blocks in one "
-                         "segment of the tier; use one of them")
-    if store == "lazy" and admission == "second":
-        raise ValueError(f"policy {spec!r}: 'second' admission applies to eager stores; a lazy "
-                         "tier already stores only what the GPU evicts")
-    if store == "eager" and admission == "hinted":
-        raise ValueError(f"policy {spec!r}: 'hinted' admission needs 'lazy': an eager store "
-                         "happens when a block is computed, before the turn's hint is known")
+        if axis.name in seen:
+            raise ValueError(f"policy {spec!r}: {seen[axis.name]!r} and {token!r} both set the "
+                             f"{axis.name}")
+        seen[axis.name] = token
+        values[axis.name] = head
+        if colon:
+            shares[axis.name] = _share(token, arg)
+    resolved = {a.name: values.get(a.name, a.default) for a in AXES}
+    for condition, reason in REFUSED:
+        if all(resolved[name] in allowed for name, allowed in condition.items()):
+            raise ValueError(f"policy {spec!r}: {reason}")
+    store, eviction = resolved["store"], resolved["eviction"]
+    admission = resolved["admission"]
+    restore = resolved["re-store"] is not None
+    share = shares.get("re-store")
+    free = "tail_first" if resolved["free order"] == "tail" else "head_first"
+    protect = (shares.get("hints", DEFAULT_PROTECT_SHARE) if resolved["hints"] is not None
+               else None)
+    waiting = (shares.get("lookahead", DEFAULT_PROTECT_SHARE)
+               if resolved["lookahead"] is not None else None)
+    infinite = resolved["capacity"] is not None
+    refresh = resolved["recency"] is not None
     args = (store, restore, share, free, eviction, admission, protect, infinite, refresh, waiting)
     canonical = _canonical(*args)
     planner = PlannerConfig(restore=restore, cpu_free_order=free, restore_share=share,
@@ -287,7 +333,7 @@ def tier_policy(name: str) -> TierPolicy:
     try:
         return parse_policy(name)
     except ValueError as e:
-        if "+" not in name and name not in ("eager", "lazy", "none"):
+        if "+" not in name and name.split(":")[0] not in _TOKENS and name != "none":
             raise ValueError(f"unknown policy {name!r}; presets: {', '.join(TIER_POLICIES)}; "
                              f"or a composition of axis values joined by '+' ({e})") from None
         raise

@@ -1,12 +1,62 @@
-"""What one simulation run reports, and the per-policy table."""
+"""What one simulation run reports (``RunMetrics``), its row (``SetupRow``) and the table."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 import numpy as np
 
-__all__ = ["RunMetrics", "format_table"]
+__all__ = ["RunMetrics", "SetupRow", "format_table"]
+
+
+class SetupRow(TypedDict, total=False):
+    """One setup's figures in a simulation result (``SimulationResult.rows``, the JSON's
+    ``rows``). Tokens are prompt tokens; times are modeled seconds except ``wall_s`` and the
+    planner's milliseconds, which are measured."""
+
+    policy: str  # the setup's name (a composition, or a preset's name when given one)
+    composition: str  # canonical composition (kvtriton.setups)
+    oracle: bool  # uses knowledge of the future: a bound, not an online setup
+    cpu_blocks: int  # CPU tier size in blocks (0: no tier)
+    gap_closed: float | None  # share of the control-to-next-use-bound gap closed
+    requests: int
+    finished: int
+    rejected: int  # larger than the whole GPU pool
+    prompt_tokens: int
+    gpu_hit_tokens: int
+    cpu_hit_tokens: int
+    token_hit_rate: float  # (GPU + CPU hit tokens) / prompt tokens
+    prefill_tokens: int
+    recomputed_tokens: int  # tokens of blocks computed again after they were cached once
+    stored_blocks: int
+    restored_blocks: int
+    restore_thrash: int
+    loaded_blocks: int
+    handoff_stored: int
+    lazy_stored: int
+    admission_skipped: int
+    protect_overflow: int
+    hints_applied: dict[str, int]
+    bytes_d2h: int
+    bytes_h2d: int
+    running_evictions: int
+    chain_holes: int
+    lookups_with_holes: int
+    preemptions: int
+    steps: int
+    build_meta_ms_mean: float
+    build_meta_ms_p99: float
+    planner_ms_per_step: float
+    ttft_p50_s: float
+    ttft_p90_s: float
+    ttft_p99_s: float
+    makespan_s: float
+    wall_s: float
+    ttft_all_s: list[float]
+    integrity_blocks_checked: int
+    integrity_registrations_checked: int
+    integrity_blocks_filled: int
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -42,7 +92,7 @@ class RunMetrics:
     #: Finished requests per hint the CPU tier was given ("none": no hint), with hints on.
     hints: dict = field(default_factory=dict)
 
-    def summary(self) -> dict:
+    def summary(self) -> SetupRow:
         """Flat figures for tables and JSON."""
         p = self.planner
         hits = self.gpu_hit_tokens + self.cpu_hit_tokens
@@ -107,7 +157,7 @@ _COLUMNS = [
 ]
 
 
-def format_table(rows: list[dict]) -> str:
+def format_table(rows: list[SetupRow]) -> str:
     """A fixed-width table of ``RunMetrics.summary()`` rows."""
     cells = [[title for _, title, _ in _COLUMNS]]
     cells += [["-" if r.get(key) is None else fmt.format(r[key]) for key, _, fmt in _COLUMNS]

@@ -13,7 +13,7 @@ from kvtriton.setups import BOUNDS, DEFAULT_POLICIES, NEXT_USE_BOUNDS, TierPolic
 from kvtriton.sim.cost import CostModel
 from kvtriton.sim.keys import workload_keys
 from kvtriton.sim.loop import ServingLoop, gpu_blocks_for
-from kvtriton.sim.metrics import format_table
+from kvtriton.sim.metrics import SetupRow, format_table
 from kvtriton.sim.progress import Progress
 from kvtriton.sim.replay import BELADY, replay
 from kvtriton.sim.workload import Workload
@@ -129,10 +129,10 @@ class SimulationResult:
 
     workload: str
     conditions: dict
-    rows: list[dict] = field(default_factory=list)
+    rows: list[SetupRow] = field(default_factory=list)
     bound: dict | None = None
     #: The in-loop bounds (next-use eviction, unbounded tier), as rows.
-    bounds: list[dict] = field(default_factory=list)
+    bounds: list[SetupRow] = field(default_factory=list)
 
     def table(self) -> str:
         return format_table(self.rows + self.bounds)
@@ -315,7 +315,7 @@ def simulate(
     if integrity:
         # Imported only when asked for: it brings torch's transfer engine and Triton.
         from kvtriton.sim.integrity import IntegrityChecker
-    def run(pol: TierPolicy) -> dict:
+    def run(pol: TierPolicy) -> SetupRow:
         checker = IntegrityChecker(layout, n_gpu, n_cpu, integrity_backend) if integrity else None
         loop = ServingLoop(workload, keys, layout, pol, cost, gpu_blocks=n_gpu, cpu_blocks=n_cpu,
                            token_budget=token_budget, max_running=max_running,
