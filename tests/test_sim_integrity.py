@@ -402,3 +402,15 @@ def test_an_unclean_end_is_an_error(monkeypatch):
     with pytest.raises(UncleanEndError, match=r"policy 'restore_tail_bounded': the run ended at "
                                               r"step \d+ with .*1 of 1 CPU blocks still held"):
         loop.run()
+
+
+@pytest.mark.parametrize("policies", [["eager"], ["eager+inf"]])
+def test_integrity_checks_every_in_loop_bound_at_its_own_size(policies):
+    # The unbounded bound's tier holds every key, more than the sized tier: its checker must be
+    # sized for it (a checker sized for the chosen tier refused it after every other run).
+    wl = agent_workload(num_conversations=6, min_turns=2, max_turns=4, system_prompt_tokens=512,
+                        seed=0)
+    res = simulate(wl, gpu_tokens=16_384, cpu_tokens=16_384, policies=policies, integrity=True)
+    inf = next(r for r in res.rows + res.bounds if r["composition"] == "eager+inf")
+    assert inf["cpu_blocks"] > res.conditions["cpu_blocks"]
+    assert all(r["integrity_registrations_checked"] > 0 for r in res.rows + res.bounds)

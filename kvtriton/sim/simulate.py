@@ -12,7 +12,7 @@ from typing import Any
 from kvtriton.setups import BOUNDS, DEFAULT_POLICIES, NEXT_USE_BOUNDS, TierPolicy, tier_policy
 from kvtriton.sim.cost import CostModel
 from kvtriton.sim.keys import workload_keys
-from kvtriton.sim.loop import ServingLoop, gpu_blocks_for
+from kvtriton.sim.loop import ServingLoop, gpu_blocks_for, num_keys
 from kvtriton.sim.metrics import SetupRow, format_table
 from kvtriton.sim.progress import Progress
 from kvtriton.sim.replay import BELADY, replay
@@ -310,13 +310,18 @@ def simulate(
         return result
     keys, n_keys = workload_keys(layout, workload)
     conditions["distinct_keys"] = n_keys
+    if any(p.infinite_cpu for p in chosen + oracles):
+        # The unbounded tier's pool (and its integrity tensors) holds every distinct key.
+        _check_memory(layout, n_gpu, max(n_cpu, num_keys(keys)), integrity, engine)
     result = SimulationResult(workload.name, conditions)
     integrity_backend = integrity_backend or "torch"
     if integrity:
         # Imported only when asked for: it brings torch's transfer engine and Triton.
         from kvtriton.sim.integrity import IntegrityChecker
     def run(pol: TierPolicy) -> SetupRow:
-        checker = IntegrityChecker(layout, n_gpu, n_cpu, integrity_backend) if integrity else None
+        # Each checker is sized for its own tier: the unbounded bound's holds every key.
+        tier = num_keys(keys) if pol.infinite_cpu else n_cpu
+        checker = IntegrityChecker(layout, n_gpu, tier, integrity_backend) if integrity else None
         loop = ServingLoop(workload, keys, layout, pol, cost, gpu_blocks=n_gpu, cpu_blocks=n_cpu,
                            token_budget=token_budget, max_running=max_running,
                            integrity=checker, reserve_full_isl=reserve_full_isl,
