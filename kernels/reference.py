@@ -45,8 +45,9 @@ def store_blocks_ref(segments: Segments, cpu_pool: torch.Tensor, gpu_blocks, cpu
     of group ``groups[i]`` at its offset."""
     for segs, gi, ci in _by_group(segments, gpu_blocks, cpu_blocks, groups):
         for view, offset in segs:
-            src = view.index_select(0, gi)
-            cpu_pool.narrow(1, offset, view.shape[1]).index_copy_(0, ci, src.to(cpu_pool.device))
+            # Indexed assignment, not index_copy_: on CPU, index_copy_ into a strided view of the
+            # pool measured 13x slower (0.45 vs 0.035 ms for 128 blocks of 1 KiB).
+            cpu_pool.narrow(1, offset, view.shape[1])[ci] = view[gi].to(cpu_pool.device)
 
 
 def load_blocks_ref(segments: Segments, cpu_pool: torch.Tensor, gpu_blocks, cpu_blocks,
@@ -54,8 +55,7 @@ def load_blocks_ref(segments: Segments, cpu_pool: torch.Tensor, gpu_blocks, cpu_
     """Scatter: the reverse of ``store_blocks_ref``."""
     for segs, gi, ci in _by_group(segments, gpu_blocks, cpu_blocks, groups):
         for view, offset in segs:
-            src = cpu_pool.narrow(1, offset, view.shape[1]).index_select(0, ci)
-            view.index_copy_(0, gi, src.to(view.device))
+            view[gi] = cpu_pool.narrow(1, offset, view.shape[1])[ci].to(view.device)
 
 
 def store_blocks_loop(segments: Segments, cpu_pool: torch.Tensor, gpu_blocks, cpu_blocks, groups,
