@@ -1,7 +1,8 @@
 """Triton copy kernels and their torch references (imported as ``kvtriton.kernels``).
 
 - ``copy_blocks``: the one-launch store (gather into the CPU pool) and load (scatter into GPU
-  blocks) kernel, its tables (``CopyTable``) and its validating launcher;
+  blocks) kernel and its validating launcher (its table, ``CopyTable``, and the pair check,
+  ``validate_pairs``, live in ``kvtriton.engine.pairs``: every backend uses them);
 - ``reference``: pure-torch references (vectorized, and a per-block loop) used by the engine's
   ``backend="torch"``, the tests and the benchmark;
 - ``compiled``: the kernel compiled ahead of time for sm_90 / sm_80 without a GPU, and the

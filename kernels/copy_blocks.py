@@ -4,7 +4,7 @@ A step's store (GPU -> CPU, gather) or load (CPU -> GPU, scatter) is a list of p
 ``(gpu_block, cpu_block, group)``. Every group and every layer moves in one launch of
 ``_copy_blocks_kernel`` per access width present (one launch for every shipped preset, whose
 segments are all 16-byte aligned), driven by int64 tables that are built once per engine
-(``CopyTable``):
+(``kvtriton.engine.pairs.CopyTable``, by ``kvtriton.engine.descriptors.build_copy_table``):
 
 - ``rows``  ``[R, 5]``: one row per segment (a layer's K or V page, a Mamba conv or SSM state):
   GPU base address, GPU block stride (bytes), segment bytes, offset in the CPU block, and the
@@ -15,10 +15,10 @@ segments are all 16-byte aligned), driven by int64 tables that are built once pe
 - ``group_units`` ``[W, G, 2]``: for width class w (``WIDTHS[w]``) and group g, the range of
   g's units of that width in ``units``.
 
-The access width is a ``constexpr`` of the launch: a runtime branch over the three widths inlined
-three copy loops into one kernel and took 255 registers per thread plus spills on sm_90 at 8 warps
-(a whole SM's register file for each of the persistent programs); one width per launch takes
-about 48. ``tests/test_kernel_compile.py`` checks this on the compiled artifact.
+The access width is a ``constexpr`` of the launch: a runtime branch over the three widths inlines
+three copy loops into one kernel, which takes 255 registers per thread plus spills on sm_90 at 8
+warps (a whole SM's register file for each of the persistent programs); one width per launch
+takes about 48. ``tests/test_kernel_compile.py`` checks this on the compiled artifact.
 
 Per step the host sends only the pairs, sorted by group, and each width class's per-group unit and
 pair ranges: one small int64 buffer, not one descriptor per (block x layer) as a batched memcpy
@@ -36,15 +36,16 @@ import triton
 import triton.language as tl
 from triton import knobs
 
+from kvtriton.engine.pairs import CopyTable, validate_pairs
+from kvtriton.validation import is_int
+
 __all__ = [
     "DEFAULT_SM_BUDGET",
     "CopyLaunch",
-    "CopyTable",
     "copy_blocks",
     "launch_copy",
     "prepare_copy",
     "tile_bytes_for",
-    "validate_pairs",
 ]
 
 # Copies compete with the model for SMs: a few programs saturate a PCIe link (vLLM tuned 12 on
@@ -170,85 +171,6 @@ def tile_bytes_for(width: int, tile_bytes: int = TILE_BYTES) -> int:
     return tile_bytes * width // WIDTHS[0]
 
 
-@dataclass(frozen=True, slots=True)
-class CopyTable:
-    """The static tables of one engine (see the module docstring), on the GPU tensors' device.
-
-    ``group_units_host`` ``[len(WIDTHS), G, 2]`` is ``group_units`` on the host, so a launch needs
-    no device read; ``num_gpu_blocks[g]`` bounds group g's GPU ids; ``cpu_block_bytes`` is the
-    pool's row pitch in bytes.
-    """
-
-    rows: torch.Tensor
-    units: torch.Tensor
-    group_units_host: np.ndarray
-    num_gpu_blocks: tuple[int, ...]
-    cpu_block_bytes: int
-    device: torch.device
-
-    @property
-    def num_groups(self) -> int:
-        return len(self.num_gpu_blocks)
-
-
-def _as_ids(name: str, values) -> np.ndarray:
-    if isinstance(values, torch.Tensor):
-        if values.device.type != "cpu":
-            raise ValueError(f"{name} must be host (CPU) ids, got a tensor on {values.device}")
-        values = values.numpy()
-    arr = np.asarray(values)
-    if arr.size == 0:
-        return np.zeros(0, dtype=np.int64)
-    if arr.ndim != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
-    if arr.dtype.kind not in "iu":
-        raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
-    return arr.astype(np.int64, copy=False)
-
-
-def _check_range(name: str, ids: np.ndarray, upper: int) -> None:
-    bad = (ids < 0) | (ids >= upper)
-    if bad.any():
-        i = int(np.flatnonzero(bad)[0])
-        raise ValueError(f"{name}[{i}]={int(ids[i])} is out of range [0, {upper})")
-
-
-def validate_pairs(table: CopyTable, num_cpu_blocks: int, direction: str,
-                   gpu_blocks, cpu_blocks, groups) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Check one step's pairs against ``table`` and return them as int64 arrays.
-
-    Raises ``ValueError`` naming the bad value: unequal lengths, a group or block id out of
-    range, or a destination written twice (a store's CPU block, a load's (group, GPU block)).
-    """
-    if direction not in ("store", "load"):
-        raise ValueError(f"direction must be 'store' or 'load', got {direction!r}")
-    gpu = _as_ids("gpu_blocks", gpu_blocks)
-    cpu = _as_ids("cpu_blocks", cpu_blocks)
-    grp = _as_ids("groups", groups)
-    if not len(gpu) == len(cpu) == len(grp):
-        raise ValueError(f"gpu_blocks, cpu_blocks and groups must have equal lengths, got "
-                         f"{len(gpu)}, {len(cpu)} and {len(grp)}")
-    if len(gpu) == 0:
-        return gpu, cpu, grp
-    _check_range("groups", grp, table.num_groups)
-    limits = np.asarray(table.num_gpu_blocks, dtype=np.int64)[grp]
-    bad = (gpu < 0) | (gpu >= limits)
-    if bad.any():
-        i = int(np.flatnonzero(bad)[0])
-        raise ValueError(f"gpu_blocks[{i}]={int(gpu[i])} is out of range [0, {int(limits[i])}) "
-                         f"for group {int(grp[i])}")
-    _check_range("cpu_blocks", cpu, num_cpu_blocks)
-    # A destination written twice in one launch is a race between programs: refuse it.
-    dest = cpu if direction == "store" else grp * (int(limits.max()) + 1) + gpu
-    _, first, counts = np.unique(dest, return_index=True, return_counts=True)
-    if (counts > 1).any():
-        i = int(first[np.flatnonzero(counts > 1)[0]])
-        what = (f"cpu_blocks[{i}]={int(cpu[i])}" if direction == "store"
-                else f"gpu_blocks[{i}]={int(gpu[i])} (group {int(grp[i])})")
-        raise ValueError(f"{direction}: destination {what} appears more than once")
-    return gpu, cpu, grp
-
-
 def _check_pool(table: CopyTable, cpu_pool: torch.Tensor) -> None:
     if not isinstance(cpu_pool, torch.Tensor):
         raise ValueError(f"cpu_pool must be a torch.Tensor, got {type(cpu_pool).__name__}")
@@ -291,7 +213,7 @@ class CopyLaunch:
 def _check_launch_args(direction: str, sm_budget, tile_bytes, num_warps) -> None:
     if direction not in ("store", "load"):
         raise ValueError(f"direction must be 'store' or 'load', got {direction!r}")
-    if not isinstance(sm_budget, int) or isinstance(sm_budget, bool) or sm_budget <= 0:
+    if not is_int(sm_budget) or sm_budget <= 0:
         raise ValueError(f"sm_budget must be a positive int, got {sm_budget!r}")
     if not isinstance(tile_bytes, int) or tile_bytes < 16 or tile_bytes & (tile_bytes - 1):
         raise ValueError(f"tile_bytes must be a power of two multiple of 16, got {tile_bytes!r}")
@@ -319,10 +241,10 @@ def prepare_copy(
     _check_launch_args(direction, sm_budget, tile_bytes, num_warps)
     _check_pool(table, cpu_pool)
     cpu_addr = cpu_pool.data_ptr() if cpu_pool_device_ptr is None else cpu_pool_device_ptr
-    if not isinstance(cpu_addr, int) or isinstance(cpu_addr, bool) or cpu_addr <= 0 \
-            or cpu_addr % 16:
+    if not is_int(cpu_addr) or cpu_addr <= 0 or cpu_addr % 16:
         raise ValueError(f"cpu_pool_device_ptr must be a positive, 16-byte aligned address, "
                          f"got {cpu_pool_device_ptr!r}")
+    cpu_addr = int(cpu_addr)  # a NumPy int passes is_int; Triton specializes on Python ints
     if ids_checked:
         gpu, cpu, grp = gpu_blocks, cpu_blocks, groups
     else:
@@ -340,7 +262,7 @@ def prepare_copy(
     step[:, :, 2] = np.cumsum(counts) - counts
     step[:, :, 3] = counts
     work = (step[:, :, 1] * step[:, :, 3]).sum(axis=1)
-    grids = tuple((w, min(sm_budget, int(work[w]))) for w in range(num_classes) if work[w])
+    grids = tuple((w, min(int(sm_budget), int(work[w]))) for w in range(num_classes) if work[w])
     if not grids:
         return CopyLaunch(direction == "store", table, torch.zeros(0, dtype=torch.int64), (),
                           cpu_addr, n, tile_bytes, num_warps)

@@ -16,17 +16,67 @@ import logging
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvtriton.eviction import EvictionQueue, make_eviction_queue
 from kvtriton.validation import is_int
 
-__all__ = ["NULL_BLOCK", "AllBlocksCleared", "BlockPool", "BlockRemoved", "BlockStored"]
+__all__ = ["NULL_BLOCK", "AllBlocksCleared", "BlockPool", "BlockRemoved", "BlockStored", "GpuPool"]
 
 logger = logging.getLogger(__name__)
 
 NULL_BLOCK = 0
 
 KeyCallback = Callable[[int, int], None]
+
+
+class GpuPool(Protocol):
+    """What the planner (``kvtriton.planner``) uses of the scheduler's GPU pool: ``BlockPool``
+    and vLLM's pool seen through ``kvtriton.vllm.gpu_pool.VllmGpuPool`` both serve it.
+
+    Lazy mode on a layout of several groups also needs ``block_group(block_id) -> int | None``
+    (the group a block was cached for); the planner looks it up and refuses a pool without it
+    there, so it is not a member here.
+    """
+
+    #: Blocks in the pool, the null block 0 included: block ids are ``[0, num_blocks)``.
+    num_blocks: int
+    #: References per block id; 0: free.
+    ref_cnt: Sequence[int]
+
+    def add_listener(self, on_insert: KeyCallback | None = None,
+                     on_evict: KeyCallback | None = None) -> None:
+        """Call ``on_insert(key, block_id)`` / ``on_evict(key, block_id)`` for every key that
+        becomes hittable / stops being hittable."""
+        ...
+
+    def block_hash(self, block_id: int) -> int | None:
+        """The primary key of ``block_id``, or None if it is unhashed."""
+        ...
+
+    def block_keys(self, block_id: int) -> Sequence[int]:
+        """Every key ``block_id`` is registered under, primary first (empty if unhashed)."""
+        ...
+
+    def get_cached_block(self, key: int) -> int | None:
+        """A block registered under ``key``, or None."""
+        ...
+
+    def __contains__(self, key: int) -> bool:
+        """Whether a block is registered under ``key``."""
+        ...
+
+    def iter_free(self, after: int | None = None) -> Iterator[int]:
+        """Free blocks in eviction order (next victim first), past ``after`` if it is free."""
+        ...
+
+    def touch(self, block_ids: Sequence[int]) -> None:
+        """Take one reference on each block (pins; a free block leaves the free queue)."""
+        ...
+
+    def free_blocks(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference on each block, in order."""
+        ...
 
 
 @dataclass(slots=True)

@@ -18,6 +18,8 @@ from functools import cached_property
 
 import torch
 
+from kvtriton.validation import is_int
+
 __all__ = [
     "PRESETS",
     "FullAttentionSpec",
@@ -36,7 +38,7 @@ def _dtype_size(dtype: torch.dtype) -> int:
 
 def _require_positive(owner: str, **values: int) -> None:
     for name, value in values.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        if not is_int(value) or value <= 0:
             raise ValueError(f"{owner}: {name} must be a positive int, got {value!r}")
 
 

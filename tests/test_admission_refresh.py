@@ -97,8 +97,8 @@ def test_refresh_is_reuse_for_arc_once_per_request():
     q = h.cpu.eviction
     assert isinstance(q, ARCQueue)
     a_cpu = [h.cpu.get_cached_block(int(k)) for k in h.primary_keys(a)[:10]]
-    assert all(x in q._t1 for x in a_cpu)
+    assert all(x in q._first for x in a_cpu)  # T1
     b = h.request("b", tokens_for(1, 161))
     h.admit(b)
-    assert all(x in q._t2 for x in a_cpu)  # another request used them: reuse
+    assert all(x in q._second for x in a_cpu)  # another request used them: reuse
     assert h.planner.stats.gpu_hit_refreshed == 10

@@ -148,7 +148,7 @@ def test_arc_ghost_hit_in_b1_grows_p_and_enters_t2():
     b = store(pool, 1)  # key 1 again: a B1 ghost hit
     assert arc.p == 1
     assert arc.ghost_sizes[0] == 1  # key 1 left B1, the victim of this store entered it
-    assert b in arc._t2
+    assert b in arc._second  # T2
 
 
 def test_arc_ghost_hit_in_b2_shrinks_p():
@@ -195,7 +195,7 @@ def test_s3fifo_ghost_key_returns_to_main():
         store(pool, k)  # key 1 evicted from S into the ghost
     assert 1 not in pool
     b = store(pool, 1)
-    assert b in pool.eviction._main
+    assert b in pool.eviction._second  # M
 
 
 def test_s3fifo_main_reinsertion_gives_a_second_chance():

@@ -9,8 +9,8 @@ import pytest
 from planner_harness import Harness, tokens_for
 
 from kvtriton.planner import PlannerConfig
+from kvtriton.setups import parse_policy
 from kvtriton.sim import agent_workload, simulate
-from kvtriton.sim.setups import parse_policy
 
 
 def lazy(admission: str) -> PlannerConfig:

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtriton.eviction import ARCQueue, LRUQueue, S3FIFOQueue
-from kvtriton.hints import (
+from kvtriton.eviction.protected import (
     _BASE,
     _CLOSED,
     _PROTECTED,
@@ -369,12 +369,12 @@ def reused_block(pool: BlockPool, key: int) -> int:
 
 def main_list(q: HintedQueue):
     """ARC's T2 or S3-FIFO's M: where a block used twice lives."""
-    return q.base._t2 if isinstance(q.base, ARCQueue) else q.base._main
+    return q.base._second
 
 
 def first_list(q: HintedQueue):
     """ARC's T1 or S3-FIFO's S: where a fresh block enters."""
-    return q.base._t1 if isinstance(q.base, ARCQueue) else q.base._small
+    return q.base._first
 
 
 @pytest.mark.parametrize("base", ["arc", "s3fifo"])

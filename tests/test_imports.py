@@ -29,9 +29,17 @@ def _modules_after(code: str) -> set[str]:
 
 
 def test_engine_imports_without_the_planner():
-    mods = _modules_after("import kvtriton.engine")
+    mods = _modules_after("from kvtriton.engine import TransferEngine")
     assert "kvtriton.records" in mods
     assert not {m for m in mods if m.startswith("kvtriton.planner")}
+
+
+def test_kernel_imports_before_the_engine():
+    # The kernel takes its pairs from kvtriton.engine.pairs; the engine's modules import the
+    # kernel. Importing the kernel first must not meet a half-loaded kernel module.
+    mods = _modules_after("import kvtriton.kernels.copy_blocks")
+    assert {"kvtriton.engine.pairs", "kvtriton.kernels.copy_blocks"} <= mods
+    assert "kvtriton.engine.transfer" not in mods
 
 
 def test_records_import_neither_side():

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvtriton.planner import PlannerConfig
+from kvtriton.setups import ABLATION, BOUNDS, TIER_POLICIES, parse_policy, tier_policy
 from kvtriton.sim import agent_workload, simulate
-from kvtriton.sim.setups import ABLATION, BOUNDS, TIER_POLICIES, parse_policy, tier_policy
 from kvtriton.sim.simulate import add_gap_closed, gap_closed
 
 

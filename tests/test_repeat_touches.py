@@ -13,11 +13,12 @@ from kvtriton.pool import BlockPool
 
 
 def where_arc(q: ARCQueue, b: int) -> str:
-    return "T1" if b in q._t1 else "T2" if b in q._t2 else "unhashed" if b in q._unhashed else "-"
+    return "T1" if b in q._first else "T2" if b in q._second else "unhashed" \
+        if b in q._unhashed else "-"
 
 
 def where_s3(q: S3FIFOQueue, b: int) -> str:
-    return "S" if b in q._small else "M" if b in q._main else "unhashed" if b in q._unhashed \
+    return "S" if b in q._first else "M" if b in q._second else "unhashed" if b in q._unhashed \
         else "-"
 
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kvtriton.setups import parse_policy, tier_policy
 from kvtriton.sim import simulate
 from kvtriton.sim.cost import CostModel
 from kvtriton.sim.keys import workload_keys
 from kvtriton.sim.loop import ServingLoop
-from kvtriton.sim.setups import parse_policy, tier_policy
 from kvtriton.sim.workload import Workload, WorkloadRequest
 from kvtriton.specs import preset
 

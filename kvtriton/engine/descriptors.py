@@ -19,8 +19,10 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from kvtriton.kernels.copy_blocks import CHUNK_BYTES, WIDTHS, CopyTable
+from kvtriton.engine.pairs import CopyTable
+from kvtriton.kernels.copy_blocks import CHUNK_BYTES, WIDTHS
 from kvtriton.specs import KVLayout
+from kvtriton.validation import is_int
 
 __all__ = ["ATTN_LAYOUTS", "allocate_kv_caches", "build_copy_table", "segment_views"]
 
@@ -214,8 +216,7 @@ def allocate_kv_caches(layout: KVLayout, num_gpu_blocks: int, *, attn_layout: st
     """
     if attn_layout not in ATTN_LAYOUTS:
         raise ValueError(f"attn_layout must be one of {ATTN_LAYOUTS}, got {attn_layout!r}")
-    if not isinstance(num_gpu_blocks, int) or isinstance(num_gpu_blocks, bool) \
-            or num_gpu_blocks <= 0:
+    if not is_int(num_gpu_blocks) or num_gpu_blocks <= 0:
         raise ValueError(f"num_gpu_blocks must be a positive int, got {num_gpu_blocks!r}")
     ndim = 4 if attn_layout == "block_major" else 5
     if stride_order is not None and sorted(stride_order) != list(range(ndim)):

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtriton.validation import is_int
+
 __all__ = ["HostPool", "allocate_host_pool"]
 
 log = logging.getLogger(__name__)
@@ -75,7 +77,7 @@ def allocate_host_pool(num_blocks: int, block_bytes: int, *, pin: bool) -> HostP
     """Allocate a ``[num_blocks, block_bytes]`` uint8 pool of exactly that many bytes, zeroed,
     page-aligned; with ``pin``, page-locked in place and mapped for the GPU."""
     for name, value in (("num_blocks", num_blocks), ("block_bytes", block_bytes)):
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        if not is_int(value) or value <= 0:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     nbytes = num_blocks * block_bytes
     buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

@@ -36,10 +36,12 @@ from kvtriton.engine.copy_engine import (
 )
 from kvtriton.engine.descriptors import ATTN_LAYOUTS, build_copy_table, segment_views
 from kvtriton.engine.host_memory import allocate_host_pool
-from kvtriton.kernels.copy_blocks import DEFAULT_SM_BUDGET, copy_blocks, validate_pairs
+from kvtriton.engine.pairs import validate_pairs
+from kvtriton.kernels.copy_blocks import DEFAULT_SM_BUDGET, copy_blocks
 from kvtriton.kernels.reference import load_blocks_ref, store_blocks_ref
 from kvtriton.records import PlannerMeta, Transfer
 from kvtriton.specs import KVLayout
+from kvtriton.validation import is_int
 
 __all__ = ["BACKENDS", "TransferEngine"]
 
@@ -67,7 +69,7 @@ class _Pairs:
 
 
 def _check_event(direction: str, event) -> int:
-    if not isinstance(event, int | np.integer) or isinstance(event, bool) or event < 0:
+    if not is_int(event) or event < 0:
         raise ValueError(f"{direction} event must be a non-negative int, got {event!r}")
     return int(event)
 
@@ -102,15 +104,13 @@ class TransferEngine:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if attn_layout not in ATTN_LAYOUTS:
             raise ValueError(f"attn_layout must be one of {ATTN_LAYOUTS}, got {attn_layout!r}")
-        if not isinstance(num_cpu_blocks, int) or isinstance(num_cpu_blocks, bool) \
-                or num_cpu_blocks <= 0:
+        if not is_int(num_cpu_blocks) or num_cpu_blocks <= 0:
             raise ValueError(f"num_cpu_blocks must be a positive int, got {num_cpu_blocks!r}")
-        if sm_budget is not None and (not isinstance(sm_budget, int)
-                                      or isinstance(sm_budget, bool) or sm_budget <= 0):
+        if sm_budget is not None and (not is_int(sm_budget) or sm_budget <= 0):
             raise ValueError(f"sm_budget must be a positive int or None, got {sm_budget!r}")
         for name, value in (("copy_engine_min_piece_bytes", copy_engine_min_piece_bytes),
                             ("copy_engine_max_pieces", copy_engine_max_pieces)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            if not is_int(value) or value < 0:
                 raise ValueError(f"{name} must be a non-negative int, got {value!r}")
         self.layout = layout
         self.backend = backend

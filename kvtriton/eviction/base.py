@@ -1,4 +1,4 @@
-"""Eviction queues: which free block a ``BlockPool`` hands out next.
+"""The eviction-queue protocol and the building blocks its queues share.
 
 A queue holds the pool's *free* blocks (ref count 0). The pool tells it when a block becomes
 free (``push``, with the block's primary key or ``None`` if unhashed), when a free block is taken
@@ -6,8 +6,13 @@ back by a hit (``remove``; ``reuse=False`` when the taker is the one that took i
 waiting request whose lookup pins the same CPU hit every step), and when a victim's hashes are
 dropped (``on_evicted``); ``pop`` picks the victim. Unhashed blocks hold nothing worth keeping, so
 every queue hands them out first. Frequency-based queues (ARC, S3-FIFO) count only reuse: a
-repeated touch puts the block back where it was, as vLLM's maintainers warn that one running
-request's touches would otherwise fake frequency.
+repeated touch puts the block back where it was, since one running request's touches would
+otherwise count as many accesses (vLLM counts once per request for the same reason: the review
+of vLLM PR #41727, and PR #51787).
+
+Building blocks: ``LinkedQueue`` (O(1) linked list over block ids), ``skip_past`` (an order from
+a given block on), ``GhostList`` (bounded keys of evicted blocks) and ``TwoListQueue`` (the
+skeleton ARC and S3-FIFO share: two lists of hashed free blocks behind the unhashed ones).
 """
 
 from __future__ import annotations
@@ -16,14 +21,8 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 
-__all__ = [
-    "EVICTION_QUEUES",
-    "ARCQueue",
-    "EvictionQueue",
-    "LRUQueue",
-    "S3FIFOQueue",
-    "make_eviction_queue",
-]
+__all__ = ["FIRST", "SECOND", "EvictionQueue", "GhostList", "LinkedQueue", "TwoListQueue",
+           "skip_past"]
 
 
 class EvictionQueue(ABC):
@@ -83,7 +82,7 @@ class EvictionQueue(ABC):
         return ()
 
 
-class _LinkedQueue:
+class LinkedQueue:
     """Doubly-linked list over block ids in flat lists: O(1) push, remove and pop at both ends."""
 
     __slots__ = ("_in", "_len", "_n", "_next", "_prev")
@@ -173,42 +172,7 @@ class _LinkedQueue:
         return self._next[b]
 
 
-class LRUQueue(EvictionQueue):
-    """Least recently freed first: vLLM's free queue. Unhashed blocks go to the head."""
-
-    name = "lru"
-
-    def reset(self, num_blocks: int) -> None:
-        self._q = _LinkedQueue(num_blocks)
-
-    def push(self, block_id: int, key: int | None) -> None:
-        if key is None:
-            self._q.appendleft(block_id)
-        else:
-            self._q.append(block_id)
-
-    def remove(self, block_id: int, reuse: bool = True) -> None:
-        self._q.remove(block_id)
-
-    def pop(self) -> int:
-        return self._q.popleft()
-
-    def pop_many(self, n: int) -> list[int]:
-        return self._q.popleft_many(n)
-
-    def __len__(self) -> int:
-        return len(self._q)
-
-    def __contains__(self, block_id: int) -> bool:
-        return block_id in self._q
-
-    def iter_blocks(self, after: int | None = None) -> Iterator[int]:
-        if after is not None and after in self._q:
-            return self._q.iter_from(self._q.next_of(after))
-        return iter(self._q)
-
-
-def _skip_past(order: Iterator[int], after: int) -> Iterator[int]:
+def skip_past(order: Iterator[int], after: int) -> Iterator[int]:
     """``order`` from the block following ``after`` on (O(position of ``after``) to find it)."""
     for b in order:
         if b == after:
@@ -216,98 +180,104 @@ def _skip_past(order: Iterator[int], after: int) -> Iterator[int]:
     return order
 
 
-def _remember(ghost: OrderedDict[int, None], key: int, limit: int) -> None:
-    ghost[key] = None
-    ghost.move_to_end(key)
-    while len(ghost) > limit:
-        ghost.popitem(last=False)
+class GhostList(OrderedDict[int, None]):
+    """Keys of evicted blocks, oldest first, at most ``limit`` of them: ``remember`` adds one
+    (or renews it) and drops the oldest past the limit. Membership and ``del`` are a dict's."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def remember(self, key: int) -> None:
+        self[key] = None
+        self.move_to_end(key)
+        while len(self) > self.limit:
+            self.popitem(last=False)
+
+    def __reduce__(self):
+        # Copies and pickles (a queue is deep-copied to look ahead) rebuild it with its limit.
+        return type(self), (self.limit,), None, None, iter(self.items())
 
 
-class ARCQueue(EvictionQueue):
-    """Adaptive replacement (Megiddo & Modha, FAST'03) over the free blocks.
+#: The list a block last left (``TwoListQueue._left``); 0: neither since it was created.
+FIRST, SECOND = 1, 2
 
-    T1 holds free blocks whose content has been used by one holder since it was cached; T2 those
-    taken back by a hit (``remove``) at least once, which return to T2's MRU end when freed again.
-    B1 and B2 are ghost lists of the keys of blocks evicted from T1 and T2, each bounded by the
-    pool size. A freshly cached block whose key is in B1 raises the target size ``p`` of T1 by
-    ``max(1, |B2| // |B1|)``; one in B2 lowers it by ``max(1, |B1| // |B2|)``; either way it
-    enters T2, as in ARC (vLLM's ``ARCOffloadingManager`` enters it in T1 and adapts on touch).
-    ``pop`` takes T1's LRU block while ``|T1| > p`` (or T2 is empty), else T2's LRU block.
 
-    Only free blocks live here, so ``p`` steers the free part of the pool; referenced blocks are
-    outside any list. Every operation is O(1); ``iter_blocks(after)`` finds ``after`` by walking.
+class TwoListQueue(EvictionQueue):
+    """The skeleton of ARC and S3-FIFO: unhashed blocks first, then two lists of hashed free
+    blocks. ``_first`` holds blocks cached once (ARC's T1, S3-FIFO's small FIFO S); ``_second``
+    blocks used again or recalled by a ghost list (ARC's T2, S3-FIFO's main FIFO M).
+
+    Per block it keeps whether its content is fresh (not yet seen by a hashed push since it was
+    handed out or evicted), the list it last left (``FIRST`` or ``SECOND``) and whether its last
+    taker took it back without reuse. A block taken back by its last taker returns to the list
+    it left; a fresh one enters where ``_admit`` says, a reused one where ``_readmit`` says.
+    Subclasses also choose the next hashed victim (``_evict``, which records the list it left),
+    the ghost list an evicted key joins (``_ghost_of``) and the hashed order (``_hashed_order``).
     """
-
-    name = "arc"
 
     def reset(self, num_blocks: int) -> None:
         self._cap = max(1, num_blocks - 1)
-        self._unhashed = _LinkedQueue(num_blocks)
-        self._t1 = _LinkedQueue(num_blocks)
-        self._t2 = _LinkedQueue(num_blocks)
-        self._b1: OrderedDict[int, None] = OrderedDict()
-        self._b2: OrderedDict[int, None] = OrderedDict()
-        self.p = 0
-        # Per block: content not yet seen by a hashed push (handed out since), and the list it
-        # last left (1: T1, 2: T2) so that ``on_evicted`` knows its ghost list.
+        self._unhashed = LinkedQueue(num_blocks)
+        self._first = LinkedQueue(num_blocks)
+        self._second = LinkedQueue(num_blocks)
         self._fresh = bytearray(b"\x01") * num_blocks
         self._left = bytearray(num_blocks)
         self._repeat = bytearray(num_blocks)  # taken back by its last taker: not reuse
 
+    @abstractmethod
+    def _admit(self, block_id: int, key: int) -> None:
+        """Append a block whose content is new to one of the lists."""
+
+    @abstractmethod
+    def _readmit(self, block_id: int) -> None:
+        """Append a block taken back by another user (a reuse) to one of the lists."""
+
+    @abstractmethod
+    def _evict(self) -> int:
+        """Unlink the next hashed victim, recording the list it left (``IndexError`` if none)."""
+
+    @abstractmethod
+    def _ghost_of(self, left: int) -> GhostList | None:
+        """The ghost list the key of a block evicted from list ``left`` joins (None: none)."""
+
+    @abstractmethod
+    def _hashed_order(self) -> Iterator[int]:
+        """The hashed free blocks in the order ``pop`` would take them."""
+
     def push(self, block_id: int, key: int | None) -> None:
         if key is None:
             self._fresh[block_id] = 1
             self._unhashed.appendleft(block_id)
-            return
-        if not self._fresh[block_id]:
-            if self._repeat[block_id] and self._left[block_id] == 1:
-                self._t1.append(block_id)
-            else:
-                self._t2.append(block_id)  # back from a hit by another request: used twice
+        elif self._fresh[block_id]:
+            self._fresh[block_id] = 0
+            self._admit(block_id, key)
+        elif self._repeat[block_id]:
             self._repeat[block_id] = 0
-            return
-        self._fresh[block_id] = 0
-        b1, b2 = self._b1, self._b2
-        if key in b1:
-            self.p = min(self.p + max(1, len(b2) // len(b1)), self._cap)
-            del b1[key]
-            self._t2.append(block_id)
-        elif key in b2:
-            self.p = max(self.p - max(1, len(b1) // len(b2)), 0)
-            del b2[key]
-            self._t2.append(block_id)
+            (self._first if self._left[block_id] == FIRST else self._second).append(block_id)
         else:
-            self._t1.append(block_id)
+            self._readmit(block_id)
 
     def remove(self, block_id: int, reuse: bool = True) -> None:
-        if block_id in self._t1:
-            self._t1.remove(block_id)
-            self._left[block_id] = 1
-        elif block_id in self._t2:
-            self._t2.remove(block_id)
-            self._left[block_id] = 2
+        if block_id in self._first:
+            self._first.remove(block_id)
+            self._left[block_id] = FIRST
+        elif block_id in self._second:
+            self._second.remove(block_id)
+            self._left[block_id] = SECOND
         else:
             self._unhashed.remove(block_id)
         self._repeat[block_id] = not reuse
 
-    def _take_t1(self, n1: int, n2: int) -> bool:
-        return n1 > 0 and (n1 > self.p or n2 == 0)
-
     def pop(self) -> int:
-        if len(self._unhashed):
-            b = self._unhashed.popleft()
-        elif self._take_t1(len(self._t1), len(self._t2)):
-            b = self._t1.popleft()
-            self._left[b] = 1
-        else:
-            b = self._t2.popleft()  # IndexError when every list is empty
-            self._left[b] = 2
+        b = self._unhashed.popleft() if len(self._unhashed) else self._evict()
         self._fresh[b] = 1
         return b
 
     def on_evicted(self, block_id: int, key: int) -> None:
-        ghost = self._b1 if self._left[block_id] == 1 else self._b2
-        _remember(ghost, key, self._cap)
+        ghost = self._ghost_of(self._left[block_id])
+        if ghost is not None:
+            ghost.remember(key)
         self._fresh[block_id] = 1
 
     def forget_block(self, block_id: int) -> None:
@@ -318,169 +288,16 @@ class ARCQueue(EvictionQueue):
         self._repeat[block_id] = 0
 
     def __len__(self) -> int:
-        return len(self._unhashed) + len(self._t1) + len(self._t2)
+        return len(self._unhashed) + len(self._first) + len(self._second)
 
     def __contains__(self, block_id: int) -> bool:
-        return block_id in self._unhashed or block_id in self._t1 or block_id in self._t2
+        return block_id in self._unhashed or block_id in self._first or block_id in self._second
 
     def _order(self) -> Iterator[int]:
         yield from self._unhashed
-        i1, i2 = iter(self._t1), iter(self._t2)
-        n1, n2 = len(self._t1), len(self._t2)
-        while n1 or n2:
-            if self._take_t1(n1, n2):
-                n1 -= 1
-                yield next(i1)
-            else:
-                n2 -= 1
-                yield next(i2)
+        yield from self._hashed_order()
 
     def iter_blocks(self, after: int | None = None) -> Iterator[int]:
         if after is not None and after in self:
-            return _skip_past(self._order(), after)
+            return skip_past(self._order(), after)
         return self._order()
-
-    @property
-    def ghost_sizes(self) -> tuple[int, int]:
-        """``(|B1|, |B2|)``."""
-        return len(self._b1), len(self._b2)
-
-    def remembered_keys(self) -> Iterable[int]:
-        return [*self._b1, *self._b2]
-
-
-class S3FIFOQueue(EvictionQueue):
-    """S3-FIFO (Yang et al., SOSP'23) over the free blocks: a small FIFO S, a main FIFO M, and a
-    ghost FIFO G of keys evicted from S.
-
-    A freshly cached block enters S, or M if its key is in G. A hit (``remove``) takes the block
-    out; when freed again it returns to M's tail: from S that is S3-FIFO's promotion of a block
-    used again, from M it also earns one more pass (frequency, at most 3). ``pop`` evicts S's
-    head while S holds more than ``small_fraction`` of the pool (or M is empty), recording its key
-    in G; otherwise M's head, which goes back to M's tail with its frequency lowered by one while
-    that is positive (CLOCK-like reinsertion). O(1) amortized per operation: each reinsertion is
-    paid for by an earlier hit.
-    """
-
-    name = "s3fifo"
-
-    def __init__(self, small_fraction: float = 0.1) -> None:
-        if not 0.0 < small_fraction < 1.0:
-            raise ValueError(f"small_fraction must be in (0, 1), got {small_fraction!r}")
-        self.small_fraction = small_fraction
-
-    def reset(self, num_blocks: int) -> None:
-        self._cap = max(1, num_blocks - 1)
-        self._small_target = max(1, int(self._cap * self.small_fraction))
-        self._unhashed = _LinkedQueue(num_blocks)
-        self._small = _LinkedQueue(num_blocks)
-        self._main = _LinkedQueue(num_blocks)
-        self._ghost: OrderedDict[int, None] = OrderedDict()
-        self._fresh = bytearray(b"\x01") * num_blocks
-        self._freq = bytearray(num_blocks)
-        self._left = bytearray(num_blocks)  # 1: left S, 2: left M
-        self._repeat = bytearray(num_blocks)  # taken back by its last taker: not reuse
-
-    def push(self, block_id: int, key: int | None) -> None:
-        if key is None:
-            self._fresh[block_id] = 1
-            self._unhashed.appendleft(block_id)
-            return
-        if not self._fresh[block_id]:
-            if self._repeat[block_id]:
-                self._repeat[block_id] = 0
-                (self._small if self._left[block_id] == 1 else self._main).append(block_id)
-                return
-            if self._left[block_id] == 2:
-                self._freq[block_id] = min(self._freq[block_id] + 1, 3)
-            else:
-                self._freq[block_id] = 0
-            self._main.append(block_id)
-            return
-        self._fresh[block_id] = 0
-        self._freq[block_id] = 0
-        if key in self._ghost:
-            del self._ghost[key]
-            self._main.append(block_id)
-        else:
-            self._small.append(block_id)
-
-    def remove(self, block_id: int, reuse: bool = True) -> None:
-        if block_id in self._small:
-            self._small.remove(block_id)
-            self._left[block_id] = 1
-        elif block_id in self._main:
-            self._main.remove(block_id)
-            self._left[block_id] = 2
-        else:
-            self._unhashed.remove(block_id)
-        self._repeat[block_id] = not reuse
-
-    def pop(self) -> int:
-        if len(self._unhashed):
-            b = self._unhashed.popleft()
-        elif len(self._small) > self._small_target or not len(self._main):
-            b = self._small.popleft()  # IndexError when every queue is empty
-            self._left[b] = 1
-        else:
-            main, freq = self._main, self._freq
-            b = main.popleft()
-            while freq[b]:
-                freq[b] -= 1
-                main.append(b)
-                b = main.popleft()
-            self._left[b] = 2
-        self._fresh[b] = 1
-        return b
-
-    def on_evicted(self, block_id: int, key: int) -> None:
-        if self._left[block_id] == 1:
-            _remember(self._ghost, key, self._cap)
-        self._fresh[block_id] = 1
-
-    def forget_block(self, block_id: int) -> None:
-        self._fresh[block_id] = 1
-        self._repeat[block_id] = 0
-
-    def note_reuse(self, block_id: int) -> None:
-        self._repeat[block_id] = 0
-
-    def remembered_keys(self) -> Iterable[int]:
-        return list(self._ghost)
-
-    def __len__(self) -> int:
-        return len(self._unhashed) + len(self._small) + len(self._main)
-
-    def __contains__(self, block_id: int) -> bool:
-        return block_id in self._unhashed or block_id in self._small or block_id in self._main
-
-    def _order(self) -> Iterator[int]:
-        yield from self._unhashed
-        small = iter(self._small)
-        for _ in range(len(self._small) - self._small_target):
-            yield next(small)
-        # Reinsertion keeps M's relative order, so M drains in passes by remaining frequency.
-        freq = self._freq
-        for level in range(4):
-            yield from (b for b in self._main if freq[b] == level)
-        yield from small
-
-    def iter_blocks(self, after: int | None = None) -> Iterator[int]:
-        if after is not None and after in self:
-            return _skip_past(self._order(), after)
-        return self._order()
-
-
-EVICTION_QUEUES: dict[str, type[EvictionQueue]] = {
-    "lru": LRUQueue,
-    "arc": ARCQueue,
-    "s3fifo": S3FIFOQueue,
-}
-
-
-def make_eviction_queue(name: str) -> EvictionQueue:
-    """A fresh eviction queue by name (``lru`` and any registered in ``EVICTION_QUEUES``)."""
-    try:
-        return EVICTION_QUEUES[name]()
-    except KeyError:
-        raise ValueError(f"unknown eviction {name!r}; known: {sorted(EVICTION_QUEUES)}") from None

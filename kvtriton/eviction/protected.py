@@ -20,7 +20,7 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
-from kvtriton.eviction import EvictionQueue, _LinkedQueue, _skip_past
+from kvtriton.eviction.base import EvictionQueue, LinkedQueue, skip_past
 
 __all__ = ["CLOSED", "NORMAL", "PROTECTED", "HintedQueue"]
 
@@ -56,9 +56,9 @@ class HintedQueue(EvictionQueue):
 
     def reset(self, num_blocks: int) -> None:
         self.base.reset(num_blocks)
-        self._unhashed = _LinkedQueue(num_blocks)
-        self._protected = _LinkedQueue(num_blocks)
-        self._closed = _LinkedQueue(num_blocks)
+        self._unhashed = LinkedQueue(num_blocks)
+        self._protected = LinkedQueue(num_blocks)
+        self._closed = LinkedQueue(num_blocks)
         self._cap = int(self.protect_share * max(1, num_blocks - 1))
         self._where = bytearray(num_blocks)  # segment of a free block, or where it left from
         self._key = [-1] * num_blocks
@@ -142,7 +142,7 @@ class HintedQueue(EvictionQueue):
         self._key[block_id] = key
         self._place(block_id, key)
 
-    def _segment(self, where: int) -> _LinkedQueue:
+    def _segment(self, where: int) -> LinkedQueue:
         return {_PROTECTED: self._protected, _CLOSED: self._closed,
                 _UNHASHED: self._unhashed}[where]
 
@@ -233,7 +233,7 @@ class HintedQueue(EvictionQueue):
 
     def iter_blocks(self, after: int | None = None) -> Iterator[int]:
         if after is not None and after in self:
-            return _skip_past(self._order(), after)
+            return skip_past(self._order(), after)
         return self._order()
 
     def remembered_keys(self) -> Iterable[int]:

@@ -37,22 +37,21 @@ span; a hit that needs them ends where they are missing, as a GPU prefix hit wou
 still referenced (a running request's) is never on the free queue: lazy mode stores nothing of
 running requests and needs no re-store; only prefixes the GPU lets go are served from the CPU.
 
-Hinted admission (``PlannerConfig.admission == "hinted"``). A lazy store happens after the turn
-that computed the block ended, so the turn's hint is known by then: a key whose last holder
-finished with ``close`` (its session ended) is not offloaded. A later request that holds the key
-again, or a later finish without ``close``, admits it again; the GPU evicting the key forgets it,
-so the closed set never holds more keys than the GPU caches.
+With hinted admission (``PlannerConfig.admission == "hinted"``,
+``kvtriton.planner.admission.HintedAdmission``) the walk skips keys whose last holder finished
+with the hint ``close``.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from kvtriton.planner.admission import HintedAdmission
 from kvtriton.planner.config import PlannerConfig
 from kvtriton.planner.selection import StoreSelector
 from kvtriton.planner.stats import PlannerStats
 from kvtriton.planner.stores import StoreJob
-from kvtriton.pool import BlockPool
+from kvtriton.pool import BlockPool, GpuPool
 from kvtriton.specs import KVLayout
 
 __all__ = ["LazyOffload"]
@@ -77,7 +76,7 @@ class LazyOffload:
     ``ValueError`` (lazy mode on, a layout of several groups) for a GPU pool that cannot say
     which group a block belongs to (no ``block_group``)."""
 
-    def __init__(self, layout: KVLayout, config: PlannerConfig, gpu_pool: BlockPool,
+    def __init__(self, layout: KVLayout, config: PlannerConfig, gpu_pool: GpuPool,
                  cpu_pool: BlockPool, selector: StoreSelector, stats: PlannerStats) -> None:
         self._layout = layout
         self._gpu_pool = gpu_pool
@@ -91,12 +90,8 @@ class LazyOffload:
         self._num_groups = layout.num_groups
         block_group = getattr(gpu_pool, "block_group", None)
         self._block_group = block_group if callable(block_group) else None
-        self._hinted = config.admission == "hinted"
-        # Keys whose last holder closed its session -> whether a walk already skipped them
-        # (counted once in ``admission_skipped``).
-        self._closed: dict[int, bool] = {}
-        if self._hinted:
-            gpu_pool.add_listener(None, self._on_gpu_evict)
+        self._admission = HintedAdmission(gpu_pool, stats) if config.admission == "hinted" \
+            else None
         if config.lazy and self._num_groups > 1 and self._block_group is None:
             raise ValueError(f"lazy mode on a layout of {self._num_groups} groups needs a GPU "
                              f"pool that knows each block's group (block_group); "
@@ -113,7 +108,7 @@ class LazyOffload:
         last, last_stored = self._cursor, False
         group_of, G = self._group_of, self._num_groups
         queued = set(job.keys)
-        closed = self._closed
+        refuses = self._admission.refuses if self._admission is not None else None
         for covered, b in enumerate(gpu_pool.iter_free(self._cursor)):
             if covered >= self._target or len(job.gpu) >= free:
                 break
@@ -121,10 +116,7 @@ class LazyOffload:
             key = gpu_pool.block_hash(b)
             if key is None or key in cpu_pool or key in queued or selector.in_flight(b, key):
                 continue
-            if closed and key in closed:
-                if not closed[key]:
-                    closed[key] = True
-                    self._stats.admission_skipped += 1
+            if refuses is not None and refuses(key):
                 continue
             g = group_of(b)
             if g is None or not 0 <= g < G:
@@ -148,35 +140,19 @@ class LazyOffload:
     # ---- hinted admission ---------------------------------------------------------------------
 
     def note_admitted(self, keys: np.ndarray) -> None:
-        """A request holding ``keys`` was admitted: they have a holder again."""
-        if self._closed:
-            closed = self._closed
-            for k in np.unique(keys).tolist():
-                closed.pop(k, None)
+        """A request holding ``keys`` was admitted (hinted admission lets them in again)."""
+        if self._admission is not None:
+            self._admission.note_admitted(keys)
 
     def note_finished(self, keys: np.ndarray, hint: str | None) -> None:
-        """A request that held ``keys`` (its computed blocks) finished with ``hint``: ``close``
-        marks the ones the GPU caches as not to be offloaded, any other hint admits them
-        again."""
-        if not self._hinted:
-            return
-        closed, gpu_pool = self._closed, self._gpu_pool
-        if hint == "close":
-            for k in np.unique(keys).tolist():
-                if k in gpu_pool:
-                    closed.setdefault(k, False)
-        elif closed:
-            for k in np.unique(keys).tolist():
-                closed.pop(k, None)
+        """A request that held ``keys`` (its computed blocks) finished with ``hint``."""
+        if self._admission is not None:
+            self._admission.note_finished(keys, hint)
 
     @property
     def num_closed(self) -> int:
         """Keys held back by hinted admission (at most the keys the GPU caches)."""
-        return len(self._closed)
-
-    def _on_gpu_evict(self, key: int, block: int) -> None:
-        if self._closed:
-            self._closed.pop(key, None)
+        return self._admission.num_closed if self._admission is not None else 0
 
     def reset(self) -> None:
         self._cursor, self._cursor_stored = None, False

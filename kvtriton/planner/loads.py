@@ -23,7 +23,7 @@ import numpy as np
 from kvtriton.lookup import find_longest_hit
 from kvtriton.planner.config import PlannerConfig
 from kvtriton.planner.stats import PlannerStats
-from kvtriton.pool import NULL_BLOCK, BlockPool
+from kvtriton.pool import NULL_BLOCK, BlockPool, GpuPool
 from kvtriton.records import Request, Transfer
 from kvtriton.specs import KVLayout
 from kvtriton.validation import block_id_array
@@ -58,7 +58,7 @@ class _Load:
 class Loads:
     """Pending hits, loads, abandoned loads and load events of one planner."""
 
-    def __init__(self, layout: KVLayout, config: PlannerConfig, gpu_pool: BlockPool,
+    def __init__(self, layout: KVLayout, config: PlannerConfig, gpu_pool: GpuPool,
                  cpu_pool: BlockPool, stats: PlannerStats) -> None:
         self._layout = layout
         self._fine_grained = config.fine_grained

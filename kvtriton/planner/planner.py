@@ -29,7 +29,9 @@ taken (the one exception, an allocation no pending hit can serve, is described o
 The front class keeps the requests and delegates each lifecycle: loads (``loads.Loads``: pending
 hits, loads, load events), stores (``stores.Stores``: store states, batches, reports, the finish
 flush) and lazy mode (``lazy.LazyOffload``). Eager store selection is a ``StoreSelector``
-(``scan.FusedSelector`` or the loop reference, ``reference.LoopSelector``).
+(``scan.FusedSelector`` or the loop reference, ``reference.LoopSelector``). The admission rules
+that hold keys back from the CPU tier live in ``admission``, the checks of a step's blocks and
+of worker reports in ``checks``.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
+from kvtriton.planner.checks import check_reports, check_step
 from kvtriton.planner.config import PlannerConfig
 from kvtriton.planner.lazy import LazyOffload
 from kvtriton.planner.loads import Loads
@@ -45,7 +48,7 @@ from kvtriton.planner.reference import LoopSelector
 from kvtriton.planner.scan import FusedSelector
 from kvtriton.planner.stats import PlannerStats
 from kvtriton.planner.stores import StoreJob, Stores
-from kvtriton.pool import BlockPool
+from kvtriton.pool import BlockPool, GpuPool
 from kvtriton.records import PlannerMeta, Request, StepOutput, Transfer
 from kvtriton.specs import KVLayout
 from kvtriton.validation import block_id_array, is_int
@@ -67,7 +70,7 @@ class OffloadPlanner:
         config: the planner's switches.
     """
 
-    def __init__(self, layout: KVLayout, gpu_pool: BlockPool, cpu_pool: BlockPool | int,
+    def __init__(self, layout: KVLayout, gpu_pool: GpuPool, cpu_pool: BlockPool | int,
                  config: PlannerConfig | None = None) -> None:
         # Every argument is checked before the planner listens to either pool.
         if not isinstance(layout, KVLayout):
@@ -172,7 +175,7 @@ class OffloadPlanner:
         """The step's store and load transfers (event ids, or -1 when a direction is empty).
         A step whose new blocks or hand-offs are not GPU block ids of the layout's groups is
         refused with a ``ValueError`` before any of it is applied."""
-        self._stores.validate_step(step)
+        check_step(step, self.layout.num_groups, self.gpu_pool.num_blocks)
         job = StoreJob()
         if self.config.lazy:
             self._lazy.select(job)
@@ -206,7 +209,8 @@ class OffloadPlanner:
         ``ValueError``, before any report of the call is applied. ``failed_*`` release the
         transfer's pins without caching anything.
         """
-        completed, failed = self._stores.validate_reports(completed_stores, failed_stores)
+        completed, failed = check_reports(completed_stores, failed_stores,
+                                          self._stores.events_issued)
         for rid in finished_loads:
             self._loads.finish(rid, failed=False)
         for rid in failed_loads:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvtriton.planner.selection import Selection, StoreSelector
-from kvtriton.pool import NULL_BLOCK, BlockPool
+from kvtriton.pool import NULL_BLOCK, BlockPool, GpuPool
 from kvtriton.specs import KVLayout
 
 __all__ = ["LoopSelector"]
@@ -29,7 +29,7 @@ class _Row:
 
 
 class LoopSelector(StoreSelector):
-    def __init__(self, layout: KVLayout, gpu_pool: BlockPool, cpu_pool: BlockPool, *,
+    def __init__(self, layout: KVLayout, gpu_pool: GpuPool, cpu_pool: BlockPool, *,
                  restore: bool, max_restores_per_key: int | None = None) -> None:
         self._is_sliding = [g.kind == "sliding_window" for g in layout.groups]
         self._gpu_pool = gpu_pool

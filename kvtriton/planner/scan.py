@@ -28,7 +28,7 @@ import numpy as np
 
 from kvtriton.planner.selection import Selection, StoreSelector
 from kvtriton.planner.stats import ScanOutcomes
-from kvtriton.pool import NULL_BLOCK, BlockPool
+from kvtriton.pool import NULL_BLOCK, BlockPool, GpuPool
 from kvtriton.specs import KVLayout
 
 __all__ = ["FusedSelector"]
@@ -70,7 +70,7 @@ class _Candidates:
 
 
 class FusedSelector(StoreSelector):
-    def __init__(self, layout: KVLayout, gpu_pool: BlockPool, cpu_pool: BlockPool, *,
+    def __init__(self, layout: KVLayout, gpu_pool: GpuPool, cpu_pool: BlockPool, *,
                  restore: bool, max_restores_per_key: int | None = None,
                  rows: int = 64, cols: int = 256, keys: int = 4096) -> None:
         self._num_groups = G = layout.num_groups

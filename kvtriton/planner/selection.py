@@ -58,6 +58,12 @@ class Selection:
     def __len__(self) -> int:
         return len(self.gpu_blocks)
 
+    def take(self, indices: list[int]) -> None:
+        """Keep only the selected blocks at ``indices``, in that order (outcomes unchanged)."""
+        for name in ("rows", "groups", "positions", "gpu_blocks", "keys", "restore"):
+            col = getattr(self, name)
+            setattr(self, name, [col[i] for i in indices])
+
 
 class StoreSelector(ABC):
     """Per-request tables, cursors, ownership and wanted keys, plus the per-step selection."""

@@ -19,27 +19,24 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from itertools import chain
 
 import numpy as np
 
+from kvtriton.planner.admission import SecondSight
 from kvtriton.planner.config import PlannerConfig
 from kvtriton.planner.selection import StoreSelector
 from kvtriton.planner.stats import PlannerStats
-from kvtriton.pool import NULL_BLOCK, BlockPool
+from kvtriton.pool import NULL_BLOCK, BlockPool, GpuPool
 from kvtriton.records import Request, StepOutput, Transfer
 from kvtriton.specs import KVLayout
-from kvtriton.validation import check_block_ids, is_int
 
 __all__ = ["StoreJob", "Stores"]
 
 # The planner's logger: its records carry one name whichever lifecycle emits them.
 logger = logging.getLogger("kvtriton.planner.planner")
-
-_SEQUENCES = {tuple, list}
-_ID_SEQUENCES = {tuple, list, np.ndarray}
 
 
 @dataclass(slots=True)
@@ -76,7 +73,7 @@ class _StoreState:
 class Stores:
     """Store states, rows, store batches in flight, worker report counts and the finish flush."""
 
-    def __init__(self, layout: KVLayout, config: PlannerConfig, gpu_pool: BlockPool,
+    def __init__(self, layout: KVLayout, config: PlannerConfig, gpu_pool: GpuPool,
                  cpu_pool: BlockPool, selector: StoreSelector, stats: PlannerStats) -> None:
         self._layout = layout
         self._config = config
@@ -97,9 +94,7 @@ class Stores:
         self._flush = StoreJob()
         self._reports: dict[int, int] = {}
         self._next_event = 0
-        # Admission on second sight: per key, how many admitted requests held it (saturating).
-        self._second = config.admission == "second"
-        self._sightings = np.zeros(0, dtype=np.uint8)
+        self._admission = SecondSight(stats) if config.admission == "second" else None
 
     # ---- rows -------------------------------------------------------------------------------
 
@@ -140,72 +135,13 @@ class Stores:
         self._states[rid] = st
         self._row_req[row] = rid
         self._admit_row(req, st)
-        if self._second:
-            self._sight(req)
-
-    def _sight(self, req: Request) -> None:
-        keys = np.unique(np.concatenate([k for k in self._primary_keys(req)]))
-        if not len(keys):
-            return
-        if int(keys[-1]) >= len(self._sightings):
-            grown = np.zeros(max(2 * len(self._sightings), int(keys[-1]) + 1), dtype=np.uint8)
-            grown[:len(self._sightings)] = self._sightings
-            self._sightings = grown
-        seen = self._sightings
-        seen[keys] = np.minimum(seen[keys], 1) + 1
-
-    def _admitted(self, keys: list[int]) -> np.ndarray:
-        """Mask of ``keys`` the admission rule lets in."""
-        k = np.asarray(keys, dtype=np.int64)
-        seen = self._sightings
-        inside = k < len(seen)
-        out = np.zeros(len(k), dtype=bool)
-        out[inside] = seen[k[inside]] >= 2
-        return out
+        if self._admission is not None:
+            self._admission.sight(np.unique(np.concatenate(self._primary_keys(req))))
 
     def forget_keys(self, keys: np.ndarray) -> None:
-        """Drop the sightings of recycled keys."""
-        if self._second and len(keys):
-            keys = keys[keys < len(self._sightings)]
-            self._sightings[keys] = 0
-
-    def validate_step(self, step: StepOutput) -> None:
-        """``ValueError`` for a step whose new blocks or hand-offs are not block ids of the GPU
-        pool in the layout's groups, raised before anything of the step is applied. The step's
-        new blocks are checked all at once, with no Python-level loop over them."""
-        G, n_gpu = self._layout.num_groups, self._gpu_pool.num_blocks
-        new = step.new_block_ids.values()
-        if new:
-            per_group = list(chain.from_iterable(new)) \
-                if not set(map(type, new)) - _SEQUENCES and set(map(len, new)) == {G} else None
-            if per_group is None or set(map(type, per_group)) - _ID_SEQUENCES:
-                self._explain_new_blocks(step)
-            try:
-                check_block_ids(list(chain.from_iterable(per_group)), n_gpu, "new_block_ids")
-            except ValueError:
-                self._explain_new_blocks(step)
-                raise
-        for rid, entries in step.boundary_handoffs.items():
-            for entry in entries:
-                what = f"step.boundary_handoffs[{rid!r}] entry {entry!r}"
-                if not isinstance(entry, tuple | list) or len(entry) != 3:
-                    raise ValueError(f"{what}: expected (boundary_tokens, gpu_block_id, group)")
-                _, gb, g = entry
-                if not is_int(g) or not 0 <= g < G:
-                    raise ValueError(f"{what}: group {g!r} out of range [0, {G})")
-                check_block_ids([gb], n_gpu, what)
-
-    def _explain_new_blocks(self, step: StepOutput) -> None:
-        """Raise the ``ValueError`` naming the request, group and id of a bad step."""
-        G, n_gpu = self._layout.num_groups, self._gpu_pool.num_blocks
-        for rid, new_ids in step.new_block_ids.items():
-            if not isinstance(new_ids, tuple | list) or len(new_ids) != G:
-                got = (f"{len(new_ids)} lists" if isinstance(new_ids, tuple | list)
-                       else repr(new_ids))
-                raise ValueError(f"step.new_block_ids[{rid!r}] must hold one list of new GPU "
-                                 f"blocks per group ({G}), got {got}")
-            for g, ids in enumerate(new_ids):
-                check_block_ids(ids, n_gpu, f"step.new_block_ids[{rid!r}] group {g}")
+        """Drop what the admission rule remembers of recycled keys."""
+        if self._admission is not None:
+            self._admission.forget(keys)
 
     def track_step(self, step: StepOutput, requests: Mapping[str, Request]) -> None:
         """Preempted requests lose their rows; new GPU blocks join the tables (a resumed or
@@ -285,13 +221,8 @@ class Stores:
         self._stats.select_calls += 1
         self._stats.scan.add(sel.outcomes)
         self._stats.restore_thrash += sel.thrash
-        if self._second and len(sel):
-            keep = self._admitted(sel.keys)
-            self._stats.admission_skipped += int(len(keep) - keep.sum())
-            idx = np.flatnonzero(keep).tolist()
-            for name in ("rows", "groups", "positions", "gpu_blocks", "keys", "restore"):
-                col = getattr(sel, name)
-                setattr(sel, name, [col[i] for i in idx])
+        if self._admission is not None and len(sel):
+            self._admission.filter(sel)
         if not len(sel):
             return
         start = len(job.gpu)
@@ -341,24 +272,6 @@ class Stores:
         return Transfer(ev, job.gpu, job.cpu, job.groups)
 
     # ---- reports ----------------------------------------------------------------------------
-
-    def validate_reports(self, completed: Mapping[int, int] | Iterable[int],
-                         failed: Iterable[int]) -> tuple[dict[int, int], list[int]]:
-        """Reports as (event -> report count, failed events); ``ValueError`` for an event never
-        issued or a count that is not positive."""
-        if not isinstance(completed, Mapping):
-            counts: dict[int, int] = {}
-            for ev in completed:
-                counts[ev] = counts.get(ev, 0) + 1
-            completed = counts
-        failed = list(failed)
-        for ev in [*completed, *failed]:
-            if not isinstance(ev, int) or not 0 <= ev < self._next_event:
-                raise ValueError(f"store event {ev!r} was never issued")
-        for ev, count in completed.items():
-            if count <= 0:
-                raise ValueError(f"store event {ev}: report count must be positive, got {count}")
-        return dict(completed), failed
 
     def apply_reports(self, completed: dict[int, int], failed: list[int]) -> None:
         """Count reports; a store takes effect once ``world_size`` arrived. Late or repeated
@@ -447,6 +360,7 @@ class Stores:
         below it) for the next store batch; also the prompt-tail block of a fine-grained hit."""
         job = StoreJob()
         gpu_pool, cpu_pool, sel = self._gpu_pool, self._cpu_pool, self._selector
+        admission = self._admission
         free = cpu_pool.num_free_blocks
         pkeys = self._primary_keys(req)
         queued = set(self._flush.keys)
@@ -465,7 +379,7 @@ class Stores:
                     src = gpu_pool.get_cached_block(key) or NULL_BLOCK
                 if (src == NULL_BLOCK or gpu_pool.block_hash(src) != key
                         or sel.in_flight(src, key) or key in cpu_pool or key in queued
-                        or (self._second and not self._admitted([key])[0])):
+                        or (admission is not None and not admission.admits(key))):
                     continue
                 if len(job.gpu) >= free:
                     break
@@ -540,6 +454,11 @@ class Stores:
         if st is None or not st.admitted:
             raise ValueError(f"request {rid!r} has no store cursor")
         return self._selector.cursor(st.row, group)
+
+    @property
+    def events_issued(self) -> int:
+        """Store events issued so far: their ids are ``0 .. events_issued - 1``."""
+        return self._next_event
 
     def events_in_flight(self) -> set[int]:
         """Store events issued and not yet completed, abandoned ones included."""

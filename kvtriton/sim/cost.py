@@ -43,8 +43,6 @@ class GPUSpec:
 # Peak dense (no sparsity) BF16 tensor FLOP/s and HBM bandwidth from NVIDIA's datasheets; the
 # host link figures are measured one-direction rates, each with its source.
 _PCIE5_DMA = 50e9  # PCIe Gen5 x16 on H100, DMA or a 16-byte kernel: ~50 GB/s (vLLM blog)
-_H100_KERNEL_D2H = 52.8e9  # H100 SM copies writing host memory (nvbandwidth #24)
-_H100_KERNEL_H2D = 35.2e9  # H100 SM copies reading host memory (nvbandwidth #24)
 # ASSUMPTION: PCIe Gen4 x16 is 32 GB/s raw per direction; ~25 GB/s achievable, by the same
 # ~80% efficiency that Gen5's 64 GB/s raw -> ~50 GB/s shows.
 _PCIE4_DMA = 25e9
@@ -65,10 +63,6 @@ GPUS: dict[str, GPUSpec] = {
     "GH200": GPUSpec("GH200", 989e12, 4.0e12, _C2C_MEASURED, _C2C_MEASURED, "NVLink-C2C"),
 }
 
-# Per-direction figures of an SM copy kernel on H100 PCIe Gen5 (nvbandwidth #24), for a kernel
-# backend.
-H100_KERNEL_H2D_BYTES_PER_S = _H100_KERNEL_H2D
-H100_KERNEL_D2H_BYTES_PER_S = _H100_KERNEL_D2H
 # cuMemcpyBatchAsync host submission cost per descriptor: ~0.5 us (vLLM #48434).
 DMA_SUBMIT_S_PER_PIECE = 0.5e-6
 

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 
-from kvtriton.eviction import EvictionQueue, _LinkedQueue
+from kvtriton.eviction.base import EvictionQueue, LinkedQueue
 
 __all__ = ["NextUse", "NextUseQueue"]
 
@@ -86,7 +86,7 @@ class NextUseQueue(EvictionQueue):
         next_use.add_listener(self._rerank)
 
     def reset(self, num_blocks: int) -> None:
-        self._unhashed = _LinkedQueue(num_blocks)
+        self._unhashed = LinkedQueue(num_blocks)
         # Entries (-next use, push order, stamp, block): a re-rank keeps the push order.
         self._heap: list[tuple[int, int, int, int]] = []
         self._stamp = [0] * num_blocks  # stamp of the block's live heap entry (0: none)

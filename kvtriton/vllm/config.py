@@ -17,6 +17,7 @@ from typing import Any
 from kvtriton.eviction import EVICTION_QUEUES
 from kvtriton.planner import PlannerConfig
 from kvtriton.setups import TierPolicy
+from kvtriton.validation import is_int
 
 __all__ = ["DEFAULT_CPU_BYTES_PER_RANK", "ConnectorConfig", "extra_config_for",
            "parse_extra_config"]
@@ -122,10 +123,6 @@ _OPTIONAL_COUNTS = ("max_restores_per_step", "max_restores_per_key", "lazy_targe
 _KEYS = tuple(f.name for f in fields(ConnectorConfig))
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _bad(key: str, value: Any, allowed: str) -> ValueError:
     return ValueError(f"KVTritonConnector: kv_connector_extra_config[{key!r}] = {value!r} is "
                       f"not allowed; expected {allowed}")
@@ -141,7 +138,7 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:
                          f"{unknown[0]!r}; known keys: {', '.join(_KEYS)}")
     for key, value in extra.items():
         if key == "cpu_bytes_per_rank":
-            if not _is_int(value) or value <= 0:
+            if not is_int(value) or value <= 0:
                 raise _bad(key, value, "a positive int (bytes)")
         elif key in _BOOLS:
             if not isinstance(value, bool):
@@ -150,7 +147,7 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:
             if value not in _CHOICES[key]:
                 raise _bad(key, value, "one of " + ", ".join(map(repr, _CHOICES[key])))
         elif key in _OPTIONAL_COUNTS:
-            if value is not None and (not _is_int(value) or value < 0):
+            if value is not None and (not is_int(value) or value < 0):
                 raise _bad(key, value, "null or a non-negative int")
         elif key == "restore_share" and value is not None and (
                 isinstance(value, bool) or not isinstance(value, int | float)

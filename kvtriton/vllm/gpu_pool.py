@@ -1,11 +1,12 @@
 """``VllmGpuPool``: vLLM's GPU ``BlockPool`` seen through the interface the planner expects.
 
-The planner was written against ``kvtriton.pool.BlockPool``; in vLLM the GPU prefix cache is
-vLLM's own ``vllm.v1.core.block_pool.BlockPool``, and it stays the truth: this view holds no
-block state of its own. Reads (a block's keys, the block cached under a key, ref counts, the
-free queue in eviction order) go to vLLM's pool as it is now, with hashes turned into dense ids
-by ``KeyIds``; ``touch`` and ``free_blocks`` are vLLM's, on vLLM's block objects, so a block the
-planner pins for a transfer is pinned in the scheduler's pool.
+The planner's GPU pool is a ``kvtriton.pool.GpuPool`` (``kvtriton.pool.BlockPool`` in the
+simulator); in vLLM the GPU prefix cache is vLLM's own ``vllm.v1.core.block_pool.BlockPool``,
+and it stays the truth: this view holds no block state of its own. Reads (a block's keys, the
+block cached under a key, ref counts, the free queue in eviction order) go to vLLM's pool as it
+is now, with hashes turned into dense ids by ``KeyIds``; ``touch`` and ``free_blocks`` are
+vLLM's, on vLLM's block objects, so a block the planner pins for a transfer is pinned in the
+scheduler's pool.
 
 vLLM has no listener hook, and the planner keeps per-key presence arrays from insert/evict
 events. So at bind time the view wraps, on that one pool instance (not the class), the methods
