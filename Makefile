@@ -2,6 +2,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 BENCH_ARGS ?=
+PAPER_ARGS ?=
 GPU_CHECK_ARGS ?=
 
 .PHONY: bench test lint paper clean gpu-check gpu-check-dry-run
@@ -10,7 +11,9 @@ $(VENV)/.installed: pyproject.toml tools/bootstrap.sh
 	@bash tools/bootstrap.sh $(PYTHON) $(VENV)
 	@touch $@
 
-## bench: the main job, the benchmark harness on the embedded default (results in bench/results/)
+## bench: the main job, the benchmark harness's quick run (the full one with CUDA): the studies of
+## bench/studies.py (BENCH_ARGS=--list names them, BENCH_ARGS="--only planner,sim" runs some);
+## JSON, figures and MANIFEST.json (writer, commit, clean tree, date per file) in bench/results/
 bench: $(VENV)/.installed
 	$(PY) -m bench $(BENCH_ARGS)
 
@@ -26,9 +29,10 @@ test: $(VENV)/.installed $(VENV)/.vllm
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 
-## paper: regenerate paper/paper.md and its figures from bench/results/
+## paper: regenerate paper/paper.md and its figures from bench/results/ (stops if a file the
+## quick run writes is missing; PAPER_ARGS=--allow-missing builds without it)
 paper: $(VENV)/.installed
-	$(PY) paper/build.py
+	$(PY) paper/build.py $(PAPER_ARGS)
 
 ## gpu-check: one unattended run on a lent GPU, under 8 minutes, every step under `timeout`:
 ## set-up (reusing the CUDA torch PYTHON imports), GPU tests, kernel check, short bandwidth and

@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 
-from bench.common import RESULTS_DIR, OneLineParser, write_result
+from bench.common import RESULTS_DIR, OneLineParser, record_output, write_result
 
 GPU_BLOCKS, CPU_BLOCKS = 256, 512
 
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     path = write_result("vllm_soak", doc)
     from kvtriton.plots import plot_connector_soak
 
-    fig = plot_connector_soak(doc, RESULTS_DIR / "vllm_soak.png")
+    fig = record_output(plot_connector_soak(doc, RESULTS_DIR / "vllm_soak.png"))
     print(f"quarter-way -> end, recycling: {summary['recycling']}")
     print(f"quarter-way -> end, control:   {summary['control']}")
     print(f"wrote {path} and {fig}")

@@ -11,7 +11,8 @@ next; ``random`` draws them uniformly from all cached free CPU blocks, as the be
 before. Both evict as many blocks, so the re-stores per step are the same; but a uniform draw
 scatters the holes over every request and keeps hitting blocks it has just had re-stored
 (``restore_thrash``), which a real tier does not: a re-stored block rejoins its pool's free
-queue at the far end. ``bench_vs_vllm`` drives kvtriton's side through the same ``Scenario``.
+queue at the far end. The scenario (``bench.scenarios.Scenario``) is shared with
+``bench_vs_vllm``, which drives kvtriton's side through it, and the micro-benchmarks.
 
 Two times per step: *selection*, the selector's scan that decides what to store (the planning
 itself, as ``PlannerStats.select_s`` measures it inside ``build_meta``), and the whole
@@ -28,23 +29,10 @@ from __future__ import annotations
 import gc
 import statistics
 import time
-from typing import NamedTuple
-
-import numpy as np
 
 from bench.common import OneLineParser, write_result
-from kvtriton.planner import OffloadPlanner, PlannerConfig, Request, StepOutput
-from kvtriton.pool import BlockPool
-from kvtriton.specs import FullAttentionSpec, KVLayout
+from bench.scenarios import BLOCK, EVICTIONS, VARIANTS, Scenario
 
-LAYOUT = KVLayout([FullAttentionSpec(16, 8, 128, 32)], name="llama3-8b-like")
-BLOCK = 16
-VARIANTS = {
-    "loop_control": PlannerConfig(scan="loop", restore=False),
-    "loop_restore": PlannerConfig(scan="loop", restore=True),
-    "fused_restore": PlannerConfig(scan="fused", restore=True),
-    "fused_control": PlannerConfig(scan="fused", restore=False),
-}
 # vLLM 0.33.0's SimpleCPUOffloadScheduler on this machine class, from ../shared/docs/anchors.md.
 VLLM_ANCHOR_MS = {
     16: {"control": 0.079, "restore_loop": 5.9},
@@ -52,115 +40,6 @@ VLLM_ANCHOR_MS = {
     128: {"control": 0.64, "restore_loop": 82},
     256: {"control": 1.41, "restore_loop": 191},
 }
-
-
-EVICTIONS = ("lru", "random")
-
-
-def evict_cpu_blocks(cpu: BlockPool, fraction: float, eviction: str = "lru",
-                     rng: np.random.Generator | None = None) -> list[int]:
-    """Evict ``int(fraction * n)`` of the ``n`` cached free blocks of ``cpu``; return them.
-
-    ``lru``: the first ones in ``cpu.iter_free()``, the pool's next victims. ``random``: a
-    uniform draw from ``rng`` (needed then).
-    """
-    if eviction not in EVICTIONS:
-        raise ValueError(f"eviction must be one of {EVICTIONS}, got {eviction!r}")
-    # Listed before evicting: evict_cached moves each victim to the head of the free queue,
-    # which would reorder an iteration still in progress.
-    cached = [b for b in cpu.iter_free() if cpu.block_hash(b) is not None]
-    n = int(len(cached) * fraction)
-    if eviction == "lru":
-        victims = cached[:n]
-    else:
-        if rng is None:
-            raise ValueError("random eviction needs an rng")
-        victims = rng.choice(cached, size=n, replace=False).tolist()
-    for b in victims:
-        cpu.evict_cached(b)
-    return victims
-
-
-class StepResult(NamedTuple):
-    select_s: float  # the selector's scan inside build_meta
-    build_s: float  # the whole build_meta call
-    stored: int  # new blocks stored
-    restored: int  # re-stores of blocks the CPU had lost
-    planned: int  # blocks in the step's store batch (len(meta.store))
-
-
-class Scenario:
-    """R requests of ``blocks`` stored blocks, driven step by step, ``evict_fraction`` of the
-    CPU's cached blocks evicted (``eviction``: ``lru`` or ``random``) before each step."""
-
-    def __init__(self, config: PlannerConfig, num_requests: int, blocks: int, steps: int,
-                 evict_fraction: float, seed: int, eviction: str = "lru") -> None:
-        if eviction not in EVICTIONS:
-            raise ValueError(f"eviction must be one of {EVICTIONS}, got {eviction!r}")
-        self.rng = np.random.default_rng(seed)
-        self.evict_fraction = evict_fraction
-        self.eviction = eviction
-        total = num_requests * (blocks + steps + 1)
-        self.gpu = BlockPool(total + 1)
-        self.cpu = BlockPool(int(total * 1.05) + 1, medium="CPU")
-        self.planner = OffloadPlanner(LAYOUT, self.gpu, self.cpu, config)
-        self.reqs: list[Request] = []
-        self.tables: list[list[int]] = []
-        n_keys = blocks + steps + 1
-        new_ids = {}
-        for i in range(num_requests):
-            keys = np.arange(i * n_keys, (i + 1) * n_keys, dtype=np.int64)[None, :]
-            req = Request(f"r{i}", keys, num_prompt_tokens=blocks * BLOCK,
-                          num_tokens=blocks * BLOCK + 1)
-            table = self.gpu.get_new_blocks(blocks)
-            for pos, b in enumerate(table):
-                self.gpu.cache_block(b, int(keys[0, pos]))
-            self.planner.update_state_after_alloc(req, (table,), 0)
-            req.num_computed_tokens = blocks * BLOCK
-            self.reqs.append(req)
-            self.tables.append(table)
-            new_ids[req.request_id] = (list(table),)
-        # Store everything once, untimed: the steady state has every block on the CPU.
-        meta = self.planner.build_meta(StepOutput(
-            num_scheduled_tokens={r.request_id: 1 for r in self.reqs}, new_block_ids=new_ids))
-        self._complete(meta)
-
-    def _complete(self, meta) -> None:
-        if meta.store.event >= 0:
-            self.planner.update_connector_output(completed_stores={meta.store.event: 1})
-
-    def evict(self) -> list[int]:
-        """The step's CPU evictions (untimed); returns the evicted blocks."""
-        return evict_cpu_blocks(self.cpu, self.evict_fraction, self.eviction, self.rng)
-
-    def advance(self) -> StepResult:
-        """One step: evictions, one new block per request, the timed build_meta, completion."""
-        self.evict()
-        new_ids = {}
-        for req, table in zip(self.reqs, self.tables, strict=True):
-            pos = len(table)
-            (b,) = self.gpu.get_new_blocks(1)
-            self.gpu.cache_block(b, int(req.keys[0, pos]))
-            table.append(b)
-            new_ids[req.request_id] = ([b],)
-        step = StepOutput(num_scheduled_tokens={r.request_id: BLOCK for r in self.reqs},
-                          new_block_ids=new_ids)
-        stats = self.planner.stats
-        before = stats.scan.stored, stats.scan.restored, stats.select_s
-        t0 = time.perf_counter()
-        meta = self.planner.build_meta(step)
-        dt = time.perf_counter() - t0
-        for req in self.reqs:
-            req.num_computed_tokens += BLOCK
-            req.num_tokens += BLOCK
-        self._complete(meta)
-        s = stats.scan
-        return StepResult(stats.select_s - before[2], dt, s.stored - before[0],
-                          s.restored - before[1], len(meta.store))
-
-    def step(self) -> tuple[float, float, int, int]:
-        """One step; returns (selection seconds, build_meta seconds, new stores, re-stores)."""
-        return self.advance()[:4]
 
 
 def run(sizes: list[int], blocks: int, steps: int, warmup: int, evict_fractions: list[float],

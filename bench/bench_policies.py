@@ -48,9 +48,9 @@ from kvtriton.sim.workloads import first_turns, serving_workload
 RATIOS = (1, 4)
 TARGETS = {"agent": 0.25, "cc_agentic": 0.25, "mooncake": 0.10}
 QUICK_CC_TURNS = 12
-# Without --full the shipped traces run at CPU = GPU only: on the coding-agent cut the 4x tier
-# holds every block (no gap to close), and each Mooncake run takes a minute on 2 cores.
-QUICK_RATIOS = {"agent": RATIOS, "cc_agentic": (1,), "mooncake": (1,)}
+# Without --full the coding-agent cut runs at CPU = GPU only: at 4x the tier holds every block
+# of the cut (no gap to close). Mooncake runs at both (about a minute per ratio on 2 cores).
+QUICK_RATIOS = {"agent": RATIOS, "cc_agentic": (1,), "mooncake": RATIOS}
 # Without --full the shipped traces run a subset, to stay within make bench's 10 minutes: the
 # control, the bounded re-store and the signals of section 3.3; on Mooncake (no hints, and each
 # run a minute on 2 cores) only the admission, recency and waiting-queue signals. The agent
@@ -207,7 +207,7 @@ def restore_map(tag: str, quick: bool, progress: bool, results_dir=None, grid=No
     """Gain of each re-store form over eager stores on workload ``tag``, over the CPU/GPU ratio
     and ``max_running``; writes ``restore_map_<tag>.json`` and ``.png``. ``grid``:
     ``(workload, gpu_tokens, ratios, max_running)`` instead of ``map_grid``'s."""
-    from bench.common import RESULTS_DIR
+    from bench.common import RESULTS_DIR, record_output
     from kvtriton.plots import plot_restore_map
 
     wl, gpu, ratios, running = grid if grid is not None else map_grid(tag, quick)
@@ -230,7 +230,8 @@ def restore_map(tag: str, quick: bool, progress: bool, results_dir=None, grid=No
                "ratios": list(ratios), "max_running": list(running), "hit_rate": hit,
                "gain": gain, "restore_thrash": thrash, "wall_s": time.perf_counter() - t0}
     path = write_result(f"restore_map_{tag}", payload, results_dir)
-    plot_restore_map(payload, (results_dir or RESULTS_DIR) / f"restore_map_{tag}.png")
+    record_output(plot_restore_map(payload,
+                                   (results_dir or RESULTS_DIR) / f"restore_map_{tag}.png"))
     print(f"wrote {path}")
     return payload
 

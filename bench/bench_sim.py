@@ -4,8 +4,9 @@ Two parts, each written to ``bench/results/``:
 
 - ``sim_<workload>.json``: the serving-loop simulation (``kvtriton.simulate``) at several CPU
   capacities, every policy at each, plus the Belady cache-only bound at the same total capacity;
+  its figure (``.png``) is the largest capacity's hit rates and TTFT distribution;
 - ``replay_<workload>.json``: the cache-only capacity sweep (LRU, ARC, S3-FIFO, Belady), the
-  setting of the Mooncake paper's capacity curve;
+  setting of the Mooncake paper's capacity curve, with its figure (``.png``);
 - ``sim_mooncake.json`` (``--mooncake``, and in the full harness): the whole shipped Mooncake
   trace through the serving loop with every policy.
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from bench.common import write_result
+from bench.common import record_output, write_result
 from kvtriton.setups import DEFAULT_POLICIES
 from kvtriton.sim import (
     CC_AGENTIC_SAMPLE,
@@ -58,7 +59,10 @@ def sim_sweep(workload, cpu_tokens: list[int], gpu_tokens: int, policies, tag: s
                "gpu_tokens": gpu_tokens, "cpu_tokens": cpu_tokens, "policies": list(policies),
                "runs": runs, "wall_s": time.perf_counter() - t0}
     path = write_result(f"sim_{tag}", payload)
-    print(f"wrote {path}")
+    from kvtriton.plots import plot_simulation
+
+    fig = record_output(plot_simulation(runs[-1], path.with_suffix(".png")))
+    print(f"wrote {path} and {fig}")
     return payload
 
 
@@ -77,7 +81,10 @@ def replay_sweep(workload, tag: str, capacities=None, progress: bool = True) -> 
     print(res.table())
     payload = {"sweep": res.to_dict(), "wall_s": time.perf_counter() - t0}
     path = write_result(f"replay_{tag}", payload)
-    print(f"wrote {path}")
+    from kvtriton.plots import plot_sweep
+
+    fig = record_output(plot_sweep(payload["sweep"], path.with_suffix(".png")))
+    print(f"wrote {path} and {fig}")
     return payload
 
 

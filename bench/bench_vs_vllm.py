@@ -36,8 +36,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.bench_planner import BLOCK, LAYOUT, Scenario, evict_cpu_blocks
 from bench.common import write_result
+from bench.scenarios import BLOCK, LAYOUT, Scenario, evict_cpu_blocks
 from kvtriton.planner import PlannerConfig
 
 VARIANTS = ("vllm_control", "vllm_rescan_restore", "kvt_loop_control", "kvt_fused_control",
@@ -171,7 +171,7 @@ class VllmScenario:
                  evict_fraction: float, model_dir: str) -> None:
         from vllm.v1.core.block_pool import BlockPool as VllmBlockPool
 
-        from kvtriton.vllm.harness import make_configs
+        from kvtriton.sim.vllm_scheduler import make_configs
 
         self.variant = variant
         self.evict_fraction = evict_fraction
@@ -294,8 +294,9 @@ class VllmScenario:
 
 
 class KvtScenario(Scenario):
-    """R requests on kvtriton's pools through ``OffloadPlanner.build_meta``: ``bench_planner``'s
-    scenario with LRU eviction, reporting what the vLLM variants report."""
+    """R requests on kvtriton's pools through ``OffloadPlanner.build_meta``: the planner
+    benchmark's scenario (``bench.scenarios``) with LRU eviction, reporting what the vLLM
+    variants report."""
 
     def __init__(self, variant: str, num_requests: int, blocks: int, steps: int,
                  evict_fraction: float) -> None:
@@ -413,7 +414,7 @@ def main(argv: list[str] | None = None) -> dict:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import vllm
 
-    from kvtriton.vllm.harness import tiny_model_dir
+    from kvtriton.sim.vllm_scheduler import tiny_model_dir
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-vs-vllm-") as tmp:

@@ -1,20 +1,33 @@
-"""What every benchmark result carries: the machine it ran on, and one place to write it; and
-the one-line argument errors of the scripts that use ``OneLineParser``."""
+"""What every benchmark result carries: the machine it ran on, and one place to write it; the
+results folder's manifest; and the one-line argument errors of the scripts that use
+``OneLineParser``.
+
+``bench/results/MANIFEST.json`` has one entry per file written under ``bench/results/`` (by
+``write_result``, or ``record_output`` for a figure or a file another tool wrote), keyed by its
+path there: its writer (module and command line, and the harness's command line when ``python
+-m bench`` ran it), the commit, whether the tracked code was clean, and the UTC date. Each write
+updates its own entry under a lock and replaces the manifest atomically, so a partial run keeps
+every other entry. Files written elsewhere (``--results-dir`` to a test's folder) are not
+recorded.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
+import fcntl
 import json
 import os
 import platform
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import NoReturn
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+MANIFEST = "MANIFEST.json"
 
 
 def cpu_name() -> str:
@@ -78,17 +91,101 @@ def machine_info() -> dict:
         "vllm": getattr(sys.modules.get("vllm"), "__version__", None),
         "python": platform.python_version(),
         "git_sha": _git_sha(),
-        "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "date_utc": _utc_now(),
     }
 
 
+def _utc_now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+# Who is writing, while the harness runs a study (``writing_as``); else this process's own
+# command line (``_writer``).
+_current_writer: dict | None = None
+
+
+def _command(module: str | None, argv: Sequence[str]) -> str:
+    head = ["python", "-m", module] if module else ["python"]
+    return " ".join([*head, *argv])
+
+
+def _writer() -> dict:
+    """This process as a writer: ``python -m MODULE ARGS`` (or ``python SCRIPT ARGS``)."""
+    if _current_writer is not None:
+        return dict(_current_writer)
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    module = spec.name.removesuffix(".__main__") if spec is not None else None
+    argv = sys.argv[1:]
+    return {"module": module, "argv": argv,
+            "command": _command(module, argv if module else sys.argv[:1] + argv)}
+
+
+@contextlib.contextmanager
+def writing_as(module: str, argv: Sequence[str], via: str | None = None) -> Iterator[None]:
+    """Record what is written inside as written by ``python -m module argv``: the harness calls
+    every study's ``main`` in one process, whose command line is the harness's (``via``)."""
+    global _current_writer
+    before = _current_writer
+    _current_writer = {"module": module, "argv": list(argv), "command": _command(module, argv)}
+    if via is not None:
+        _current_writer["via"] = via
+    try:
+        yield
+    finally:
+        _current_writer = before
+
+
+def _record(path: Path, writer: dict, git: str, date_utc: str) -> None:
+    """Set ``path``'s entry in the results folder's manifest, leaving every other entry as it
+    is. A file outside the results folder (a test's, or one a user named) is not recorded."""
+    root = RESULTS_DIR.resolve()
+    path = path.resolve()
+    if not path.is_relative_to(root):
+        return
+    commit, _, dirty = git.partition("+")
+    entry = {"writer": writer, "commit": commit,
+             "clean": None if commit == "unknown" else not dirty, "date_utc": date_utc}
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        # One writer at a time: a read-modify-write without it could drop another's entry.
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        manifest = root / MANIFEST
+        doc = json.loads(manifest.read_text()) if manifest.exists() else {}
+        files = doc.get("files", {})
+        files[path.relative_to(root).as_posix()] = entry
+        doc = {"about": "per file under this folder: its writer, commit, whether the tracked "
+                        "code was clean, and the UTC date (bench/common.py)",
+               "files": dict(sorted(files.items()))}
+        _atomic_write(manifest, json.dumps(doc, indent=2) + "\n")
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def record_output(path: str | Path, writer: dict | None = None) -> Path:
+    """Record ``path`` (a figure, or a file another tool wrote) in the results folder's
+    manifest, as written now, at the current commit, by ``writer`` (default: this process);
+    return it."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"record_output: no file {path}")
+    _record(path, writer or _writer(), _git_sha(), _utc_now())
+    return path
+
+
 def write_result(name: str, payload: dict, results_dir: Path | None = None) -> Path:
-    """Write ``payload`` plus ``machine_info()`` to ``<results_dir>/<name>.json``; return it."""
+    """Write ``payload`` plus ``machine_info()`` to ``<results_dir>/<name>.json`` (default
+    ``RESULTS_DIR``) and record it in the manifest; return it."""
     out_dir = Path(results_dir) if results_dir is not None else RESULTS_DIR
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{name}.json"
-    doc = {"benchmark": name, "machine": machine_info(), **payload}
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(doc, indent=2, sort_keys=False) + "\n")
-    tmp.replace(path)
+    machine = machine_info()
+    doc = {"benchmark": name, "machine": machine, **payload}
+    _atomic_write(path, json.dumps(doc, indent=2, sort_keys=False) + "\n")
+    _record(path, _writer(), machine["git_sha"], machine["date_utc"])
     return path

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.common import OneLineParser, machine_info
+from bench.common import OneLineParser, machine_info, record_output
 from kvtriton.setups import DEFAULT_POLICIES
 from kvtriton.sim import Workload, data_path, simulate
 from kvtriton.sim.workloads import WORKLOADS as NAMED
@@ -256,6 +256,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             tmp = args.json.with_suffix(".json.tmp")
             tmp.write_text(json.dumps(doc, indent=2) + "\n")
             tmp.replace(args.json)  # never a half-written file if the run is stopped
+            record_output(args.json)  # in the manifest when under bench/results/
     wall = time.perf_counter() - t_start
     print()
     print(markdown_table(out))

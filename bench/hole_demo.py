@@ -10,7 +10,9 @@ Run: ``python -m bench.hole_demo``.
 
 from __future__ import annotations
 
-from bench.common import write_result
+import sys
+
+from bench.common import OneLineParser, write_result
 from kvtriton.hashing import HashIndex, chain_hashes, request_keys
 from kvtriton.planner import OffloadPlanner, PlannerConfig, Request, StepOutput
 from kvtriton.pool import BlockPool
@@ -59,7 +61,9 @@ def run(restore: bool) -> dict:
             "probe_hit_blocks": hit // 16, "chain_holes": planner.stats.chain_holes}
 
 
-def main() -> dict:
+def main(argv: list[str] | None = None) -> dict:
+    OneLineParser(prog="python -m bench.hole_demo",
+                  description=__doc__.splitlines()[0]).parse_args(argv or [])
     rows = [run(restore=False), run(restore=True)]
     for r in rows:
         name = "re-store" if r["restore"] else "control"
@@ -73,4 +77,4 @@ def main() -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -1,6 +1,6 @@
 """Micro-benchmarks of the hot paths, written for pytest-benchmark (its ``benchmark`` fixture does
-the warm-up, rounds and statistics): run by the harness (``python -m bench --only planner``), or
-alone with ``python -m pytest bench/micro.py --benchmark-json=bench/results/micro.json``.
+the warm-up, rounds and statistics): ``python -m bench.micro`` (the harness's ``micro`` study)
+runs them into ``bench/results/micro.json``; extra arguments go to pytest.
 
 They time and do not check, so they are not part of the test suite: the file name keeps them out
 of ``tests/`` collection, and pytest collects a file named on its command line whatever its name.
@@ -8,11 +8,14 @@ of ``tests/`` collection, and pytest collects a file named on its command line w
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
-from bench.bench_planner import VARIANTS, Scenario
+from bench.scenarios import VARIANTS, Scenario
 from kvtriton.engine import TransferEngine
 from kvtriton.engine.descriptors import allocate_kv_caches
 from kvtriton.hashing import chain_hashes
@@ -82,3 +85,21 @@ def test_engine_store_64_blocks(benchmark, backend):
         engine.poll()
 
     benchmark(store)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run this file's benchmarks under pytest into ``micro.json`` in the results folder."""
+    from bench import common
+
+    out = common.RESULTS_DIR / "micro.json"
+    rc = pytest.main([str(Path(__file__)), "-q", "-p", "no:cacheprovider",
+                      f"--benchmark-json={out}", "--benchmark-columns=min,median,max,rounds",
+                      *(argv or [])])
+    if rc != 0:
+        raise SystemExit(f"micro-benchmarks failed (pytest exit code {rc})")
+    common.record_output(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

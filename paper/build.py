@@ -1,15 +1,19 @@
 """Regenerate ``paper/paper.md``, its figures and the README's results from ``bench/results/``.
 
 Every number in the paper comes from a results file written by ``python -m bench``; the prose
-lives in ``paper/template.md`` with ``{{name}}`` placeholders that this script fills. A missing
-results file leaves its section marked as pending rather than failing, so the paper always
-states what was and was not run.
+lives in ``paper/template.md`` with ``{{name}}`` placeholders that this script fills. ``INPUTS``
+are the results files it reads. One that the quick run always writes (``bench/studies.py``) must
+be there: the build stops with one line naming it, unless ``--allow-missing`` is given; any other
+(a GPU run, a full-size run) leaves its section marked as pending. The paper lists every input
+with the commit it came from and whether the tracked code was clean (``MANIFEST.json`` beside
+the results, else the file's own machine block), so it always states what was and was not run.
 
-Run: ``python paper/build.py`` (after ``make bench``).
+Run: ``python paper/build.py [--allow-missing]`` (after ``make bench``).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import sys
@@ -22,7 +26,8 @@ FIGURES = PAPER / "figures"
 
 sys.path.insert(0, str(ROOT))
 
-from kvtriton.plots import (  # noqa: E402 - the repo root goes on the path first
+from bench.studies import always_written, writers  # noqa: E402 - the repo root goes first
+from kvtriton.plots import (  # noqa: E402
     PLANNER_VARIANTS,
     plot_gap_closed,
     plot_hole,
@@ -32,10 +37,26 @@ from kvtriton.plots import (  # noqa: E402 - the repo root goes on the path firs
     plot_sweep,
 )
 
+WORKLOADS = (("agent", "agent generator"), ("cc_agentic", "coding-agent traces"),
+             ("mooncake", "Mooncake trace"))
+# Every results file the paper reads, by name (``bench/results/<name>.json``).
+INPUTS = ("hole_demo", "planner",
+          *(f"policies_{key}" for tag, _ in WORKLOADS for key in (tag, f"{tag}_full")),
+          *(f"restore_map_{tag}" for tag, _ in WORKLOADS),
+          "replay_mooncake", "replay_agent", "replay_cc_agentic", "kernel_check", "bench_kernels")
+
 
 def _load(name: str) -> dict | None:
+    if name not in INPUTS:
+        raise KeyError(f"{name!r} is not in INPUTS, the list of the paper's results files")
     path = RESULTS / f"{name}.json"
     return json.loads(path.read_text()) if path.exists() else None
+
+
+def missing_inputs() -> list[str]:
+    """The inputs the quick run always writes that are not in ``bench/results/``."""
+    return [n for n in INPUTS
+            if always_written(f"{n}.json") and not (RESULTS / f"{n}.json").exists()]
 
 
 def _pct(x: float) -> str:
@@ -153,10 +174,6 @@ def planner_section(v: dict) -> None:
         v["abstract_planner"] = "see Section 3.2"
     plot_planner(doc, FIGURES / "planner.png")
     v["fig_planner"] = "![planner cost per step](figures/planner.png)"
-
-
-WORKLOADS = (("agent", "agent generator"), ("cc_agentic", "coding-agent traces"),
-             ("mooncake", "Mooncake trace"))
 
 
 def _gap(x) -> str:
@@ -412,9 +429,75 @@ def kernel_section(v: dict) -> None:
     v["fig_kernels"] = "![kernel bandwidth](figures/kernels.png)"
 
 
+def _not_run(file: str) -> str:
+    """Why input ``file`` is absent, from the studies that write it."""
+    options = writers(file)
+    if not options:
+        return "no study writes it"
+    # The quick run's study if one writes it, else a longer run by name, else a full-size run.
+    study, quick = max(options, key=lambda o: (o[1] and "quick" in o[0].run_in,
+                                               not o[0].run_in, o[1]))
+    run = f"`python -m bench{'' if quick else ' --full'} --only {study.name}`"
+    if study.needs == "cuda":
+        return f"not run: needs a CUDA device ({run} on a GPU box)"
+    if study.needs == "vllm":
+        return f"not run: needs vLLM ({run})"
+    if quick and "quick" in study.run_in:
+        return f"missing ({run} writes it)"
+    if not study.run_in:
+        return f"not run: a longer run ({run})"
+    return f"not run: full size only ({run})"
+
+
+def _provenance(name: str, doc: dict, manifest: dict) -> tuple[str, str, bool | None, str]:
+    """(writer, commit, clean tracked code, UTC date) of input ``name``: its manifest entry
+    where that agrees with the file's own machine block on the commit, else the machine block
+    (files written before the manifest existed)."""
+    machine = doc.get("machine") or {}
+    sha = machine.get("git_sha", "unknown")
+    commit, _, dirty = sha.partition("+")
+    entry = manifest.get(f"{name}.json")
+    if entry is not None and entry["commit"] == commit:
+        return entry["writer"]["command"], entry["commit"], entry["clean"], entry["date_utc"]
+    return (doc.get("command", "not recorded"), commit,
+            None if commit == "unknown" else not dirty, machine.get("date_utc", "unknown"))
+
+
+def inputs_section(v: dict) -> None:
+    """The paper's inputs: where each came from, or why it is absent."""
+    path = RESULTS / "MANIFEST.json"
+    manifest = json.loads(path.read_text())["files"] if path.exists() else {}
+    rows, commits, dirty = [], {}, 0
+    for name in INPUTS:
+        doc = _load(name)
+        file = f"{name}.json"
+        if doc is None:
+            rows.append([f"`{file}`", _not_run(file), "-", "-", "-"])
+            continue
+        writer, commit, clean, date = _provenance(name, doc, manifest)
+        commits[commit] = commits.get(commit, 0) + 1
+        dirty += clean is False
+        rows.append([f"`{file}`", f"`{writer}`" if writer != "not recorded" else writer,
+                     f"`{commit}`", {True: "yes", False: "**no**", None: "unknown"}[clean],
+                     date])
+    n = sum(commits.values())
+    summary = "No results file behind this paper has been written." if not n else (
+        f"The {n} results files behind this paper come from {len(commits)} "
+        f"commit{'s' if len(commits) != 1 else ''} ("
+        + ", ".join(f"`{c}`: {k}" for c, k in commits.items()) + "); "
+        + (f"{dirty} of them {'was' if dirty == 1 else 'were'} written with uncommitted "
+           "changes to tracked code." if dirty else "every one with the tracked code clean."))
+    v["inputs_text"] = (summary + " Per file: the command that wrote it (from "
+                        "`bench/results/MANIFEST.json`; *not recorded* for a file older than "
+                        "the manifest), its commit, whether the tracked code was clean, and "
+                        "when.\n\n" + _table(["results file", "written by", "commit",
+                                              "tracked code clean", "date (UTC)"], rows))
+
+
 def build() -> None:
     FIGURES.mkdir(parents=True, exist_ok=True)
     v: dict[str, str] = {}
+    inputs_section(v)
     hole_section(v)
     planner_section(v)
     policies_section(v)
@@ -440,5 +523,25 @@ def build() -> None:
     print(f"wrote {PAPER / 'paper.md'}, figures in {FIGURES}, results section of {readme}")
 
 
-if __name__ == "__main__":
+def _shown(path: Path) -> str:
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="paper/build.py", description=__doc__.splitlines()[0])
+    ap.add_argument("--allow-missing", action="store_true",
+                    help="build even without a results file the quick run writes (its section "
+                         "says pending)")
+    args = ap.parse_args(argv)
+    missing = missing_inputs()
+    if missing and not args.allow_missing:
+        files = ", ".join(_shown(RESULTS / f"{n}.json") for n in missing)
+        raise SystemExit(f"paper/build.py: missing {files} (`make bench` writes "
+                         f"{'it' if len(missing) == 1 else 'them'}; --allow-missing builds "
+                         "without)")
     build()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

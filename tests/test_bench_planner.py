@@ -14,7 +14,7 @@ import pytest
 
 import bench.common
 from bench import bench_planner
-from bench.bench_planner import VARIANTS, Scenario, evict_cpu_blocks
+from bench.scenarios import VARIANTS, Scenario, evict_cpu_blocks
 
 TINY = ["--sizes", "2", "--blocks", "8", "--steps", "3"]
 

@@ -1,0 +1,132 @@
+"""The harness's one table of studies: what ``python -m bench`` runs, in order, and what each
+writes to ``bench/results/``.
+
+A study is one module's ``main(argv)`` at one of two sizes: *quick* (``make bench`` on a machine
+without CUDA: under 10 minutes on 2 cores) or *full* (a GPU box: the whole traces, the long
+runs). ``run_in`` names the runs that include it: ``quick`` and ``full``, only ``full``, or
+none (a longer run made by name, ``--only``); a study named by ``--only`` runs at the chosen
+size whatever its ``run_in``. ``needs`` is what the machine must have beyond a CPU: ``cuda`` (a
+CUDA device) or ``vllm`` (vLLM importable: ``make test`` installs it into ``.venv``, ``make
+bench``'s set-up does not); a study whose need is missing is skipped with one line saying so.
+``writes`` are the files (JSON and figures) of the quick size, ``writes_full`` those of the full
+size where they differ. ``paper/build.py`` reads this table to tell a results file the quick run
+always writes (required) from one it may lack.
+
+This module imports nothing of the studies: listing them loads none of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+NEEDS = ("cpu", "cuda", "vllm")
+BOTH = ("quick", "full")
+
+
+@dataclass(frozen=True, slots=True)
+class Study:
+    name: str
+    module: str
+    title: str
+    quick: tuple[str, ...]
+    full: tuple[str, ...]
+    needs: str
+    writes: tuple[str, ...]
+    writes_full: tuple[str, ...] | None = None
+    run_in: tuple[str, ...] = BOTH
+    quiet: bool = False  # takes --quiet
+
+    def args(self, quick: bool, quiet: bool = False, results: str = "bench/results") -> list[str]:
+        """The command line of ``module`` at this size; ``{results}`` is the results folder."""
+        argv = [a.replace("{results}", results) for a in (self.quick if quick else self.full)]
+        return argv + (["--quiet"] if quiet and self.quiet else [])
+
+    def outputs(self, quick: bool) -> tuple[str, ...]:
+        return self.writes if quick or self.writes_full is None else self.writes_full
+
+    def command(self, quick: bool) -> str:
+        return " ".join(["python", "-m", self.module, *self.args(quick)])
+
+
+def _with_png(*names: str) -> tuple[str, ...]:
+    return tuple(f for n in names for f in (f"{n}.json", f"{n}.png"))
+
+
+_CROSSCHECK = ("--limit", "mooncake=500", "--limit", "cc_agentic=100", "--json",
+               "{results}/crosscheck.json")
+_CC_WHOLE = ("--full", "--only", "ablation", "--workloads", "cc_agentic")
+_MOONCAKE_MAP = ("--only", "map", "--maps", "mooncake")
+
+STUDIES: tuple[Study, ...] = (
+    Study("kernel_check", "bench.kernel_check", "kernel correctness", (), (), "cpu",
+          ("kernel_check.json",)),
+    Study("kernels", "bench.bench_kernels", "kernel bandwidth", ("--quick",), (), "cuda",
+          ("bench_kernels_quick.json",), ("bench_kernels.json",)),
+    Study("hole_demo", "bench.hole_demo", "the mid-chain hole and re-store", (), (), "cpu",
+          ("hole_demo.json",)),
+    Study("planner", "bench.bench_planner", "planner scaling", ("--quick",), (), "cpu",
+          ("planner.json",)),
+    Study("micro", "bench.micro", "micro-benchmarks (pytest-benchmark)", (), (), "cpu",
+          ("micro.json",)),
+    Study("sim", "bench.bench_sim", "simulation: hit rate, recompute, TTFT vs CPU capacity",
+          ("--quick",), ("--mooncake",), "cpu", _with_png("replay_mooncake", "replay_agent"),
+          ("sim_mooncake.json", *_with_png("sim_agent", "replay_mooncake", "replay_agent",
+                                           "replay_cc_agentic")), quiet=True),
+    Study("policies", "bench.bench_policies",
+          "tier designs: the policy ablation, in-loop bounds, the re-store map", (), ("--full",),
+          "cpu", ("policies_agent.json", "policies_cc_agentic.json", "policies_mooncake.json",
+                  *_with_png("restore_map_agent", "restore_map_cc_agentic")),
+          ("policies_agent_full.json", "policies_cc_agentic_full.json",
+           "policies_mooncake_full.json",
+           *_with_png("restore_map_agent", "restore_map_cc_agentic", "restore_map_mooncake")),
+          quiet=True),
+    Study("soak", "bench.bench_soak", "soak: 100,000 steps, memory and pool counts", (), (),
+          "cpu", ("soak.json",), run_in=("full",)),
+    Study("soak_fresh", "bench.bench_soak", "soak with fresh content: distinct blocks unbounded",
+          ("--fresh",), ("--fresh",), "cpu", ("soak_fresh.json",), run_in=("full",)),
+    Study("vs_vllm", "bench.bench_vs_vllm", "planner cost beside vLLM's, one process",
+          ("--quick",), (), "vllm", ("vs_vllm.json",), run_in=("full",)),
+    Study("connector_soak", "bench.bench_connector_soak", "connector memory over a long run",
+          ("--quick",), (), "vllm", _with_png("vllm_soak"), run_in=("full",)),
+    Study("vllm", "bench.bench_vllm",
+          "vLLM with and without a CPU tier (a tiny model: a smoke test; --model DIR by hand)",
+          ("--quick",), ("--quick",), "vllm", ("vllm_agent.json",), run_in=("full",)),
+    Study("crosscheck", "bench.crosscheck", "ServingLoop beside vLLM's scheduler", _CROSSCHECK,
+          _CROSSCHECK, "vllm", ("crosscheck.json",), run_in=("full",), quiet=True),
+    # The longer runs behind the paper's optional sections (30 and 5 minutes on 2 cores).
+    Study("cc_agentic_whole", "bench.bench_policies",
+          "the whole coding-agent traces, every setup", _CC_WHOLE, _CC_WHOLE, "cpu",
+          ("policies_cc_agentic_full.json",), run_in=(), quiet=True),
+    Study("mooncake_map", "bench.bench_policies", "the Mooncake re-store map", _MOONCAKE_MAP,
+          _MOONCAKE_MAP, "cpu", _with_png("restore_map_mooncake"), run_in=(), quiet=True),
+)
+
+BY_NAME = {s.name: s for s in STUDIES}
+
+
+def writers(name: str) -> list[tuple[Study, bool]]:
+    """The studies and sizes (``True``: quick) that write results file ``name``."""
+    return [(s, q) for s in STUDIES for q in (True, False) if name in s.outputs(q)]
+
+
+def always_written(name: str) -> bool:
+    """Whether the quick run writes ``name`` on any machine (a CPU study of the quick run)."""
+    return any(q and "quick" in s.run_in and s.needs == "cpu" for s, q in writers(name))
+
+
+def table() -> str:
+    """The registry as text (``python -m bench --list``): a line per study, then its command and
+    the files it writes at each size."""
+    width = max(len(s.name) for s in STUDIES)
+    mod = max(len(s.module) for s in STUDIES)
+    lines = [f"{'study':{width}s}  {'module':{mod}s}  needs  runs in"]
+    for s in STUDIES:
+        runs = (" and ".join(s.run_in) + (" runs" if len(s.run_in) > 1 else " run")
+                if s.run_in else "by name (--only)")
+        lines.append(f"{s.name:{width}s}  {s.module:{mod}s}  {s.needs:5s}  {runs}")
+        sizes = (("quick", True), ("full", False)) if s.quick != s.full or s.writes_full \
+            else (("both", True),)
+        for label, quick in sizes:
+            lines.append(f"    {label + ':':6s} {s.command(quick)}  ->  "
+                         + ", ".join(s.outputs(quick)))
+    return "\n".join(lines)
