@@ -1,7 +1,7 @@
 """The KV side of a vLLM-like scheduler step, around ``OffloadPlanner`` as vLLM drives a connector.
 
-One implementation, used by the serving-loop simulator (``kvtriton.sim.loop``), the test harness
-(``tests/planner_harness.py``) and the memory soak (``bench/bench_soak.py``):
+One implementation, used by the serving-loop simulator (``kvtriton.sim.loop``), the tests'
+planner driver (``tests/helpers/planner_driver.py``) and the memory soak (``bench/bench_soak.py``):
 
 - ``KVScheduler``: the GPU pool, the planner and per-request block tables (``SeqBlocks``), and the
   operations a caller sequences itself: a GPU prefix-cache lookup and the planner's CPU lookup,
@@ -9,7 +9,7 @@ One implementation, used by the serving-loop simulator (``kvtriton.sim.loop``), 
   full blocks in the GPU prefix cache (and dropping what a group no longer needs: sliding-window
   pages left behind, Mamba states before the last one, whose saved boundaries are handed to the
   planner), preemption, finish (blocks freed tail first), the ``StepOutput`` and delivering
-  worker reports to the planner. The test harness drives it call by call.
+  worker reports to the planner. The tests' planner driver calls it call by call.
 - ``BatchScheduler``: the same plus vLLM 0.32's step policy: running requests first (decode, or
   the next chunk of a prefill), then requests whose CPU load landed, then waiting ones in arrival
   order while the token budget, the GPU blocks and ``max_running`` allow; when the GPU runs out
