@@ -91,13 +91,21 @@ def serving_loop_options(scheduler_overrides: dict[str, Any] | None) -> dict[str
 
 def cross_check(workload: Workload, capacities: dict[str, Any],
                 policies: Sequence[str] = DEFAULT_POLICIES, progress: bool = False,
-                scheduler_overrides: dict[str, Any] | None = None, **sim_kw: Any) -> dict:
+                scheduler_overrides: dict[str, Any] | None = None, check_only: bool = False,
+                **sim_kw: Any) -> dict | None:
     """Both loops on ``workload``; the rows of ``compare``, each loop's conditions and wall
     time in seconds. ``sim_kw``: more arguments both simulators take (``model``, ``gpu``,
     ``token_budget``, ``max_running``); ``scheduler_overrides``: vLLM ``SchedulerConfig``
     fields for the vLLM loop (default: vLLM's defaults). Like is compared with like:
     ServingLoop models vLLM 0.32 as shipped, and an override it models is passed to it too
-    (``scheduler_reserve_full_isl`` as ``reserve_full_isl``)."""
+    (``scheduler_reserve_full_isl`` as ``reserve_full_isl``). ``check_only``: check both runs'
+    arguments (``ValueError``), run nothing, return None."""
+    if check_only:
+        simulate(workload, policies=policies, bound=False, check_only=True, **capacities,
+                 **serving_loop_options(scheduler_overrides), **sim_kw)
+        simulate(workload, policies=policies, bound=False, engine="vllm", check_only=True,
+                 scheduler_overrides=scheduler_overrides, **capacities, **sim_kw)
+        return None
     t0 = time.perf_counter()
     loop = simulate(workload, policies=policies, bound=False, progress=progress, **capacities,
                     **serving_loop_options(scheduler_overrides), **sim_kw)
@@ -200,8 +208,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from kvtriton.specs import PRESETS
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    ap = OneLineParser(prog="python -m bench.crosscheck",
-                                 description=__doc__.splitlines()[0])
+    ap = OneLineParser(prog="python -m bench.crosscheck", description=__doc__.splitlines()[0])
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     ap.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES))
     ap.add_argument("--limit", action="append", default=[], metavar="N|NAME=N",
@@ -233,13 +240,24 @@ def main(argv: list[str] | None = None) -> list[dict]:
     sim_kw = {"model": args.model, "gpu": args.gpu, "token_budget": args.token_budget,
               "max_running": args.max_running}
     t_start = time.perf_counter()
-    out: list[dict] = []
-    for i, name in enumerate(args.workloads, 1):
+    # Every workload and both loops' arguments are checked before anything runs: a bad value
+    # is one line now, not a traceback after the first workload's minutes.
+    loaded = {}
+    for name in args.workloads:
         make, caps = WORKLOADS[name]
         wl = make()
         n_all = len(wl)
         if name in limits:
             wl = limit_workload(wl, limits[name])
+        try:
+            cross_check(wl, caps, args.policies, scheduler_overrides=overrides or None,
+                        check_only=True, **sim_kw)
+        except (ValueError, ImportError) as e:
+            ap.error(f"{name}: {e}")
+        loaded[name] = (wl, caps, n_all)
+    out: list[dict] = []
+    for i, name in enumerate(args.workloads, 1):
+        wl, caps, n_all = loaded[name]
         if not args.quiet:
             print(f"[{i}/{len(args.workloads)}] {name}: {len(wl):,} of {n_all:,} requests, "
                   f"{len(args.policies)} policies x 2 loops ({time.perf_counter() - t_start:.0f}"

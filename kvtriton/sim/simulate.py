@@ -210,6 +210,35 @@ def _check_engine(engine: str, chosen: list[TierPolicy], layout: KVLayout, model
         raise
 
 
+def _max_model_len(workload: Workload, layout: KVLayout) -> int:
+    """vLLM's ``max_model_len`` for ``workload``: its longest sequence, in whole blocks."""
+    max_len = max(r.prompt_len + max(1, r.output_len) for r in workload) + 1
+    return -(-max_len // layout.scheduler_block_size) * layout.scheduler_block_size
+
+
+def _check_scheduler_overrides(overrides: dict[str, Any] | None, token_budget: int,
+                               max_running: int, max_model_len: int) -> None:
+    """``ValueError`` (one line, naming the field) unless vLLM's ``SchedulerConfig`` takes
+    ``overrides`` beside the run's own settings."""
+    if not overrides:
+        return
+    from vllm.config import SchedulerConfig
+
+    known = set(getattr(SchedulerConfig, "__dataclass_fields__", ()))
+    unknown = sorted(set(overrides) - known) if known else []
+    if unknown:
+        raise ValueError(f"scheduler_overrides: {unknown[0]!r} is not a vLLM SchedulerConfig "
+                         "field")
+    try:
+        SchedulerConfig(max_num_seqs=max_running, max_num_batched_tokens=token_budget,
+                        max_model_len=max_model_len, enable_chunked_prefill=True,
+                        is_encoder_decoder=False, **overrides)
+    except Exception as e:  # pydantic's ValidationError and vLLM's own checks alike
+        first = " ".join(str(e).split())[:300]
+        raise ValueError(f"scheduler_overrides {overrides!r}: vLLM's SchedulerConfig refuses "
+                         f"them: {first}") from None
+
+
 def simulate(
     workload: Workload,
     *,
@@ -232,6 +261,7 @@ def simulate(
     in_loop_bounds: Sequence[str] = BOUNDS,
     engine: str = "kvtriton",
     scheduler_overrides: dict[str, Any] | None = None,
+    check_only: bool = False,
 ) -> SimulationResult:
     """Replay ``workload`` through the serving loop once per policy.
 
@@ -261,6 +291,9 @@ def simulate(
     than ``all`` and integrity checks are refused (the connector takes no such axis, and no bytes
     move); ``scheduler_overrides`` sets vLLM ``SchedulerConfig`` fields (e.g.
     ``{"scheduler_reserve_full_isl": False}``) and ``reserve_full_isl`` is then vLLM's own.
+
+    ``check_only``: check every argument as a run would, then return the result with its
+    conditions and no rows, having run nothing (a driver of several runs checks them all first).
     """
     if not is_int(token_budget) or token_budget < 1:
         raise ValueError(f"token_budget must be a positive int, got {token_budget!r}")
@@ -300,6 +333,11 @@ def simulate(
         "requests": len(workload), "rejected": len(rejected),
         "reserve_full_isl": reserve_full_isl, "cost_model": cost_conditions(cost),
     }
+    if vllm_engine:
+        _check_scheduler_overrides(scheduler_overrides, token_budget, max_running,
+                                   _max_model_len(workload, layout))
+    if check_only:
+        return SimulationResult(workload.name, conditions)
     if vllm_engine:
         result = _simulate_on_vllm(workload, layout, cost, chosen, n_gpu, n_cpu, conditions,
                                    token_budget=token_budget, max_running=max_running,
@@ -363,8 +401,7 @@ def _simulate_on_vllm(workload: Workload, layout: KVLayout, cost: CostModel,
     conditions["reserve_full_isl"] = bool(overrides.get("scheduler_reserve_full_isl", True))
     conditions.update(scheduler_overrides=overrides, vllm=vllm.__version__)
     result = SimulationResult(workload.name, conditions)
-    max_len = max(r.prompt_len + max(1, r.output_len) for r in workload) + 1
-    max_model_len = -(-max_len // layout.scheduler_block_size) * layout.scheduler_block_size
+    max_model_len = _max_model_len(workload, layout)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with tempfile.TemporaryDirectory(prefix="kvtriton-vllm-sim-") as tmp:
         model_dir = str(tiny_model_dir(tmp, max_model_len))
