@@ -49,13 +49,22 @@ def miniature(layout: KVLayout) -> KVLayout:
     return KVLayout(groups, layout.hash_block_size, name=f"{layout.name}-mini")
 
 
+@lru_cache(maxsize=64)
+def _positions(nbytes: int) -> np.ndarray:
+    return np.arange(1, nbytes + 1, dtype=np.int64)
+
+
 @lru_cache(maxsize=1 << 14)
-def _pattern(key: int, segment: int, nbytes: int) -> torch.Tensor:
+def _pattern(key: int, segment: int, nbytes: int) -> np.ndarray:
     """Bytes a segment of the block keyed ``key`` holds: a key-seeded sequence (int64 math).
-    Cached, so never written to."""
+    Cached, so read-only. NumPy, not torch: a block's bytes are written and compared one block
+    at a time, and a NumPy op on a few hundred bytes costs a fraction of a torch op's dispatch
+    (integrity mode's time was mostly those per-block calls)."""
     seed = (key * 0x9E3779B1 + segment * 0x85EBCA77 + 1) & 0x7FFFFFFF
-    i = torch.arange(nbytes, dtype=torch.int64)
-    return (((i + 1) * seed) >> 7).remainder(251).to(torch.uint8)
+    out = ((_positions(nbytes) * seed) >> 7) % 251
+    out = out.astype(np.uint8)
+    out.flags.writeable = False
+    return out
 
 
 class _Provenance:
@@ -88,6 +97,11 @@ class IntegrityChecker:
                 for t in (layer if isinstance(layer, tuple) else (layer,)):
                     t.fill_(-1)
         self.engine = TransferEngine(self.layout, kv, num_cpu_blocks + 1, backend=backend)
+        # NumPy views sharing the engine's memory (CPU tensors), per group: (view, offset) of
+        # each GPU segment, and the host pool.
+        self._gpu_arrays = [[(view.numpy(), off) for view, off in segs]
+                            for segs in self.engine.segments]
+        self._cpu_array = self.engine.cpu_pool.numpy()
         self._gpu = _Provenance(num_gpu_blocks + 1)
         self._cpu = _Provenance(num_cpu_blocks + 1)
         self._key_group: dict[int, int] = {}
@@ -131,7 +145,7 @@ class IntegrityChecker:
 
     def fill(self, group: int, block: int, key: int) -> None:
         """The model computed ``block`` of ``group``: write its key's bytes."""
-        for s, (view, _) in enumerate(self.engine.segments[group]):
+        for s, (view, _) in enumerate(self._gpu_arrays[group]):
             view[block] = _pattern(key, s, view.shape[1])
         known = self._key_group.setdefault(key, group)
         if known != group:
@@ -177,8 +191,8 @@ class IntegrityChecker:
                     continue
                 j = min((pos + 1) * r, end // hbs) - 1
                 key = int(keys[g, j])
-                for s, (view, _) in enumerate(self.engine.segments[g]):
-                    if not torch.equal(view[b], _pattern(key, s, view.shape[1])):
+                for s, (view, _) in enumerate(self._gpu_arrays[g]):
+                    if not np.array_equal(view[b], _pattern(key, s, view.shape[1])):
                         raise IntegrityError(
                             f"step {step}: request {request_id!r}: GPU block {b} (group {g}, "
                             f"position {pos}, segment {s}) does not hold key {key} after its "
@@ -192,7 +206,7 @@ class IntegrityChecker:
         return "" if self._step is None else f"step {self._step}: "
 
     def _registered(self, tier: str, prov: _Provenance, block: int, key: int,
-                    segments: list[torch.Tensor]) -> None:
+                    segments: list[tuple[np.ndarray, int]]) -> None:
         """``block`` of ``tier`` was registered under its primary ``key``: something must have
         written that key's bytes into it since it was handed out, and they must be there."""
         wrote, g = int(prov.wrote[block]), int(prov.group[block])
@@ -205,7 +219,7 @@ class IntegrityChecker:
             raise IntegrityError(f"{where} as group {g}, but the key was computed in group "
                                  f"{self._key_group.get(key)}")
         for s, (data, nbytes) in enumerate(segments):
-            if not torch.equal(data, _pattern(key, s, nbytes)):
+            if not np.array_equal(data, _pattern(key, s, nbytes)):
                 raise IntegrityError(f"{where} (group {g}, segment {s}) does not hold its "
                                      "bytes")
         prov.wrote[block] = _NONE
@@ -216,16 +230,16 @@ class IntegrityChecker:
         if self._gpu_pool.block_hash(block) != key:
             return  # an alias of the primary key, checked with it
         g = int(self._gpu.group[block])
-        segs = [] if g == _NONE else [(v[block], v.shape[1]) for v, _ in self.engine.segments[g]]
+        segs = [] if g == _NONE else [(v[block], v.shape[1]) for v, _ in self._gpu_arrays[g]]
         self._registered("GPU", self._gpu, block, key, segs)
 
     def _on_cpu_insert(self, key: int, block: int) -> None:
         if self._cpu_pool.block_hash(block) != key:
             return
         g = int(self._cpu.group[block])
-        pool = self.engine.cpu_pool
+        pool = self._cpu_array
         segs = [] if g == _NONE else [(pool[block, off:off + v.shape[1]], v.shape[1])
-                                      for v, off in self.engine.segments[g]]
+                                      for v, off in self._gpu_arrays[g]]
         self._registered("CPU", self._cpu, block, key, segs)
 
     def _on_gpu_evict(self, key: int, block: int) -> None:

@@ -177,8 +177,12 @@ def _check_engine(engine: str, chosen: list[TierPolicy], layout: KVLayout, model
     asked for and does not import."""
     if engine not in ENGINES:
         raise ValueError(f"engine {engine!r}: expected one of {', '.join(ENGINES)}")
-    if integrity_backend is not None and integrity_backend not in ("torch", "triton"):
-        raise ValueError(f"integrity_backend {integrity_backend!r}: expected torch or triton")
+    if integrity_backend is not None:
+        from kvtriton.engine import BACKENDS
+
+        if integrity_backend not in BACKENDS:
+            raise ValueError(f"integrity_backend {integrity_backend!r}: expected one of "
+                             f"{', '.join(BACKENDS)}")
     if engine == "kvtriton":
         return
     if integrity:
