@@ -35,12 +35,15 @@ paper: $(VENV)/.installed
 	$(PY) paper/build.py $(PAPER_ARGS)
 
 ## gpu-check: one unattended run on a lent GPU, under 8 minutes, every step under `timeout`:
-## set-up (reusing the CUDA torch PYTHON imports), GPU tests, kernel check, short bandwidth and
-## contention benchmark; JSON and logs in bench/results/gpu/ (bench/gpu_check.py)
+## set-up (reusing the CUDA torch PYTHON imports), the device-lane tests, kernel check, short
+## bandwidth and contention benchmark; prints each target (measured, bound, met) and a summary;
+## exit 1 if a step failed, 3 if a target was missed; JSON and logs in bench/results/gpu/
+## (bench/gpu_check.py)
 gpu-check:
 	$(PYTHON) bench/gpu_check.py --python $(PYTHON) --venv $(VENV) $(GPU_CHECK_ARGS)
 
-## gpu-check-dry-run: the same pipeline at CPU size on any machine, installing nothing
+## gpu-check-dry-run: the same pipeline at CPU size on any machine, installing nothing; the
+## target table's values come from CPU timings and are judged by nobody (n/a)
 gpu-check-dry-run:
 	$(PYTHON) bench/gpu_check.py --dry-run --python $(PYTHON) --venv $(VENV) $(GPU_CHECK_ARGS)
 

@@ -26,11 +26,21 @@ group's bytes per block).
 Two more measurements:
 
 - ``piece_sweep``: kernel against copy engine for 64 blocks of one layout per piece size (K/V pages
-  of 4 to 64 KiB), the crossover ``backend="auto"`` puts at ``COPY_ENGINE_MIN_PIECE_BYTES``;
+  of 4 to 64 KiB), the crossover ``backend="auto"`` puts at ``COPY_ENGINE_MIN_PIECE_BYTES``; its
+  4-24 KiB pieces are the small-piece regime, where vLLM's DMA path manages 5-7 GB/s (vLLM PR
+  #42212, H100);
 - ``contention``: a bf16 GEMM's time alone and while a 1 GiB store runs on the engine's side
   stream, through the Triton kernel (default SM budget) and through the copy engine.
 
-Results (median, p10, p90) and the targets go to ``bench/results/bench_kernels.json``.
+Results (median, p10, p90) and the targets go to ``bench/results/bench_kernels.json``. Each target
+(``TARGETS``) is printed with its measured value, its bound and whether it was met, then one
+summary line; the exit code is 0 when every measured target is met (or none is judged: the dry
+run), ``EXIT_TARGET_MISSED`` when one is missed.
+
+The dry run computes every target's value from its CPU timings, through the same code as on a GPU
+(its largest sizes stand in for ``TARGET_FROM_BLOCKS``, its sweep's pages are 4 and 24 KiB, and
+the GEMM runs beside a store on a thread), and judges none of them: the numbers are not link
+bandwidth.
 
     python -m bench.bench_kernels            # full size, needs CUDA
     python -m bench.bench_kernels --quick    # a few sizes, the sweep and the contention run
@@ -42,6 +52,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,20 +65,24 @@ from bench.common import write_result
 
 LLAMA_SIZES = [2**i for i in range(13)]  # 1 .. 4096 blocks per launch
 LLAMA_SIZES_QUICK = [1, 16, 64, 256]
+LLAMA_SIZES_DRY = [1, 4]
 MAMBA_SIZES = [1, 2, 4, 8]  # Mamba state blocks per launch, with 16 attention blocks each
 MAMBA_SIZES_QUICK = [1, 2]
 LAYER_COUNTS = (8, 32, 64)
 LAYERS_PAIRS = 256
 LOOP_MAX_PAIRS = 1024  # the per-block loop is host-bound; above this it only costs time
-TARGET_FROM_BLOCKS = 64
+TARGET_FROM_BLOCKS = 64  # the ratio targets cover launches of this many blocks and more
 # Back-to-back launches per timed repetition: enough for ~20 ms of device time, at most this many.
 MAX_BURST = 16
 BURST_SECONDS = 0.02
-SWEEP_HEADS = (1, 2, 4, 8, 16)  # K/V pages of 4, 8, 16, 32, 64 KiB (16 tokens x 128 x bf16)
+SWEEP_HEADS = (1, 2, 4, 6, 8, 16)  # K/V pages of 4, 8, 16, 24, 32, 64 KiB (16 tokens x 128 x bf16)
+SWEEP_HEADS_DRY = (1, 6)  # 4 and 24 KiB: the ends of the small-piece regime
 SWEEP_BLOCKS = 64
+SMALL_PIECES = (4 * 1024, 24 * 1024)  # vLLM PR #42212 (H100): its DMA path at 5-7 GB/s here
 CONTENTION_BYTES = 2**30
 GEMM_SIZE = 8192
 GEMM_SLOWDOWN_MAX = 0.05
+EXIT_TARGET_MISSED = 3  # the run ended and a measured target was missed (a crash exits 1)
 
 TARGETS = {
     "d2h_vs_ceiling": ("D2H kernel >= 0.90 x the contiguous D2H ceiling from 64 blocks up "
@@ -80,6 +95,10 @@ TARGETS = {
                             f"over {LAYER_COUNTS} layers at {LAYERS_PAIRS} blocks <= 1.25", 1.25),
     "gemm_slowdown": (f"bf16 GEMM slowdown while a 1 GiB store runs through the kernel at the "
                       f"default SM budget <= {GEMM_SLOWDOWN_MAX:.0%}", GEMM_SLOWDOWN_MAX),
+    "small_pieces_vs_copy_engine": (
+        "kernel GB/s >= the copy engine's in the same run at every piece of 4-24 KiB (piece "
+        f"sweep, {SWEEP_BLOCKS} blocks, both directions), where backend='auto' picks the kernel; "
+        "vLLM's DMA path manages 5-7 GB/s there (vLLM PR #42212, H100)", 1.0),
 }
 
 
@@ -351,19 +370,41 @@ def _find(results, **key) -> dict | None:
 
 
 LOWER_IS_BETTER = ("host_time_vs_layers", "gemm_slowdown")
+MET_COLUMN = {"met": "yes", "missed": "NO", "not evaluated": "n/a (dry run)",
+              "not measured": "not measured"}
 
 
-def evaluate_targets(results: list[dict], evaluate: bool, contention: dict | None = None) -> dict:
-    """Each target: the worst value over the sizes it covers, and whether it held."""
+def _small_piece_ratios(sweep: dict | None) -> list[float]:
+    """Kernel GB/s over copy-engine GB/s for each sweep row in ``SMALL_PIECES``."""
+    rows = (sweep or {}).get("rows", [])
+    lo, hi = SMALL_PIECES
+    out = []
+    for r in rows:
+        if r["method"] != "kernel" or not lo <= r["piece_bytes"] <= hi:
+            continue
+        engine = _find(rows, method="copy_engine", direction=r["direction"],
+                       piece_bytes=r["piece_bytes"])
+        if engine:
+            out.append(r["gbps_median"] / engine["gbps_median"])
+    return out
+
+
+def evaluate_targets(results: list[dict], evaluate: bool, contention: dict | None = None,
+                     sweep: dict | None = None, target_from: int = TARGET_FROM_BLOCKS) -> dict:
+    """Each target: the worst value over the sizes it covers (llama3-8b launches of
+    ``target_from`` blocks and more for the ratios), its bound, and ``status``: ``met`` or
+    ``missed``; ``not evaluated`` when ``evaluate`` is false (the value is computed, ``met`` is
+    None); ``not measured`` when nothing it covers was timed."""
     out = {}
     ratios: dict[str, list[float]] = {k: [] for k in TARGETS}
+    llama_top = max((x["blocks_per_launch"] for x in results if x["scenario"] == "llama3-8b"),
+                    default=None)
     for r in results:
         if r["scenario"] != "llama3-8b" or r["method"] != "kernel" \
-                or r["blocks_per_launch"] < TARGET_FROM_BLOCKS:
+                or r["blocks_per_launch"] < target_from:
             continue
         ceiling = _find(results, scenario="llama3-8b", method="ceiling", direction=r["direction"],
-                        blocks_per_launch=max(x["blocks_per_launch"] for x in results
-                                    if x["scenario"] == "llama3-8b"))
+                        blocks_per_launch=llama_top)
         key = "d2h_vs_ceiling" if r["direction"] == "d2h" else "h2d_vs_ceiling"
         if ceiling:
             ratios[key].append(r["gbps_median"] / ceiling["gbps_median"])
@@ -379,18 +420,80 @@ def evaluate_targets(results: list[dict], evaluate: bool, contention: dict | Non
     slowdown = ((contention or {}).get("kernel") or {}).get("slowdown")
     if slowdown is not None:
         ratios["gemm_slowdown"].append(slowdown)
+    ratios["small_pieces_vs_copy_engine"] = _small_piece_ratios(sweep)
     for key, (text, bound) in TARGETS.items():
+        lower = key in LOWER_IS_BETTER
+        row = {"target": text, "op": "<=" if lower else ">=", "bound": bound, "value": None,
+               "met": None}
         vals = ratios[key]
         if not vals:
-            out[key] = {"target": text, "value": None, "met": None, "note": "not measured"}
+            out[key] = {**row, "status": "not measured", "note": "not measured"}
             continue
-        lower = key in LOWER_IS_BETTER
         worst = max(vals) if lower else min(vals)
         met = worst <= bound if lower else worst >= bound
-        out[key] = {"target": text, "value": worst, "met": bool(met) if evaluate else None}
-        if not evaluate:
-            out[key]["note"] = "not evaluated: CPU dry run, the numbers are not link bandwidth"
+        row["value"] = worst
+        if evaluate:
+            out[key] = {**row, "met": bool(met), "status": "met" if met else "missed"}
+        else:
+            out[key] = {**row, "status": "not evaluated",
+                        "note": "not evaluated: CPU dry run, the numbers are not link bandwidth"}
     return out
+
+
+def targets_summary(targets: dict) -> str:
+    """One line: how many targets were met, which were missed, which were not measured."""
+    def named(status: str) -> list[str]:
+        return [k for k, t in targets.items() if t["status"] == status]
+
+    unjudged = named("not evaluated")
+    parts = [f"targets: not judged (CPU dry run), {len(unjudged)} of {len(targets)} computed"
+             if unjudged else f"targets: {len(named('met'))} of {len(targets)} met"]
+    if named("missed"):
+        parts.append(f"MISSED: {', '.join(named('missed'))}")
+    if named("not measured"):
+        parts.append(f"not measured: {', '.join(named('not measured'))}")
+    return "; ".join(parts)
+
+
+def exit_code(targets: dict) -> int:
+    """``EXIT_TARGET_MISSED`` when a measured target was missed, else 0."""
+    return EXIT_TARGET_MISSED if any(t["status"] == "missed" for t in targets.values()) else 0
+
+
+def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+            for r in (header, *rows)]
+
+
+def target_table(targets: dict) -> list[str]:
+    """Each target's measured value, bound and verdict, then the summary line."""
+    rows = [(name, "-" if t["value"] is None else f"{t['value']:.3g}",
+             f"{t['op']} {t['bound']:g}", MET_COLUMN[t["status"]])
+            for name, t in targets.items()]
+    return [*_table(("target", "measured", "bound", "met"), rows), targets_summary(targets)]
+
+
+def piece_table(sweep: dict | None) -> list[str]:
+    """Kernel against copy-engine GB/s per piece size and direction, from the same run."""
+    if not sweep:
+        return []
+    lo, hi = SMALL_PIECES
+    rows = []
+    for r in sorted((r for r in sweep["rows"] if r["method"] == "kernel"),
+                    key=lambda r: (r["piece_bytes"], r["direction"])):
+        engine = _find(sweep["rows"], method="copy_engine", direction=r["direction"],
+                       piece_bytes=r["piece_bytes"])
+        rows.append((f"{r['piece_bytes'] / 1024:g} KiB", r["direction"], f"{r['gbps_median']:.3g}",
+                     f"{engine['gbps_median']:.3g}",
+                     f"{r['gbps_median'] / engine['gbps_median']:.3g}",
+                     "small" if lo <= r["piece_bytes"] <= hi else ""))
+    title = [f"piece sweep: kernel against copy engine in this run ({sweep['blocks']} blocks, "
+             f"{sweep['layers']} layers per piece size)",
+             f"small: {lo // 1024}-{hi // 1024} KiB pieces, where vLLM's DMA path manages 5-7 GB/s "
+             "(vLLM PR #42212, H100)"]
+    return [*title, *_table(("piece", "dir", "kernel GB/s", "copy engine GB/s", "kernel/engine",
+                            "regime"), rows)]
 
 
 def _time_cases(timer: Timer, cases: list[Case], warmups: int) -> list[dict]:
@@ -407,10 +510,10 @@ def piece_sweep(device: str, dry_run: bool, backend: str, sm_budget: int | None,
     piece from which the copy engine is at least as fast."""
     from kvtriton.specs import FullAttentionSpec, KVLayout
 
-    heads, head, n = ((1, 2), 32, 2) if dry_run else (SWEEP_HEADS, 128, SWEEP_BLOCKS)
+    heads, n = (SWEEP_HEADS_DRY, 2) if dry_run else (SWEEP_HEADS, SWEEP_BLOCKS)
     rows = []
     for h in heads:
-        spec = FullAttentionSpec(16, h, head, 2)
+        spec = FullAttentionSpec(16, h, 128, 2)
         layout = KVLayout([spec], name=f"pieces-{spec.page_bytes // 1024}KiB")
         scenario = Scenario(layout.name, layout, _llama_pairs([n], rng), device, backend,
                             sm_budget)
@@ -480,11 +583,24 @@ def contention(device: str, dry_run: bool, sm_budget: int | None, reps: int) -> 
         if cuda:
             row.update(_overlap(gemm, store, out["gemm_alone_ms"] / 1e3, store_alone))
         else:
-            row.update({"slowdown": None, "note": "CPU dry run: copies are synchronous, nothing "
-                                                   "runs concurrently"})
+            row.update(_overlap_thread(gemm, store, out["gemm_alone_ms"] / 1e3))
+            row["note"] = ("CPU dry run: the store on a thread beside the GEMMs, sharing the "
+                           "cores; not the GPU's contention")
         out[method] = row
     engine.close()
     return out
+
+
+def _slowdown(marks: list[tuple[float, float]], start: float, end: float, gemm_s: float) -> dict:
+    """The GEMMs (``marks``: start and end seconds) that ran entirely inside the store's span
+    (``start``, ``end``, the same clock) against the GEMM alone (``gemm_s``)."""
+    during = [b - a for a, b in marks if a >= start and b <= end]
+    if not during:
+        return {"slowdown": None, "gemms_during": 0, "store_during_ms": (end - start) * 1e3,
+                "note": "no GEMM ran entirely inside the store"}
+    gemm_during = float(np.median(during))
+    return {"slowdown": gemm_during / gemm_s - 1, "gemm_during_ms": gemm_during * 1e3,
+            "gemms_during": len(during), "store_during_ms": (end - start) * 1e3}
 
 
 def _overlap(gemm, store, gemm_s: float, store_s: float) -> dict:
@@ -509,15 +625,41 @@ def _overlap(gemm, store, gemm_s: float, store_s: float) -> dict:
         store()
         s1.record(side)
     torch.cuda.synchronize()
-    start, end = t0.elapsed_time(s0), t0.elapsed_time(s1)
-    during = [t0.elapsed_time(b) - t0.elapsed_time(a) for a, b in marks
-              if t0.elapsed_time(a) >= start and t0.elapsed_time(b) <= end]
-    if not during:
-        return {"slowdown": None, "gemms_during": 0, "store_during_ms": end - start,
-                "note": "no GEMM ran entirely inside the store"}
-    gemm_during = float(np.median(during)) / 1e3
-    return {"slowdown": gemm_during / gemm_s - 1, "gemm_during_ms": gemm_during * 1e3,
-            "gemms_during": len(during), "store_during_ms": end - start}
+    since = lambda e: t0.elapsed_time(e) / 1e3  # seconds after t0
+    return _slowdown([(since(a), since(b)) for a, b in marks], since(s0), since(s1), gemm_s)
+
+
+def _overlap_thread(gemm, store, gemm_s: float, gemms: int = 8) -> dict:
+    """The dry run's stand-in for ``_overlap`` on the CPU: the store back to back on a thread
+    while ``gemms`` GEMMs run beside it, all of them inside its span by construction."""
+    started, stop = threading.Event(), threading.Event()
+    span: list[float] = []
+    errors: list[BaseException] = []
+
+    def run_store():
+        try:
+            span.append(time.perf_counter())
+            started.set()
+            while not stop.is_set():
+                store()
+            span.append(time.perf_counter())
+        except BaseException as exc:  # re-raised in the caller's thread
+            errors.append(exc)
+            started.set()
+
+    side = threading.Thread(target=run_store)
+    side.start()
+    started.wait()
+    marks = []
+    while len(marks) < gemms and side.is_alive():
+        t = time.perf_counter()
+        gemm()
+        marks.append((t, time.perf_counter()))
+    stop.set()
+    side.join()
+    if errors:
+        raise errors[0]
+    return _slowdown(marks, *span, gemm_s)
 
 
 def _interpreted() -> bool:
@@ -534,7 +676,7 @@ def run(quick: bool, dry_run: bool, sm_budget: int | None, reps: int | None,
     rng = np.random.default_rng(0)
     llama, mamba, by_layers = _layouts(dry_run)
     if dry_run:
-        llama_sizes, mamba_sizes, reps = [1, 4], [1], reps or 1
+        llama_sizes, mamba_sizes, reps = LLAMA_SIZES_DRY, [1], reps or 1
     elif quick:
         llama_sizes, mamba_sizes, reps = LLAMA_SIZES_QUICK, MAMBA_SIZES_QUICK, reps or 5
     else:
@@ -561,6 +703,11 @@ def run(quick: bool, dry_run: bool, sm_budget: int | None, reps: int | None,
     if cuda:
         torch.cuda.empty_cache()
     busy = contention(device, dry_run, sm_budget, reps) if extras else None
+    # The dry run's sizes are all below TARGET_FROM_BLOCKS: its largest stands in, so the target
+    # code runs on the CPU too (judging nothing).
+    target_from = max(llama_sizes) if dry_run else TARGET_FROM_BLOCKS
+    targets = evaluate_targets(results, evaluate=cuda, contention=busy, sweep=sweep,
+                               target_from=target_from)
     return {
         "mode": "gpu" if cuda else "cpu-dry-run",
         "note": ("CUDA-event timing of back-to-back launches of prepared steps on the GPU"
@@ -580,7 +727,10 @@ def run(quick: bool, dry_run: bool, sm_budget: int | None, reps: int | None,
                         "prepared step, host preparation excluded); host_us: wall time of the "
                         "whole submitting call, preparation included"),
         "cuMemcpyBatchAsync": memcpy_batch_status(),
-        "targets": evaluate_targets(results, evaluate=cuda, contention=busy),
+        "target_from_blocks": target_from,
+        "targets": targets,
+        "targets_summary": targets_summary(targets),
+        "report": [*piece_table(sweep), *([""] if sweep else []), *target_table(targets)],
         "piece_sweep": sweep,
         "contention": busy,
         "results": results,
@@ -607,8 +757,9 @@ def main(argv: list[str] | None = None) -> int:
     name = "bench_kernels_cpu_dryrun" if args.dry_run else (
         "bench_kernels_quick" if args.quick else "bench_kernels")
     path = write_result(name, payload, args.results_dir)
-    print(f"bench_kernels: {len(payload['results'])} timings -> {path}")
-    return 0
+    print(f"bench_kernels: {len(payload['results'])} timings -> {path}\n")
+    print("\n".join(payload["report"]))
+    return exit_code(payload["targets"])
 
 
 if __name__ == "__main__":

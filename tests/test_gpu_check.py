@@ -1,13 +1,16 @@
 """``make gpu-check``: its dry run end to end on this CPU machine, and its time limits.
 
 The real run happens once, unattended, on a rare GPU lent for minutes; everything but the GPU
-work is checked here: every step runs under ``timeout`` within one budget, a failed or timed-out
-step is recorded and the steps that need it are skipped, and the dry run writes the same JSON and
-logs the real run does, installing nothing.
+work is checked here: every step runs under ``timeout`` within one budget its limits fit, a failed
+or timed-out step is recorded and the steps that need it are skipped, a missed benchmark target
+is a verdict of its own (not a failed step), and the dry run writes the same JSON and logs the
+real run does and prints the target table, installing nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -18,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import gpu_check
+from bench import bench_kernels, gpu_check
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = ["setup", "env", "compiled", "tests", "kernel_check", "bench"]
@@ -37,6 +40,80 @@ def test_the_whole_run_fits_in_8_minutes():
     assert "--quick" in by_name["bench"]
     assert not any(word in " ".join(map(str, cmd)) for cmd in by_name.values()
                    for word in ("sudo", "nvidia-smi -r", "--gpu-reset", "rm -rf"))
+
+
+def test_step_limits_add_up_to_the_budget():
+    # Otherwise the last steps get what the first left over, not what they were sized for.
+    for dry_run in (False, True):
+        steps = gpu_check.plan(Path("/tmp/out"), "python3", ROOT / ".venv", dry_run=dry_run)
+        assert sum(s.limit_s for s in steps) <= gpu_check.BUDGET_S, dry_run
+
+
+def test_the_tests_step_is_the_device_lane_by_marker_with_a_bounded_fuzz():
+    (tests,) = [s for s in gpu_check.plan(Path("/tmp/out"), "python3", ROOT / ".venv",
+                                          dry_run=False) if s.name == "tests"]
+    cmd = tests.command
+    assert cmd[cmd.index("-m", 3) + 1] == gpu_check.GPU_TESTS_MARKER
+    assert "device_lane" in gpu_check.GPU_TESTS_MARKER.split()
+    assert not [a for a in cmd if a.endswith(".py")], "files move: select by marker"
+    assert tests.env == {"KVTRITON_FUZZ_EXAMPLES": str(gpu_check.GPU_FUZZ_EXAMPLES)}
+    assert tests.limit_s == gpu_check.TESTS_MEASURED_S * gpu_check.TESTS_FACTOR
+    # The variable is the one a device-lane fuzz module reads, wherever it has moved to.
+    readers = [f for f in (ROOT / "tests").rglob("test_*.py")
+               if "KVTRITON_FUZZ_EXAMPLES" in (text := f.read_text())
+               and "pytest.mark.device_lane" in text]
+    assert readers, "no device-lane test reads KVTRITON_FUZZ_EXAMPLES"
+
+
+def _bench_json(path: Path, h2d_kernel_gbps: float) -> dict:
+    """What bench_kernels writes of its targets, for a run whose H2D kernel reached
+    ``h2d_kernel_gbps`` against a 50 GB/s ceiling."""
+    rows = [{"scenario": "llama3-8b", "blocks_per_launch": 64, "method": m, "direction": d,
+             "gbps_median": g, "host_us_median": 10.0}
+            for d in ("d2h", "h2d") for m, g in
+            (("ceiling", 50.0), ("loop", 4.0),
+             ("kernel", h2d_kernel_gbps if d == "h2d" else 48.0))]
+    targets = bench_kernels.evaluate_targets(rows, evaluate=True)
+    doc = {"targets": targets, "targets_summary": bench_kernels.targets_summary(targets),
+           "report": bench_kernels.target_table(targets)}
+    path.write_text(json.dumps(doc))
+    return doc
+
+
+@pytest.mark.parametrize(("bench_rc", "h2d", "failed", "missed", "rc"), [
+    (3, 30.0, [], ["h2d_vs_ceiling"], 3),
+    (0, 40.0, [], [], 0),
+    (1, 30.0, ["bench"], [], 1),
+], ids=["target-missed", "targets-met", "step-failed"])
+def test_a_missed_target_is_a_verdict_apart_from_a_failed_step(
+        tmp_path, monkeypatch, capsys, bench_rc, h2d, failed, missed, rc):
+    # 3: the benchmark ran to the end and missed a target; gpu_check passes the verdict on.
+    assert gpu_check.TARGETS_MISSED_RC == bench_kernels.EXIT_TARGET_MISSED == 3
+    bench = _bench_json(tmp_path / "bench.json", h2d)
+    steps = [
+        gpu_check.Step("bench", [sys.executable, "-c", f"raise SystemExit({bench_rc})"], 30,
+                       missed_rc=gpu_check.TARGETS_MISSED_RC, targets_file="bench.json"),
+        gpu_check.Step("after", [sys.executable, "-c", "print(1)"], 30, ("bench",)),
+    ]
+    monkeypatch.setattr(gpu_check, "plan", lambda *args: steps)
+    assert gpu_check.main(["--out", str(tmp_path), "--python", sys.executable,
+                           "--venv", str(tmp_path / "venv")]) == rc
+    doc = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert doc["failed"] == failed and doc["targets_missed"] == missed
+    assert doc["ok"] is (rc == 0)
+    out = capsys.readouterr().out
+    summary = out.rstrip().splitlines()[-1]
+    if failed:
+        assert doc["steps"][1]["skipped"] == "needs bench, which did not succeed"
+        assert "FAILED: bench" in summary and "targets not judged" in summary
+        assert "h2d_vs_ceiling" not in out
+    else:
+        # A benchmark that ran to the end satisfies the steps that need it.
+        assert doc["steps"][1]["rc"] == 0
+        assert "steps all passed" in summary and bench["targets_summary"] in summary
+        assert "\n".join(bench["report"]) in out
+        assert doc["targets"]["bench"]["h2d_vs_ceiling"]["status"] == (
+            "missed" if missed else "met")
 
 
 @pytest.mark.skipif(shutil.which("timeout") is None, reason="needs coreutils `timeout`")
@@ -61,12 +138,23 @@ def test_steps_run_under_timeout_and_within_the_budget(tmp_path, monkeypatch):
     assert "===== slow: exit 124" in (tmp_path / "gpu_check.log").read_text()
 
 
-def test_dry_run_writes_the_results_and_installs_nothing(tmp_path):
-    out, venv = tmp_path / "gpu", tmp_path / "venv"
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    """One dry run for the tests below: its folder, its venv path, what it printed, its exit
+    code, and the default folder's files before and after."""
+    tmp = tmp_path_factory.mktemp("dry")
+    out, venv = tmp / "gpu", tmp / "venv"
     default = gpu_check.DEFAULT_OUT
     before = set(default.rglob("*")) if default.exists() else None
-    rc = gpu_check.main(["--dry-run", "--out", str(out), "--python", sys.executable,
-                         "--venv", str(venv)])
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        rc = gpu_check.main(["--dry-run", "--out", str(out), "--python", sys.executable,
+                             "--venv", str(venv)])
+    after = set(default.rglob("*")) if default.exists() else None
+    return out, venv, printed.getvalue(), rc, before, after
+
+
+def test_dry_run_writes_the_results_and_installs_nothing(dry_run):
+    out, venv, _, rc, before, after = dry_run
     doc = json.loads((out / "gpu_check.json").read_text())
     assert rc == 0, (out / "gpu_check.log").read_text()[-4000:]
     assert doc["dry_run"] and doc["ok"] and not doc["failed"] and not doc["skipped"]
@@ -78,12 +166,31 @@ def test_dry_run_writes_the_results_and_installs_nothing(tmp_path):
     assert json.loads((out / "env.json").read_text())["cuda_available"] is False
     assert "sm_90" in (out / "compiled.txt").read_text()
     assert (out / "tests.xml").exists()
+    collected = (out / "tests.log").read_text()
+    assert "test_fuzz.py::" in collected and "runTest" in collected, "the lane lost the fuzz"
     assert json.loads((out / "kernel_check.json").read_text())["rows"]
     bench = json.loads((out / "bench_kernels_cpu_dryrun.json").read_text())
     assert bench["mode"] == "cpu-dry-run" and bench["contention"] and bench["piece_sweep"]
     assert not venv.exists(), "a dry run must not install anything"
-    after = set(default.rglob("*")) if default.exists() else None
     assert after == before, "wrote to the default folder despite --out"
+
+
+def test_dry_run_prints_the_target_table_from_the_target_code(dry_run):
+    out, _, printed, _, _, _ = dry_run
+    bench = json.loads((out / "bench_kernels_cpu_dryrun.json").read_text())
+    lines = printed.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split() == ["target", "measured",
+                                                                      "bound", "met"])
+    rows = {line.split()[0]: line for line in lines[header + 1: header + 1 + len(
+        bench_kernels.TARGETS)]}
+    assert set(rows) == set(bench_kernels.TARGETS)
+    for name, line in rows.items():
+        # Every target's value is computed on the CPU (the dry run reaches the target code),
+        # and judged by nobody.
+        assert line.endswith("n/a (dry run)") and line.split()[1] != "-", line
+        assert bench["targets"][name]["value"] is not None
+    assert any(line.startswith("small:") and "#42212" in line for line in lines)
+    assert lines[-1].startswith("gpu_check (dry run): steps all passed; targets: not judged")
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
