@@ -93,6 +93,8 @@ STUDIES: tuple[Study, ...] = (
           ("--quick",), ("--quick",), "vllm", ("vllm_agent.json",), run_in=("full",)),
     Study("crosscheck", "bench.crosscheck", "ServingLoop beside vLLM's scheduler", _CROSSCHECK,
           _CROSSCHECK, "vllm", ("crosscheck.json",), run_in=("full",), quiet=True),
+    Study("integrity", "bench.bench_integrity", "what integrity mode costs over the plain run",
+          (), (), "cpu", ("integrity.json",), run_in=()),
     # The longer runs behind the paper's optional sections (30 and 5 minutes on 2 cores).
     Study("cc_agentic_whole", "bench.bench_policies",
           "the whole coding-agent traces, every setup", _CC_WHOLE, _CC_WHOLE, "cpu",
