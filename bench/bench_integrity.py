@@ -29,10 +29,11 @@ CASES = {
     "mooncake_200": (lambda: serving_workload("mooncake", limit=200)[0],
                      {"gpu_gib": 32.0, "cpu_gib": 256.0,
                       "policies": ["eager", "eager+restore:0.5+tail", "lazy"]}),
-    "cc_agentic_3_gemma": (lambda: load_workload("cc_agentic", limit=3),
-                           {"model": "gemma3-12b", "gpu_tokens": 65_536, "cpu_tokens": 262_144,
-                            "policies": ["eager", "eager+restore:0.5+tail", "lazy"],
-                            "bound": False}),
+    # kvtriton simulate --workload cc_agentic --limit 3 --model gemma3-12b --integrity
+    #     --policies eager,eager+restore:0.5+tail,lazy  (16-token blocks, default sizes, bounds)
+    "cc_agentic_3_gemma": (lambda: load_workload("cc_agentic", block_size=16, limit=3),
+                           {"model": "gemma3-12b",
+                            "policies": ["eager", "eager+restore:0.5+tail", "lazy"]}),
     "agent_nemotron_h": (lambda: load_workload("agent", agent=AgentConfig(
         num_conversations=8, min_turns=3, max_turns=6, seed=0)),
                          {"model": "nemotron-h-8b", "gpu_tokens": 16_384, "cpu_tokens": 65_536,

@@ -49,22 +49,29 @@ def miniature(layout: KVLayout) -> KVLayout:
     return KVLayout(groups, layout.hash_block_size, name=f"{layout.name}-mini")
 
 
+_MASK64 = (1 << 64) - 1
+
+
 @lru_cache(maxsize=64)
 def _positions(nbytes: int) -> np.ndarray:
-    return np.arange(1, nbytes + 1, dtype=np.int64)
+    """One 64-bit word per 8 bytes of a segment, each distinct: bytes copied to the wrong offset
+    within a block differ from the bytes expected there."""
+    words = np.arange(1, -(-nbytes // 8) + 1, dtype=np.uint64)
+    return words * np.uint64(0x9E3779B97F4A7C15)
 
 
 @lru_cache(maxsize=1 << 14)
-def _pattern(key: int, segment: int, nbytes: int) -> np.ndarray:
-    """Bytes a segment of the block keyed ``key`` holds: a key-seeded sequence (int64 math).
-    Cached, so read-only. NumPy, not torch: a block's bytes are written and compared one block
-    at a time, and a NumPy op on a few hundred bytes costs a fraction of a torch op's dispatch
-    (integrity mode's time was mostly those per-block calls)."""
-    seed = (key * 0x9E3779B1 + segment * 0x85EBCA77 + 1) & 0x7FFFFFFF
-    out = ((_positions(nbytes) * seed) >> 7) % 251
-    out = out.astype(np.uint8)
-    out.flags.writeable = False
-    return out
+def _pattern(key: int, segment: int, nbytes: int) -> bytes:
+    """Bytes a segment of the block keyed ``key`` holds: its positions' words XOR a word mixed
+    from the key and segment. Bytes, so one memcmp compares a block. NumPy and bytes, not torch:
+    a block is written and compared one at a time, and a torch op's dispatch on a few hundred
+    bytes cost most of integrity mode's time."""
+    mixed = (key * 0xBF58476D1CE4E5B9 + segment * 0x94D049BB133111EB + 1) & _MASK64
+    return (_positions(nbytes) ^ np.uint64(mixed)).view(np.uint8)[:nbytes].tobytes()
+
+
+def _bytes_of(pattern: bytes) -> np.ndarray:
+    return np.frombuffer(pattern, dtype=np.uint8)
 
 
 class _Provenance:
@@ -146,7 +153,7 @@ class IntegrityChecker:
     def fill(self, group: int, block: int, key: int) -> None:
         """The model computed ``block`` of ``group``: write its key's bytes."""
         for s, (view, _) in enumerate(self._gpu_arrays[group]):
-            view[block] = _pattern(key, s, view.shape[1])
+            view[block] = _bytes_of(_pattern(key, s, view.shape[1]))
         known = self._key_group.setdefault(key, group)
         if known != group:
             raise IntegrityError(f"{self._where()}key {key} computed in group {group} and in "
@@ -192,7 +199,7 @@ class IntegrityChecker:
                 j = min((pos + 1) * r, end // hbs) - 1
                 key = int(keys[g, j])
                 for s, (view, _) in enumerate(self._gpu_arrays[g]):
-                    if not np.array_equal(view[b], _pattern(key, s, view.shape[1])):
+                    if view[b].tobytes() != _pattern(key, s, view.shape[1]):
                         raise IntegrityError(
                             f"step {step}: request {request_id!r}: GPU block {b} (group {g}, "
                             f"position {pos}, segment {s}) does not hold key {key} after its "
@@ -219,7 +226,7 @@ class IntegrityChecker:
             raise IntegrityError(f"{where} as group {g}, but the key was computed in group "
                                  f"{self._key_group.get(key)}")
         for s, (data, nbytes) in enumerate(segments):
-            if not np.array_equal(data, _pattern(key, s, nbytes)):
+            if data.tobytes() != _pattern(key, s, nbytes):
                 raise IntegrityError(f"{where} (group {g}, segment {s}) does not hold its "
                                      "bytes")
         prov.wrote[block] = _NONE

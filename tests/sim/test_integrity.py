@@ -1,16 +1,16 @@
-"""Integrity mode on hybrid models, and clean ends, in the serving-loop simulator.
+"""Integrity mode (``kvtriton.sim.integrity``): real KV bytes move through the real
+``TransferEngine`` during a simulation, and every block is checked.
 
 A CPU hit writes only some positions of a hybrid request's tables: the sliding window before the
 hit's end, the Mamba state at its boundary. The positions before get null pages (as in vLLM), so
 nothing is registered that no load wrote. Integrity mode checks every block at the moment it is
 registered under a key, in the GPU prefix cache and in the CPU tier, besides every load as it
 lands, so ``registrations_checked`` accounts for every block computed, loaded or stored. The
-cases: the configurations an attack found failing, the shipped coding-agent traces, lazy offload on
-hybrid models (stores from the GPU free queue, each named with its block's group), seeded random
-hybrid configurations, and negative controls that corrupt or skip one write, or name the wrong
-group, and must fail. Then
-clean ends: a run steps on until the planner has nothing pending, and both pools end all free
-(``ServingLoop.run`` checks it in every simulation, so every run here checks it too).
+cases: random agent workloads, two hybrid configurations whose hits write only some positions,
+the shipped coding-agent traces, lazy offload on hybrid models (stores from the GPU free queue,
+each named with its block's group), seeded random hybrid configurations, every in-loop bound at
+its own size, and negative controls that corrupt or skip one write, or name the wrong group, and
+must fail.
 """
 
 from __future__ import annotations
@@ -19,26 +19,25 @@ from functools import cache
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import kvtriton.sim.loop as loop_module
-from kvtriton.planner import OffloadPlanner, Request
-from kvtriton.pool import NULL_BLOCK, BlockPool
-from kvtriton.setups import tier_policy
+from kvtriton.hashing import chain_hashes
+from kvtriton.pool import BlockPool
 from kvtriton.sim import (
     CC_AGENTIC_SAMPLE,
-    MOONCAKE_SYNTHETIC,
+    Workload,
+    WorkloadRequest,
     agent_workload,
     data_path,
     load_trace,
     simulate,
 )
-from kvtriton.sim.cost import CostModel
-from kvtriton.sim.errors import IntegrityError, UncleanEndError
+from kvtriton.sim.errors import IntegrityError
 from kvtriton.sim.integrity import IntegrityChecker
-from kvtriton.sim.keys import workload_keys
-from kvtriton.sim.loop import ServingLoop
-from kvtriton.sim.scheduler import BatchScheduler, KVScheduler, SeqBlocks
-from kvtriton.specs import FullAttentionSpec, KVLayout, MambaSpec, SlidingWindowSpec, preset
+from kvtriton.sim.scheduler import BatchScheduler
+from kvtriton.specs import preset
 
 
 def _limit(wl, n: int):
@@ -57,32 +56,74 @@ def _check_row(row: dict, n_requests: int) -> None:
         row["integrity_blocks_filled"] + row["loaded_blocks"] + row["stored_blocks"])
 
 
-# ---- null pages where a hit writes nothing ------------------------------------------------------
-
-def test_a_hit_leaves_null_pages_before_its_window_and_its_state():
-    # A hit of 256 tokens: the load writes the window's last blocks (40-token window: tokens
-    # 217..255, blocks 13..15) and the state saved at 256 (64-token states: position 3); the
-    # positions before get null pages, those after (tokens 256..299 to compute) real blocks.
-    layout = KVLayout([FullAttentionSpec(16, 1, 8, 1),
-                       SlidingWindowSpec(16, 1, 8, 1, sliding_window=40),
-                       MambaSpec(64, (4,), (8,), 1)], name="three-kinds")
-    gpu = BlockPool(128)
-    kv = KVScheduler(layout, gpu, None)
-    seq = SeqBlocks(Request("a", np.arange(3 * 20).reshape(3, 20), num_prompt_tokens=300,
-                            num_tokens=300))
-    kv.empty_tables(seq)
-    need = kv.blocks_needed(seq.tables, 300, computed=256)
-    kv.grow(seq, 300, computed=256)
-    full, window, mamba = seq.tables
-    assert NULL_BLOCK not in full and len(full) == 19
-    assert window[:13] == [NULL_BLOCK] * 13 and NULL_BLOCK not in window[13:]
-    assert mamba[:3] == [NULL_BLOCK] * 3 and NULL_BLOCK not in mamba[3:] and len(mamba) == 5
-    assert need == [19, 6, 2] and gpu.num_used_blocks == sum(need)
+B = 16
 
 
-# ---- the configurations the attack found failing ------------------------------------------------
+def _req(rid: str, prefix: int, prompt: int, output: int = 1, *, after: str | None = None,
+         arrival: float = 0.0) -> WorkloadRequest:
+    tokens = np.arange(prefix * 10_000, prefix * 10_000 + prompt + output)
+    hashes = np.array(chain_hashes(tokens, B), dtype=np.uint64)
+    return WorkloadRequest(rid, arrival, prompt, output, hashes, session="s", after=after)
 
-ISSUE_CASES = {
+
+# ---- random workloads, every group of a hybrid model ---------------------------------------------
+
+
+@settings(max_examples=6, deadline=None)
+@given(seed=st.integers(0, 10_000), gpu=st.sampled_from([768, 1024, 2048]),
+       cpu=st.sampled_from([256, 1024, 4096]))
+def test_integrity_mode_over_random_workloads(seed, gpu, cpu):
+    wl = agent_workload(num_conversations=3, min_turns=2, max_turns=4, system_prompt_tokens=128,
+                        first_user_tokens=96, user_tokens=48, output_tokens=24, seed=seed)
+    res = simulate(wl, gpu_tokens=gpu, cpu_tokens=cpu, integrity=True, bound=False,
+                   policies=["control", "restore_tail"])
+    for r in res.rows:
+        assert r["finished"] + r["rejected"] == len(wl)
+        assert r["integrity_blocks_checked"] == r["loaded_blocks"]
+        assert r["integrity_registrations_checked"] == (
+            r["integrity_blocks_filled"] + r["loaded_blocks"] + r["stored_blocks"])
+
+
+@pytest.mark.parametrize("model", ["nemotron-h-8b", "gemma3-12b"])
+def test_hybrid_models_store_and_load_every_group_with_integrity(model):
+    # Full attention + Mamba (states handed off at 256-token boundaries) and full attention +
+    # sliding window: CPU hits happen, land on the scheduler block, and every loaded block of
+    # every group holds the bytes of its key.
+    wl = agent_workload(num_conversations=4, min_turns=3, max_turns=5, system_prompt_tokens=512,
+                        first_user_tokens=256, user_tokens=128, output_tokens=64, seed=3)
+    res = simulate(wl, model=model, gpu_blocks=150, cpu_blocks=800, integrity=True,
+                   policies=["restore_tail"], bound=False)
+    row = res.rows[0]
+    sched = {"nemotron-h-8b": 256, "gemma3-12b": 16}[model]
+    assert row["cpu_hit_tokens"] > 0 and row["cpu_hit_tokens"] % sched == 0
+    assert row["integrity_blocks_checked"] == row["loaded_blocks"] > 0
+    assert (row["handoff_stored"] > 0) == (model == "nemotron-h-8b")
+
+
+def test_integrity_mode_catches_a_corrupted_load():
+    wl = Workload([_req("a", 1, 64), _req("c", 2, 64, after="a"), _req("b", 1, 64, after="c")],
+                  B)
+    original = IntegrityChecker.execute
+
+    def corrupting(self, meta):
+        original(self, meta)
+        for b in meta.load.gpu_blocks:  # flip a byte of every block just loaded
+            view, _ = self.engine.segments[0][0]
+            view[b, 0] ^= 0xFF
+
+    IntegrityChecker.execute = corrupting
+    try:
+        with pytest.raises(IntegrityError, match=r"step \d+: request 'b': GPU block \d+"):
+            simulate(wl, gpu_blocks=6, cpu_blocks=16, policies=["restore_tail"], integrity=True,
+                     bound=False)
+    finally:
+        IntegrityChecker.execute = original
+
+
+# ---- hybrid configurations where a hit writes only some positions --------------------------------
+
+
+HYBRID_CASES = {
     # kvtriton simulate --model gemma3-12b --conversations 16 --turns 2 8 --system-prompt 1024
     #   --think-s 2 --seed 317 --gpu-tokens 16384 --cpu-tokens 32768
     #   --policies restore_tail_bounded --token-budget 8192 --max-running 4 --integrity
@@ -101,14 +142,15 @@ ISSUE_CASES = {
 
 
 def _real_blocks(*args, **kwargs) -> BatchScheduler:
-    """The serving loop's scheduler as it was: a real block at every position a hit covers."""
+    """The serving loop's scheduler with a real block at every position a hit covers (no null
+    pages)."""
     kwargs["null_out_of_window"] = False
     return BatchScheduler(*args, **kwargs)
 
 
-@pytest.mark.parametrize("model", list(ISSUE_CASES))
-def test_issue_configurations_pass_with_registration_checks(model):
-    wl_args, sim_args = ISSUE_CASES[model]
+@pytest.mark.parametrize("model", list(HYBRID_CASES))
+def test_hybrid_configurations_pass_with_registration_checks(model):
+    wl_args, sim_args = HYBRID_CASES[model]
     wl = agent_workload(**wl_args)
     row = simulate(wl, model=model, integrity=True, bound=False, **sim_args).rows[0]
     _check_row(row, len(wl))
@@ -116,12 +158,12 @@ def test_issue_configurations_pass_with_registration_checks(model):
     assert (row["handoff_stored"] > 0) == (model == "nemotron-h-8b")
 
 
-@pytest.mark.parametrize("model", list(ISSUE_CASES))
+@pytest.mark.parametrize("model", list(HYBRID_CASES))
 def test_real_blocks_where_a_hit_writes_nothing_fail_at_registration(model, monkeypatch):
-    # Negative control: the loop's old allocation gives a block to every position a CPU hit
-    # covers; the first one registered that its load never wrote stops the run.
+    # Negative control: an allocation that gives a real block to every position a CPU hit
+    # covers registers blocks no load wrote; the first one registered stops the run.
     monkeypatch.setattr(loop_module, "BatchScheduler", _real_blocks)
-    wl_args, sim_args = ISSUE_CASES[model]
+    wl_args, sim_args = HYBRID_CASES[model]
     with pytest.raises(IntegrityError, match=r"step \d+: GPU block \d+ registered under key \d+, "
                                              r"but no computation, load or store wrote it"):
         simulate(agent_workload(**wl_args), model=model, integrity=True, bound=False,
@@ -141,7 +183,8 @@ def test_shipped_coding_agent_traces_on_hybrid_models(model):
 
 # ---- lazy offload on hybrid models ---------------------------------------------------------------
 
-# Smaller runs of the issue configurations: turns that come back after their prefix left the GPU.
+
+# Smaller runs of the hybrid configurations: turns that come back after their prefix left the GPU.
 LAZY_CASES = {
     "gemma3-12b": (dict(num_conversations=8, min_turns=2, max_turns=4, system_prompt_tokens=1024,
                         think_s_mean=2.0, seed=317),
@@ -180,9 +223,9 @@ def test_lazy_offload_on_hybrid_models_serves_hits_of_every_group(model, monkeyp
 
 
 def test_lazy_stores_with_the_wrong_group_fail_at_registration(monkeypatch):
-    """Negative control: a GPU pool that names group 0 for every block (lazy mode's old
-    assumption) makes a window page's store read the full-attention tensors; the CPU block is
-    registered as group 0 under a key computed in group 1, and the run stops there."""
+    """Negative control: a GPU pool that names group 0 for every block makes a window page's
+    store read the full-attention tensors; the CPU block is registered as group 0 under a key
+    computed in group 1, and the run stops there."""
     monkeypatch.setattr(BlockPool, "block_group",
                         lambda self, b: None if self.block_hash(b) is None else 0)
     with pytest.raises(IntegrityError, match=r"CPU block \d+ registered under key \d+ as group 0, "
@@ -190,7 +233,8 @@ def test_lazy_stores_with_the_wrong_group_fail_at_registration(monkeypatch):
         _simulate_lazy("gemma3-12b")
 
 
-# ---- random hybrid configurations ---------------------------------------------------------------
+# ---- random hybrid configurations ----------------------------------------------------------------
+
 
 _MODELS = ("gemma3-12b", "nemotron-h-8b")
 _POLICIES = ("control", "restore", "restore_tail", "restore_tail_bounded",
@@ -245,7 +289,23 @@ def test_random_configurations_cover_both_models_backends_and_the_cpu_tier():
     assert sum(r["handoff_stored"] > 0 and r["cpu_hit_tokens"] > 0 for r in rows) >= 4
 
 
-# ---- negative controls: one write wrong or missing must fail ------------------------------------
+# ---- every in-loop bound at its own size ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("policies", [["eager"], ["eager+inf"]])
+def test_integrity_checks_every_in_loop_bound_at_its_own_size(policies):
+    # The unbounded bound's tier holds every key, more than the sized tier: each run's checker
+    # is sized for that run's own tier, not for the chosen one.
+    wl = agent_workload(num_conversations=6, min_turns=2, max_turns=4, system_prompt_tokens=512,
+                        seed=0)
+    res = simulate(wl, gpu_tokens=16_384, cpu_tokens=16_384, policies=policies, integrity=True)
+    inf = next(r for r in res.rows + res.bounds if r["composition"] == "eager+inf")
+    assert inf["cpu_blocks"] > res.conditions["cpu_blocks"]
+    assert all(r["integrity_registrations_checked"] > 0 for r in res.rows + res.bounds)
+
+
+# ---- negative controls: one write wrong or missing must fail -------------------------------------
+
 
 _SMALL = (dict(num_conversations=12, min_turns=3, max_turns=4, system_prompt_tokens=512,
                first_user_tokens=512, user_tokens=128, output_tokens=32, think_s_mean=1.0,
@@ -352,65 +412,13 @@ def test_a_store_from_an_unregistered_gpu_block_fails(monkeypatch):
         _run_small()
 
 
-# ---- clean ends ---------------------------------------------------------------------------------
+def test_key_patterns_differ_by_key_segment_and_offset():
+    # The bytes a block must hold depend on its key, its segment and each 8-byte position: a
+    # copy from another key, another segment or a shifted offset cannot pass for the right one.
+    from kvtriton.sim.integrity import _pattern
 
-def _loop(wl, policy: str, *, gpu_blocks: int, cpu_blocks: int, model: str = "llama3-8b"
-          ) -> ServingLoop:
-    layout = preset(model, block_size=wl.hash_block_size)
-    keys, _ = workload_keys(layout, wl)
-    return ServingLoop(wl, keys, layout, tier_policy(policy), CostModel.named(model, "H100"),
-                       gpu_blocks=gpu_blocks, cpu_blocks=cpu_blocks)
-
-
-def _assert_clean(loop: ServingLoop) -> None:
-    assert not loop.planner.has_pending_work()
-    assert loop.gpu.num_used_blocks == 0 and loop.cpu.num_used_blocks == 0
-    assert not loop.planner.loads_in_flight() and not loop.planner.store_events_in_flight()
-    loop.planner.check_invariants(idle=True)
-
-
-MOONCAKE_20 = _limit(load_trace(data_path(MOONCAKE_SYNTHETIC), hash_block_size=16), 20)
-SMALL_CPU_POOLS = [1, 2, 3, 8, 32]
-
-
-@pytest.mark.parametrize("cpu_blocks", SMALL_CPU_POOLS, ids=[f"cpu{c}" for c in SMALL_CPU_POOLS])
-def test_the_last_finish_flush_is_sent_and_both_pools_end_free(cpu_blocks):
-    # kvtriton simulate --workload mooncake --limit 20 --cpu-blocks 1 (a GPU of 16,384 blocks),
-    # and other small CPU pools: with few CPU blocks no store is in flight when the last request
-    # finishes, and the loop used to stop there, its flush never sent, blocks of both pools held.
-    for policy in ("restore_tail", "restore_tail_bounded"):
-        loop = _loop(MOONCAKE_20, policy, gpu_blocks=16384, cpu_blocks=cpu_blocks)
-        m = loop.run()
-        assert m.finished + m.rejected == len(MOONCAKE_20)
-        _assert_clean(loop)
-
-
-@pytest.mark.parametrize("cpu_blocks", SMALL_CPU_POOLS, ids=[f"cpu{c}" for c in SMALL_CPU_POOLS])
-def test_agent_runs_with_small_cpu_pools_end_clean(cpu_blocks):
-    wl = agent_workload(num_conversations=3, min_turns=2, max_turns=3, system_prompt_tokens=256,
-                        seed=1)
-    loop = _loop(wl, "restore_tail_bounded", gpu_blocks=2048, cpu_blocks=cpu_blocks)
-    loop.run()
-    _assert_clean(loop)
-
-
-def test_an_unclean_end_is_an_error(monkeypatch):
-    # Negative control: a planner that hides its queued flush makes the loop stop with the
-    # flush's blocks pinned in both pools.
-    monkeypatch.setattr(OffloadPlanner, "has_pending_work", lambda self: False)
-    loop = _loop(MOONCAKE_20, "restore_tail_bounded", gpu_blocks=16384, cpu_blocks=1)
-    with pytest.raises(UncleanEndError, match=r"policy 'restore_tail_bounded': the run ended at "
-                                              r"step \d+ with .*1 of 1 CPU blocks still held"):
-        loop.run()
-
-
-@pytest.mark.parametrize("policies", [["eager"], ["eager+inf"]])
-def test_integrity_checks_every_in_loop_bound_at_its_own_size(policies):
-    # The unbounded bound's tier holds every key, more than the sized tier: its checker must be
-    # sized for it (a checker sized for the chosen tier refused it after every other run).
-    wl = agent_workload(num_conversations=6, min_turns=2, max_turns=4, system_prompt_tokens=512,
-                        seed=0)
-    res = simulate(wl, gpu_tokens=16_384, cpu_tokens=16_384, policies=policies, integrity=True)
-    inf = next(r for r in res.rows + res.bounds if r["composition"] == "eager+inf")
-    assert inf["cpu_blocks"] > res.conditions["cpu_blocks"]
-    assert all(r["integrity_registrations_checked"] > 0 for r in res.rows + res.bounds)
+    p = _pattern(7, 0, 1024)
+    assert len(p) == 1024 and len(_pattern(7, 0, 20)) == 20
+    assert p != _pattern(8, 0, 1024) and p != _pattern(7, 1, 1024)
+    for shift in (1, 8, 64):
+        assert p[shift:] != p[:-shift]
