@@ -2,11 +2,13 @@
 
 ``TRITON_INTERPRET`` must be set before any module that defines a ``@triton.jit`` kernel is
 imported, so it is set here, at the top of the first file pytest loads. Kernel and engine tests
-take their device from the ``device`` fixture (``device_lane.DEVICE``: the CPU here, CUDA on a
-GPU box); modules marked ``device_lane`` have every registered KV tensor checked against it.
+take their device from the ``device`` fixture (``helpers.device_lane.DEVICE``: the CPU here, CUDA
+on a GPU box); modules marked ``device_lane`` have every registered KV tensor checked against it.
 """
 
+import importlib.util
 import os
+import sys
 
 import pytest
 
@@ -30,11 +32,19 @@ settings.register_profile("long", max_examples=2000, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("KVTRITON_HYPOTHESIS_PROFILE", "ci"))
 
+# ``tests`` is on ``sys.path`` (pytest's ``pythonpath``, for ``helpers``), so without vLLM installed
+# ``import vllm`` would find the ``tests/vllm`` folder as a namespace package: no test would skip
+# and kvtriton would think vLLM is there. A ``None`` entry makes the import fail as a missing vLLM
+# does; an installed vLLM (a regular package, with an ``__init__.py``) is found first and kept.
+_vllm = importlib.util.find_spec("vllm")
+if _vllm is not None and _vllm.origin is None:
+    sys.modules["vllm"] = None
+
 
 @pytest.fixture
 def device():
     """The lane's device: ``cpu`` (Triton interpreter) without CUDA, ``cuda`` with it."""
-    from device_lane import DEVICE
+    from helpers.device_lane import DEVICE
 
     return DEVICE
 
@@ -48,7 +58,7 @@ def _kv_on_lane_device(request, monkeypatch):
         return
     import functools
 
-    from device_lane import check_kv_device
+    from helpers.device_lane import check_kv_device
 
     import kvtriton.engine.descriptors as descriptors
 

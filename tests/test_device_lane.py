@@ -5,23 +5,28 @@ and silently tests the interpreter on a GPU box too. The sources of the device-l
 are read instead: each declares ``pytestmark = pytest.mark.device_lane`` (which makes
 ``conftest.py`` check every registered KV tensor's device on a GPU box), names no CPU device
 (``device="cpu"``, ``torch.device("cpu")``, ``.to("cpu")``) and passes ``device=`` to every
-``allocate_kv_caches`` call (its default is the CPU).
+``allocate_kv_caches`` call (its default is the CPU). The helpers those modules build their KV
+tensors with are read the same way, without the mark (they hold no tests).
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 import torch
-from device_lane import DEVICE, check_kv_device
+from helpers.device_lane import DEVICE, check_kv_device
 
 import kvtriton.engine.descriptors as descriptors
 
 TESTS = Path(__file__).resolve().parent
-LANE_FILES = ("test_kernels.py", "test_engine.py", "test_layouts.py", "test_faults.py",
-              "test_fuzz.py")
+LANE_FILES = ("kernels/test_copy_blocks.py", "kernels/test_reference.py",
+              "engine/test_transfer.py", "engine/test_descriptors.py", "engine/test_copy_engine.py",
+              "engine/test_faults.py", "planner/test_fuzz.py")
+# Where lane modules allocate KV tensors outside their own source.
+LANE_HELPERS = ("helpers/copy_rig.py", "helpers/vllm_layouts.py")
 
 
 def _is_cpu(node: ast.AST) -> bool:
@@ -35,11 +40,13 @@ def _name(func: ast.AST) -> str:
     return func.id if isinstance(func, ast.Name) else ""
 
 
-def hard_coded_devices(source: str, filename: str = "<test>") -> list[str]:
-    """Everything in a test module's ``source`` that ties it to the CPU device, one line each."""
+def hard_coded_devices(source: str, filename: str = "<test>", *, needs_mark: bool = True
+                       ) -> list[str]:
+    """Everything in a test module's ``source`` that ties it to the CPU device, one line each
+    (``needs_mark``: the module must also declare the device-lane mark)."""
     tree = ast.parse(source, filename)
     problems = []
-    marked = any(
+    marked = not needs_mark or any(
         isinstance(node, ast.Assign)
         and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in node.targets)
         and any(isinstance(n, ast.Attribute) and n.attr == "device_lane"
@@ -68,6 +75,18 @@ def test_lane_modules_do_not_hard_code_the_cpu(filename):
     assert hard_coded_devices((TESTS / filename).read_text(), filename) == []
 
 
+def test_every_lane_module_is_scanned():
+    """A module that declares the mark but is missing from ``LANE_FILES`` would go unread."""
+    marked = {str(path.relative_to(TESTS)) for path in TESTS.rglob("test_*.py")
+              if re.search(r"^pytestmark = pytest\.mark\.device_lane$", path.read_text(), re.M)}
+    assert marked == set(LANE_FILES)
+
+
+@pytest.mark.parametrize("filename", LANE_HELPERS)
+def test_lane_helpers_do_not_hard_code_the_cpu(filename):
+    assert hard_coded_devices((TESTS / filename).read_text(), filename, needs_mark=False) == []
+
+
 def test_the_scan_finds_each_kind_of_hard_coded_cpu():
     """The negative control of the scan: every form it looks for, in a module without the mark."""
     source = '''
@@ -85,6 +104,16 @@ def test_a():
                      "t.py:4: allocate_kv_caches without device= (defaults to the CPU)",
                      "t.py:5: device='cpu'", "t.py:6: torch.device('cpu')", "t.py:7: .to('cpu')"]
     assert hard_coded_devices("import pytest\npytestmark = pytest.mark.device_lane\n") == []
+
+
+def test_the_helper_scan_finds_the_same_without_asking_for_the_mark():
+    source = """
+def allocate(layout, device):
+    caches = allocate_kv_caches(layout, 4)
+    return caches, torch.zeros(3, device="cpu"), allocate_kv_caches(layout, 4, device=device)
+"""
+    assert hard_coded_devices(source, "h.py", needs_mark=False) == [
+        "h.py:3: allocate_kv_caches without device= (defaults to the CPU)", "h.py:4: device='cpu'"]
 
 
 def test_the_guard_refuses_kv_off_the_lane():

@@ -85,8 +85,8 @@ def test_extra_keys_fold_into_their_block_only_and_chain_on():
     base = chain_hashes(TOKENS, 16)
     mm = chain_hashes(TOKENS, 16, extra_keys=[None, None, ("img", 0xABC), None])
     mm2 = chain_hashes(TOKENS, 16, extra_keys=[None, None, ("img", 0xABD), None])
-    # Regression: a None entry used to hash as repr(None), so the blocks before a request's first
-    # image never matched the same text-only prefix.
+    # A None entry adds nothing to its block's hash: hashed as repr(None), it would keep the
+    # blocks before a request's first image from matching the same text-only prefix.
     assert mm[:2] == base[:2]
     assert chain_hashes(TOKENS, 16, extra_keys=[None] * 4) == base
     assert mm[2] != base[2] and mm[2] != mm2[2]
@@ -118,7 +118,7 @@ def test_chain_hashes_bad_input(kwargs, match):
 
 
 def test_float_tokens_are_not_truncated_into_a_hit():
-    # Regression: float token ids were cast to int64, so [1.5, 2.0] hashed like [1, 2].
+    # Float token ids are refused, not cast to int64 (which would hash [1.5, 2.0] like [1, 2]).
     with pytest.raises(ValueError, match="float64"):
         chain_hashes(np.array([1.5, 2.0]), 2)
 
@@ -197,7 +197,7 @@ def test_hash_index_rejects_non_64bit_hashes(bad):
 
 
 def test_intern_many_is_all_or_nothing():
-    # Regression: the hashes before a bad one used to be interned before the error.
+    # A bad hash is refused before any of the hashes before it is interned.
     idx = HashIndex(4)
     idx.intern(7)
     with pytest.raises(ValueError, match="hash -3 "):

@@ -59,6 +59,21 @@ def test_simulator_does_not_import_triton(code):
     assert "kvtriton.engine" not in mods
 
 
+@pytest.mark.parametrize("code", [
+    "import kvtriton.sim",
+    "from kvtriton.sim import agent_workload",
+    "import kvtriton.sim.loop",
+    "import kvtriton.sim.scheduler",
+])
+def test_simulator_imports_leave_out_triton_and_integrity_mode(code):
+    probe = f"{code}\nimport sys\nprint(' '.join(sys.modules))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         check=True, cwd=ROOT)
+    mods = set(out.stdout.split())
+    assert "triton" not in mods
+    assert "kvtriton.sim.integrity" not in mods
+
+
 def test_triton_is_imported_when_integrity_is_asked_for():
     # The negative control of the checks above: the same probe does see Triton once it is used.
     mods = _modules_after("from kvtriton.sim import agent_workload, simulate\n"

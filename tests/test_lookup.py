@@ -263,9 +263,9 @@ def test_hybrid_no_hit():
 
 
 def test_align_below_a_group_block_size_keeps_whole_blocks():
-    # Regression: with align (2 tokens) below the full group's block size (4), the fixpoint
-    # settled at 6 tokens, inside full block 1, and asked for the alias key of boundary 6
-    # (AssertionError when absent, a partial non-fine-grained hit when present).
+    # With align (2 tokens) below the full group's block size (4), the fixpoint settles on whole
+    # full blocks: at 6 tokens, inside full block 1, it would ask for the alias key of boundary 6
+    # (an AssertionError when absent, a partial non-fine-grained hit when present).
     layout = KVLayout([full(4), swa(2, window=3)], hash_block_size=2)
     ks = keys_for(2, 4)
     present = [key(0, 1), key(0, 3), key(1, 0), key(1, 1), key(1, 2)]  # SW block 3 missing

@@ -1,8 +1,12 @@
-"""``BlockPool``: every operation, its bad input, and a stateful model of the LRU pool."""
+"""``BlockPool``: every operation, its bad input, the ``GpuPool`` protocol the planner uses and
+the pools that serve it, and a stateful model of the LRU pool."""
 
 import logging
+import typing
 
+import numpy as np
 import pytest
+from helpers.planner_state import deep_state, raises_naming
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -13,6 +17,7 @@ from kvtriton.pool import (
     BlockPool,
     BlockRemoved,
     BlockStored,
+    GpuPool,
     cached_prefix_blocks,
 )
 
@@ -254,6 +259,48 @@ def test_cached_prefix_blocks():
     assert cached_prefix_blocks(pool, [99, 20]) == []
 
 
+def test_pool_keeps_a_blocks_group_until_its_hashes_go():
+    """``cache_block``'s ``group_idx`` is the block's group until the block is handed out again
+    or the prefix cache is reset; a bad one is refused before anything changes."""
+    pool = BlockPool(4)
+    a, b, c = pool.get_new_blocks(3)
+    pool.cache_block(a, 10, group_idx=1)
+    pool.cache_block(b, 11)
+    assert (pool.block_group(a), pool.block_group(b)) == (1, None)
+    with pytest.raises(ValueError, match=f"group_idx -1 of block {c} is not a non-negative int"):
+        pool.cache_block(c, 12, group_idx=-1)
+    assert pool.block_hash(c) is None and 12 not in pool
+    pool.free_blocks([a, b, c])
+    assert pool.block_group(a) == 1  # free and still cached: still its group
+    pool.get_new_blocks(3)  # evicts both
+    assert (pool.block_group(a), pool.block_group(b)) == (None, None)
+    pool.check_invariants()
+    pool = BlockPool(4)
+    c = pool.get_new_blocks(1)
+    pool.cache_block(c[0], 10, group_idx=2)
+    pool.free_blocks(c)
+    assert pool.reset_prefix_cache() and pool.block_group(c[0]) is None
+
+
+def test_pools_name_every_key_they_refer_to():
+    """The CPU tier's cached keys, the keys its ARC ghost lists remember and the keys of events
+    not yet taken all count as referenced (a recycler must keep them)."""
+    pool = BlockPool(4, eviction="arc", medium="CPU", enable_events=True)
+    blocks = pool.get_new_blocks(3)
+    for b, key in zip(blocks, (10, 11, 12), strict=True):
+        pool.cache_block(b, key, ())
+    pool.free_blocks(blocks)
+    pool.get_new_blocks(3)  # evicts all three: their keys go to a ghost list
+    assert pool.num_cached_keys == 0
+    assert sorted(set(pool.referenced_keys())) == [10, 11, 12]
+    pool.take_events()
+    assert sorted(pool.referenced_keys()) == [10, 11, 12]  # ghosts only now
+    lru = BlockPool(4, medium="CPU")
+    b = lru.get_new_blocks(1)
+    lru.cache_block(b[0], 5, (6,))
+    assert sorted(lru.referenced_keys()) == [5, 6]
+
+
 # ---- bad input: ValueError naming the value, pool unchanged -----------------------------------
 
 BAD_INPUT = [
@@ -294,8 +341,8 @@ def test_bad_input_raises_and_leaves_pool_unchanged(op, match):
 
 
 def test_none_key_regression_keeps_invariants():
-    # Regression: cache_block(b, None) registered key None while the block looked unhashed; the
-    # block then joined the free queue's head and was reused with the map still pointing at it.
+    # A key None is refused: registered, it would leave the block looking unhashed, so the block
+    # would join the free queue's head and be reused with the map still pointing at it.
     pool, _ = make_pool()
     pool.get_new_blocks(1)
     with pytest.raises(ValueError, match="key None"):
@@ -313,6 +360,62 @@ def test_bad_num_blocks(num_blocks):
 def test_unknown_eviction():
     with pytest.raises(ValueError, match="unknown eviction 'mru'"):
         BlockPool(4, eviction="mru")
+
+
+@pytest.mark.parametrize("bad", [True, False, 2.0, -1, "2", None, np.float64(2.0)], ids=repr)
+def test_get_new_blocks_refuses_bools_and_floats(bad):
+    """``get_new_blocks`` takes an int count: ``True`` or ``2.0`` is refused (not read as 1 or
+    2) and the pool is left as it was; NumPy ints are counts too."""
+    pool = BlockPool(8)
+    before = deep_state(pool)
+    with raises_naming(bad, also="get_new_blocks: n must be a non-negative int"):
+        pool.get_new_blocks(bad)
+    assert deep_state(pool) == before
+    got = pool.get_new_blocks(np.int64(2))
+    assert got == [1, 2] and all(type(b) is int for b in got)
+    pool.check_invariants()
+
+
+# ---- the GPU pool protocol -----------------------------------------------------------------------
+
+#: Every attribute and method of the GPU pool that kvtriton/planner/*.py reads or calls.
+PLANNER_USES = {"num_blocks", "ref_cnt", "add_listener", "block_hash", "block_keys",
+                "get_cached_block", "__contains__", "iter_free", "touch", "free_blocks"}
+
+
+def protocol_members(proto: type) -> set[str]:
+    """``typing.get_protocol_members`` (Python 3.13+), else the Protocol's annotations and the
+    functions its body defines."""
+    get = getattr(typing, "get_protocol_members", None)
+    if get is not None:
+        return set(get(proto))
+    own = f"{proto.__name__}."
+    functions = {name for name, value in vars(proto).items()
+                 if callable(value) and getattr(value, "__qualname__", "").startswith(own)}
+    return set(proto.__annotations__) | functions
+
+
+def missing_members(pool: object) -> set[str]:
+    return {m for m in protocol_members(GpuPool) if not hasattr(pool, m)}
+
+
+def test_protocol_lists_what_the_planner_uses():
+    assert protocol_members(GpuPool) == PLANNER_USES
+
+
+def test_block_pool_serves_it():
+    assert missing_members(BlockPool(8)) == set()
+
+
+def test_vllm_gpu_pool_serves_it():
+    pytest.importorskip("vllm")
+    from vllm.v1.core.block_pool import BlockPool as VllmBlockPool
+
+    from kvtriton.vllm.gpu_pool import VllmGpuPool
+    from kvtriton.vllm.keys import KeyIds
+
+    pool = VllmGpuPool(VllmBlockPool(8, enable_caching=True, hash_block_size=16), KeyIds())
+    assert missing_members(pool) == set()
 
 
 # ---- stateful model ---------------------------------------------------------------------------

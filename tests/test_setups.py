@@ -1,11 +1,112 @@
-"""The setup grammar (``kvtriton.setups``): written once as data, strict about what it accepts,
-and the source of the CLI's help text."""
+"""The CPU-tier setups (``kvtriton.setups``): the presets, compositions of policy axes parsed to
+one canonical name with each axis setting its own switch, refusals that name the value, the
+ablation, and the grammar written once as data, strict about what it accepts and the source of
+the CLI's help text."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvtriton.setups import AXES, REFUSED, tier_policy
+from kvtriton.planner import PlannerConfig
+from kvtriton.setups import (
+    ABLATION,
+    AXES,
+    BOUNDS,
+    REFUSED,
+    TIER_POLICIES,
+    parse_policy,
+    tier_policy,
+)
+
+# ---- presets and compositions --------------------------------------------------------------------
+
+
+def test_presets_are_the_setups_they_always_were():
+    bounded = PlannerConfig(restore=True, cpu_free_order="tail_first", restore_share=0.5)
+    want = {
+        "control": (PlannerConfig(restore=False, cpu_free_order="head_first"), "lru"),
+        "restore": (PlannerConfig(restore=True, cpu_free_order="head_first"), "lru"),
+        "restore_tail": (PlannerConfig(restore=True, cpu_free_order="tail_first"), "lru"),
+        "restore_tail_bounded": (bounded, "lru"),
+        "restore_tail_bounded_arc": (bounded, "arc"),
+        "restore_tail_bounded_s3fifo": (bounded, "s3fifo"),
+    }
+    for name, (cfg, eviction) in want.items():
+        pol = TIER_POLICIES[name]
+        assert (pol.planner, pol.cpu_eviction, pol.hints, pol.oracle) == (
+            cfg, eviction, False, False), name
+    assert TIER_POLICIES["no_cpu"].planner is None
+    assert TIER_POLICIES["control"].composition == "eager"
+
+
+@pytest.mark.parametrize(("spec", "canonical"), [
+    ("eager+restore+tail+arc", "eager+restore+tail+arc"),
+    ("arc+tail+restore+eager", "eager+restore+tail+arc"),  # any order
+    ("restore", "eager+restore"),
+    ("eager+head+lru+all", "eager"),  # defaults vanish
+    ("lazy+hints:0.25+s3fifo", "lazy+s3fifo+hints:0.25"),
+    ("eager+restore:0.5+tail", "eager+restore:0.5+tail"),
+    ("eager+second", "eager+second"),
+    ("eager+inf", "eager+inf"),
+])
+def test_compositions_parse_to_one_canonical_name(spec, canonical):
+    pol = tier_policy(spec)
+    assert pol.composition == canonical
+    assert tier_policy(canonical).planner == pol.planner
+
+
+def test_each_axis_sets_its_own_switch():
+    p = parse_policy("lazy+tail+arc+hints:0.3")
+    assert (p.planner.lazy, p.planner.restore, p.planner.cpu_free_order, p.cpu_eviction,
+            p.hint_protect_share) == (True, False, "tail_first", "arc", 0.3)
+    p = parse_policy("eager+restore:0.25+second")
+    assert (p.planner.restore_share, p.planner.admission) == (0.25, "second")
+    assert parse_policy("eager+nextuse").oracle and parse_policy("eager+inf").oracle
+    assert not parse_policy("eager+hints").oracle
+
+
+@pytest.mark.parametrize(("spec", "named"), [
+    ("eager+lfu", "'lfu'"),
+    ("eager+lru+arc", "'lru' and 'arc'"),
+    ("eager+lazy", "'eager' and 'lazy'"),
+    ("lazy+restore", "'lazy' with 're-store'"),
+    ("lazy+second", "'second'"),
+    ("eager+hinted", "'hinted' admission needs 'lazy'"),
+    ("hinted+restore", "'hinted'"),
+    ("eager+waiting+hints", "'hints' and 'waiting'"),
+    ("eager+nextuse+waiting", "'waiting' with 'nextuse'"),
+    ("eager+waiting:2", "'2'"),
+    ("eager+waiting+waiting:0.2", "'waiting' and 'waiting:0.2' both set the lookahead"),
+    ("eager+restore:1.5", "'1.5'"),
+    ("eager+hints:x", "'x'"),
+    ("eager+nextuse+hints", "'hints' with 'nextuse'"),
+    ("eager++tail", "''"),
+    ("", "non-empty"),
+    ("fancy", "'fancy'"),
+])
+def test_bad_compositions_name_the_value(spec, named):
+    with pytest.raises(ValueError) as e:
+        tier_policy(spec)
+    assert named in str(e.value)
+
+
+def test_the_ablation_changes_one_axis_at_a_time():
+    # Each setup differs from the control ("eager") in one axis value: one more token, or the
+    # store mode swapped ("lazy"). Combinations are kept apart (COMBINED).
+    assert ABLATION[0] == "eager"
+    for spec in ABLATION[1:]:
+        parts = tier_policy(spec).composition.split("+")
+        assert parts == ["lazy"] or (parts[0] == "eager" and len(parts) == 2), spec
+    assert all(tier_policy(b).oracle for b in BOUNDS)
+
+
+def test_lookahead_composition():
+    p = parse_policy("waiting:0.25+lazy")
+    assert p.composition == "lazy+waiting:0.25" and p.lookahead and not p.hints
+    assert parse_policy("eager+waiting").waiting_protect_share == 0.5
+
+
+# ---- the grammar ---------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("spec", ["restore:", "hints:", "waiting:", "eager+restore:",

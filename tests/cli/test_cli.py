@@ -1,11 +1,12 @@
-"""Bad input wherever a user reaches the command line: one clear line on stderr, exit code 2.
+"""The ``kvtriton`` command (``kvtriton.cli``): ``simulate`` writes its JSON and table, and bad
+input wherever a user reaches the command line is one clear line on stderr, exit code 2.
 
-``tests/test_sim.py`` covers the basic CLI errors and a few bad Mooncake files, and
-``tests/test_traces.py`` the loaders' own messages; this file adds what a user can still type or
-feed: kv-cache-tester files that are malformed, truncated, corrupt or nested without end, through
-every subcommand that reads a trace; block sizes that do not divide the trace's or do not fit the
-model; out-of-range and malformed arguments; sizes too large for the machine; folders without
-traces; and output paths that cannot be written (refused before the run, not after it).
+What a user can type or feed: kv-cache-tester and Mooncake files that are malformed, truncated,
+corrupt, nested without end or carry a bad continuation hint, through every subcommand that reads
+a trace; block sizes that do not divide the trace's or do not fit the model; out-of-range and
+malformed arguments; sizes too large for the machine; folders without traces; and output paths
+that cannot be written (refused before the run, not after it). The loaders' own messages are
+checked in ``tests/sim/test_traces.py``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import gzip
 import importlib
 import json
+from pathlib import Path
 
 import pytest
 
@@ -43,7 +45,36 @@ def conv_doc(requests, block_size=64, **extra):
     return {"id": "conv", "block_size": block_size, "requests": requests, **extra}
 
 
-# ---- kv-cache-tester traces through the CLI ------------------------------------------------------
+# ---- simulate: JSON and table --------------------------------------------------------------------
+
+
+def test_cli_simulate_writes_json_and_table(tmp_path, capsys):
+    out = tmp_path / "sim.json"
+    rc = main(["simulate", "--conversations", "3", "--turns", "2", "3", "--gpu-tokens", "4096",
+               "--cpu-tokens", "8192", "--policies", "control,restore_tail", "--json", str(out),
+               "--quiet"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "restore_tail" in text and "hit rate" in text
+    doc = json.loads(out.read_text())
+    assert [r["policy"] for r in doc["rows"]] == ["control", "restore_tail"]
+
+
+def test_cli_shows_rejected_requests(tmp_path, capsys):
+    out = tmp_path / "sim.json"
+    assert main(["simulate", "--conversations", "3", "--turns", "2", "3", "--gpu-blocks", "230",
+                 "--cpu-blocks", "1000", "--policies", "control", "--quiet", "--json",
+                 str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "9 requests (8 rejected: larger than the GPU; hit rates and the bound cover the " \
+           "others)" in text
+    doc = json.loads(out.read_text())
+    assert doc["conditions"]["rejected"] == doc["rows"][0]["rejected"] == 8
+    assert (doc["bound"]["requests"], doc["bound"]["rejected"]) == (1, 8)
+
+
+# ---- kv-cache-tester and Mooncake traces through the CLI -----------------------------------------
+
 
 TESTER_BAD = {
     "missing-model": (conv_doc([req(), {k: v for k, v in req(t=1).items() if k != "model"}]),
@@ -139,7 +170,88 @@ def test_a_bad_file_in_a_folder_is_named(tmp_path, capsys):
     assert f"{tmp_path / 'b.json'}: requests[1]: field 't'" in err
 
 
+@pytest.mark.parametrize("name, content, where", [
+    ("t.jsonl", "", "empty"),
+    ("t.jsonl", '{"timestamp": 0, "input_length": 10, "output_length": 1}\n', ":1:"),
+    ("t.jsonl", '{"timestamp": 5, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n'
+     '{"timestamp": 1, "input_length": 10, "output_length": 1, "hash_ids": [2]}\n', ":2:"),
+    ("t.jsonl", '{"timestamp": 0, "input_length": -3, "output_length": 1, "hash_ids": []}\n',
+     ":1:"),
+    ("t.jsonl", "not json at all\n", ":1: bad JSON"),
+    ("t.txt", "not json at all\n", "not a Mooncake"),
+], ids=["empty", "missing-field", "time-goes-back", "negative-length", "bad-json",
+        "wrong-format"])
+def test_cli_bad_trace_names_file_and_line(tmp_path, capsys, name, content, where):
+    path = tmp_path / name
+    path.write_text(content)
+    assert main(["trace-stats", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(path) in err and where in err
+
+
+# ---- continuation hints through the CLI ----------------------------------------------------------
+
+
+def treq(t: float = 0.0, **extra) -> dict:
+    return {"t": t, "type": "n", "model": "m", "in": 128, "out": 10, "hash_ids": [1, 2],
+            "think_time": 0.0, **extra}
+
+
+def write_json(path: Path, doc) -> Path:
+    path.write_bytes(gzip.compress(json.dumps(doc).encode()))
+    return path
+
+
+GOOD = {"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}
+
+
+def write_jsonl(path: Path, lines: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(o) + "\n" for o in lines))
+    return path
+
+
+@pytest.mark.parametrize("command", ["simulate", "replay", "trace-stats"])
+@pytest.mark.parametrize("fmt", ["tester-stop", "tester-unknown-stop", "mooncake-hint"])
+def test_cli_bad_hint_is_one_line_and_exit_2(tmp_path, capsys, fmt, command):
+    if fmt == "mooncake-hint":
+        path = write_jsonl(tmp_path / "t.jsonl", [GOOD, {**GOOD, "hint": "soon"}])
+        message = ":2: field 'hint' must be null or one of ('continue', 'close'), got 'soon'"
+    elif fmt == "tester-stop":
+        path = write_json(tmp_path / "c.json.gz", conv_doc([treq(stop=7)]))
+        message = ": requests[0]: field 'stop' must be a string, got 7"
+    else:
+        path = write_json(tmp_path / "c.json.gz", conv_doc([treq(), treq(t=1, stop="halt")]))
+        message = ": requests[1]: field 'stop' is not a known stop reason: 'halt'"
+    argv = (["trace-stats", str(path)] if command == "trace-stats"
+            else [command, "--workload", str(path), "--quiet"])
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("kvtriton: error: "), err
+    assert "Traceback" not in err
+    assert f"{path}{message}" in err
+
+
 # ---- arguments -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["simulate", "--gpu-tokens", "0"], "--gpu-tokens: '0' must be positive"),
+    (["simulate", "--gpu-tokens", "x"], "is not an integer"),
+    (["simulate", "--policies", "nope"], "unknown policy 'nope'"),
+    (["simulate", "--model", "gpt5"], "invalid choice"),
+    (["simulate", "--gpu-tokens", "8", "--gpu-gib", "1"], "give one of"),
+    (["simulate", "--workload", "/no/such/trace.jsonl"], "no such file"),
+    (["replay", "--evictions", "fifo"], "fifo"),
+    (["trace-stats", "/no/such/file"], "no such file"),
+    ([], "required: command"),
+], ids=["zero", "not-int", "policy", "model", "two-units", "missing-file", "replay-eviction",
+        "stats-missing", "no-command"])
+def test_cli_errors_are_one_line_and_exit_2(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("kvtriton: error:")
+    assert message in err
+
 
 ARG_ERRORS = {
     "block-size-vs-mooncake": (["replay", "--workload", "mooncake", "--block-size", "48"],
@@ -211,9 +323,9 @@ def test_bad_arguments(capsys, case):
 
 
 def test_capacity_that_fits_a_float_but_not_this_machine(capsys, monkeypatch):
-    # 3e8 GPU blocks with integrity tensors: torch's allocator used to raise from deep inside;
-    # refused up front, with the value and the machine's memory (fixed here, so the case does
-    # not depend on the machine running the test).
+    # 3e8 GPU blocks with integrity tensors: refused up front, before torch's allocator is asked,
+    # with the value and the machine's memory (fixed here, so the case does not depend on the
+    # machine running the test).
     # The module, not the function kvtriton.sim exports under the same name.
     sim_module = importlib.import_module("kvtriton.sim.simulate")
 
@@ -257,7 +369,8 @@ def test_plot_path_is_checked_too(tmp_path, capsys):
     assert "--plot" in err and "cannot write there" in err
 
 
-# ---- what an independent attack found: each case with the test that would have caught it ------
+# ---- numbers too large, names twice, unwritable outputs, odd paths, endless files ----------------
+
 
 def test_time_too_large_for_a_float(tmp_path, capsys):
     huge = "1" + "0" * 400  # an int JSON allows and no float holds
@@ -311,27 +424,6 @@ def test_newline_in_a_path_stays_one_line(tmp_path, capsys):
     assert "a\\nb.jsonl" in err
 
 
-def test_dotted_file_names_do_not_collide(tmp_path):
-    from kvtriton.sim import load_trace
-
-    for i in (1, 2):
-        (tmp_path / f"conv.{i}.json").write_text(json.dumps(conv_doc([req(), req(t=1)])))
-    w = load_trace(tmp_path)
-    assert sorted(r.request_id for r in w) == ["conv.1#0", "conv.1#1", "conv.2#0", "conv.2#1"]
-
-
-@pytest.mark.parametrize("char", ["\u2028", "\u0085", "\u000b", "\u001c"])
-def test_line_separators_inside_json_strings(tmp_path, char):
-    from kvtriton.sim import load_mooncake
-
-    line = {"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [1, 2],
-            "note": f"a{char}b"}
-    path = tmp_path / "t.jsonl"
-    path.write_text(json.dumps(line, ensure_ascii=False) + "\n" + json.dumps(line) + "\n",
-                    encoding="utf-8")
-    assert len(load_mooncake(path)) == 2
-
-
 @pytest.mark.parametrize("block_size", [32, 128])
 def test_trace_stats_uses_the_tester_files_own_block_size(tmp_path, capsys, block_size):
     path = tmp_path / "c.json"
@@ -370,13 +462,3 @@ def test_endless_files_are_capped(capsys, monkeypatch, device):
             load(device)
     err = run(["trace-stats", device], capsys)  # told apart by its first 64 KiB, not read whole
     assert device in err
-
-
-def test_gzip_bomb_is_capped(tmp_path, monkeypatch):
-    from kvtriton.sim import load_mooncake, traces
-
-    monkeypatch.setattr(traces, "MAX_TRACE_BYTES", 1 << 20)
-    path = tmp_path / "bomb.jsonl.gz"
-    path.write_bytes(gzip.compress(b"\n" * (8 << 20)))
-    with pytest.raises(ValueError, match="larger than 1,048,576 bytes"):
-        load_mooncake(path)

@@ -1,9 +1,10 @@
 """Fault injection: a transfer that fails in the engine's backend, wired through to the planner.
 
-A scheduler (``planner_harness.Harness``) and one worker (a real ``TransferEngine`` over tiny int32
-KV tensors) are connected the way a server connects them: each step's ``PlannerMeta`` goes to
-``engine.execute``; ``engine.poll()`` and ``engine.poll_failures()`` go back to the planner through
-``update_connector_output(completed_stores, finished_loads, failed_stores, failed_loads)``.
+A scheduler (``helpers.planner_driver.PlannerDriver``) and one worker (a real ``TransferEngine``
+over tiny int32 KV tensors) are connected the way a server connects them: each step's
+``PlannerMeta`` goes to ``engine.execute``; ``engine.poll()`` and ``engine.poll_failures()`` go
+back to the planner through ``update_connector_output(completed_stores, finished_loads,
+failed_stores, failed_loads)``.
 
 The backend (the torch index copies or the Triton launcher) is replaced by one that scribbles over
 the destination blocks and then raises, as a launch that dies half way would. For every kind of
@@ -20,8 +21,8 @@ import logging
 import numpy as np
 import pytest
 import torch
-from device_lane import DEVICE
-from planner_harness import Harness, tokens_for
+from helpers.device_lane import DEVICE
+from helpers.planner_driver import PlannerDriver, tokens_for
 
 import kvtriton.engine.transfer as transfer_mod
 from kvtriton.engine import TransferEngine, allocate_kv_caches
@@ -55,7 +56,7 @@ class Node:
     """One scheduler and one worker, wired as a server wires them."""
 
     def __init__(self, backend: str, cpu_blocks: int = 8, **config) -> None:
-        self.h = Harness(LAYOUT, GPU_BLOCKS, cpu_blocks, PlannerConfig(**config))
+        self.h = PlannerDriver(LAYOUT, GPU_BLOCKS, cpu_blocks, PlannerConfig(**config))
         kv = allocate_kv_caches(LAYOUT, GPU_BLOCKS, device=DEVICE)
         for t in kv[0]:
             t.fill_(-1)
@@ -99,7 +100,7 @@ class Node:
                    for s, (view, off) in enumerate(self.engine.segments[0]))
 
     def report(self, store_reports: int | None = None) -> tuple[list[int], list[str]]:
-        """The worker's completions and failures, back to the planner (through the harness,
+        """The worker's completions and failures, back to the planner (through the driver,
         which also keeps its own books). Returns what failed."""
         self.engine.flush()  # under CUDA the copies run on side streams; a no-op on CPU
         stored, loaded = self.engine.poll()
@@ -257,10 +258,10 @@ def test_failed_load_releases_its_pins_and_the_request_recomputes(
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_backend_value_error_fails_one_transfer_not_the_step(monkeypatch, backend):
-    """Regression: the engine re-raised a ValueError from the backend out of ``execute``, so the
-    step's load was never submitted and never reported (its pins leaked, its request waited
-    forever). The pairs are validated before any copy starts; what the backend raises after that
-    is a failure of that transfer."""
+    """A ``ValueError`` the backend raises fails that transfer, not the step: the pairs are
+    validated before any copy starts, so the step's load is still submitted and reported
+    (re-raised out of ``execute``, it would leak its pins and leave its request waiting
+    forever)."""
     node = Node(backend)
     h = node.h
     _run_prompt(node, "a", 1, 3)
@@ -376,11 +377,11 @@ class _FakeEvent:
 
 
 def test_a_device_fault_found_by_poll_is_a_failure_reported_once(caplog):
-    """Under CUDA a copy kernel that faults is only seen when its event is queried. Regression:
-    ``poll`` let the exception out after it had already moved the jobs before it to the done
-    lists, so the next ``poll`` reported them twice (a double completion), and the faulted
-    transfer was never reported at all. It is now a failure, through ``poll_failures``. (On CPU
-    tensors the engine never has jobs in flight, so they are staged here by hand.)"""
+    """Under CUDA a copy kernel that faults is only seen when its event is queried: the faulted
+    transfer is a failure, reported once through ``poll_failures``, and the exception stays inside
+    ``poll`` (let out after the jobs before it moved to the done lists, the next ``poll`` would
+    report those twice, a double completion, and the fault never). (On CPU tensors the engine
+    never has jobs in flight, so they are staged here by hand.)"""
     engine = Node("torch").engine
     fault = RuntimeError("CUDA error: an illegal memory access was encountered")
     engine._in_flight = [

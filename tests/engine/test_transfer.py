@@ -1,26 +1,20 @@
-"""TransferEngine: registration, one planner step at a time, events, errors, backend choice.
+"""``TransferEngine`` (``kvtriton.engine.transfer``): registration, one planner step at a time,
+events, errors, and what only CUDA has.
 
 Every test runs on the ``device`` fixture (CPU with the kernel interpreted here, CUDA on a GPU
-box); the ``gpu``-marked ones check what only CUDA has (pinned memory, stream ordering).
+box); the ``gpu``-marked ones check what only CUDA has (pinned memory, stream ordering). The
+copy-engine path and ``backend="auto"`` are in ``test_copy_engine.py``.
 """
 
 from __future__ import annotations
 
 import re
 
-import numpy as np
 import pytest
 import torch
 
-import kvtriton.engine.transfer as transfer_mod
 from kvtriton import TransferEngine
 from kvtriton.engine import allocate_kv_caches, segment_views
-from kvtriton.engine.copy_engine import (
-    COPY_ENGINE_MAX_PIECES,
-    COPY_ENGINE_MIN_PIECE_BYTES,
-    build_piece_table,
-    choose_copy_engine,
-)
 from kvtriton.kernels.reference import load_blocks_loop, store_blocks_loop
 from kvtriton.records import PlannerMeta, Transfer
 from kvtriton.specs import FullAttentionSpec, KVLayout, MambaSpec, SlidingWindowSpec
@@ -30,7 +24,6 @@ pytestmark = pytest.mark.device_lane
 SENTINEL = 0x5A
 NUM_GPU_BLOCKS = 8
 NUM_CPU_BLOCKS = 7
-
 # Small hybrids: every group kind, both attention layouts.
 LAYOUTS = {
     "gemma-like-fa": (KVLayout([
@@ -42,6 +35,7 @@ LAYOUTS = {
         MambaSpec(32, (12, 3), (2, 8, 16), 3, dtype=torch.bfloat16, ssm_dtype=torch.float32),
     ]), "flashinfer"),
 }
+
 ENGINE_BACKENDS = ("torch", "triton", "copy_engine", "auto")
 
 
@@ -302,69 +296,7 @@ def test_backend_failure_is_reported_not_completed(monkeypatch, caplog, device):
     assert "launch failed" in caplog.text
 
 
-# ---- backend="auto": the copy engine for large, few pieces; the kernel otherwise -------------
-
-def test_auto_threshold_is_vllms_measured_crossover():
-    """28 KiB: where vLLM PR #42212 measured batched DMA reaching 40-44 GB/s on an H100."""
-    assert COPY_ENGINE_MIN_PIECE_BYTES == 28 * 1024
-    assert COPY_ENGINE_MAX_PIECES > 0
-
-
-def _pieces(device):
-    """Group 0: 4 pieces of 32 KiB per block; group 1: 2 pieces of 4 KiB."""
-    layout = KVLayout([FullAttentionSpec(16, 8, 128, 2, dtype=torch.float16),
-                       SlidingWindowSpec(16, 1, 128, 1, sliding_window=32,
-                                         dtype=torch.float16)])
-    caches = allocate_kv_caches(layout, 4, device=device)
-    return layout, build_piece_table(segment_views(layout, caches))
-
-
-def test_choose_copy_engine_by_piece_size_and_count(device):
-    _, table = _pieces(device)
-    assert table.piece_bytes.tolist() == [32768, 4096]
-    assert table.pieces_per_block.tolist() == [4, 2]
-    choose = lambda counts, **kw: choose_copy_engine(table, np.asarray(counts), **kw).tolist()
-    assert choose([3, 3]) == [True, False]                       # 4 KiB pieces: the kernel
-    assert choose([0, 3]) == [False, False]                      # no pairs, nothing to choose
-    assert choose([64, 1]) == [True, False]                      # 256 pieces: within the limit
-    assert choose([65, 1]) == [False, False]                     # 260 pieces: host-bound
-    assert choose([3, 3], min_piece_bytes=4096) == [True, True]
-    # Over the count limit, the group with the smaller pieces goes back to the kernel first.
-    assert choose([3, 3], min_piece_bytes=0, max_pieces=12) == [True, False]
-    assert choose([3, 3], min_piece_bytes=0, max_pieces=11) == [False, False]
-    assert choose([3, 3], min_piece_bytes=33 * 1024) == [False, False]
-
-
-def test_auto_splits_a_step_between_copy_engine_and_kernel(monkeypatch, device):
-    layout, _ = _pieces(device)
-    caches = allocate_kv_caches(layout, 4, device=device)
-    for layers in caches:
-        for t in layers:
-            t.view(torch.uint8).random_(0, 256)
-    engine = TransferEngine(layout, caches, 6, backend="auto")
-    engine.cpu_pool.fill_(SENTINEL)
-    calls = []
-    for name in ("copy_pieces", "copy_blocks"):
-        real = getattr(transfer_mod, name)
-
-        def spy(*args, _real=real, _name=name, **kwargs):
-            calls.append((_name, args[3].tolist(), args[5].tolist()))
-            return _real(*args, **kwargs)
-
-        monkeypatch.setattr(transfer_mod, name, spy)
-    gpu, cpu, grp = [0, 1, 3, 2], [5, 0, 2, 1], [0, 1, 0, 1]
-    expected = engine.cpu_pool.clone()
-    store_blocks_loop(engine.segments, expected, gpu, cpu, grp)
-    engine.store(0, gpu, cpu, grp)
-    engine.flush()
-    assert calls == [("copy_pieces", [0, 3], [0, 0]), ("copy_blocks", [1, 2], [1, 1])]
-    assert torch.equal(engine.cpu_pool, expected)
-    assert engine.copy_engine_groups(grp).tolist() == [True, False]
-    # The other backends choose nothing, or everything, whatever the step.
-    assert TransferEngine(layout, caches, 6, backend="triton").copy_engine_groups(
-        grp).tolist() == [False, False]
-    assert TransferEngine(layout, caches, 6, backend="copy_engine").copy_engine_groups(
-        grp).tolist() == [True, True]
+# ---- CUDA only -----------------------------------------------------------------------------------
 
 
 @pytest.mark.gpu

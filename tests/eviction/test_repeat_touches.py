@@ -1,12 +1,14 @@
 """Repeated touches are not reuse: a free block taken again by the user that took it last goes
 back where it was in ARC (T1 stays T1) and S3-FIFO (no promotion from S, no extra frequency in
-M); a touch by another user, or by ``user=None``, counts as reuse. Through ``BlockPool.touch``,
-the queues directly, and the planner's lookup of a waiting request."""
+M); a touch by another user, or by ``user=None``, counts as reuse. The property spans the pool
+(which remembers each block's last user), the queues (which honour ``reuse=False``) and the
+planner (whose lookups name the request), so it is checked through each: the queues directly,
+``BlockPool.touch``, and the planner's lookup of a waiting request."""
 
 from __future__ import annotations
 
 import pytest
-from planner_harness import Harness, tokens_for
+from helpers.planner_driver import PlannerDriver, tokens_for
 
 from kvtriton.eviction import ARCQueue, S3FIFOQueue
 from kvtriton.pool import BlockPool
@@ -189,10 +191,10 @@ def test_last_user_is_forgotten_on_reset(queue):
 # ---- the planner: a waiting request looked up every step -----------------------------------
 
 
-def stored_then_evicted_from_gpu(queue) -> tuple[Harness, list[int]]:
-    """A harness whose CPU tier (``queue``) holds the 10 blocks of a finished request, none left
-    on the GPU; returns the CPU blocks in chain order."""
-    h = Harness(cpu=BlockPool(17, medium="CPU", eviction=queue()))
+def stored_then_evicted_from_gpu(queue) -> tuple[PlannerDriver, list[int]]:
+    """A planner driver whose CPU tier (``queue``) holds the 10 blocks of a finished request,
+    none left on the GPU; returns the CPU blocks in chain order."""
+    h = PlannerDriver(cpu=BlockPool(17, medium="CPU", eviction=queue()))
     a = h.request("a", tokens_for(1, 161))
     h.admit(a)
     h.step({"a": a.num_tokens - a.num_computed_tokens})

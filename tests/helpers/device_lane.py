@@ -45,4 +45,4 @@ def check_kv_device(x: torch.Tensor, lane: torch.device = DEVICE) -> None:
     if x.device.type != lane.type:
         raise AssertionError(
             f"a device-lane test registered a KV tensor on {x.device}, the lane is {lane}: "
-            "build KV tensors on the `device` fixture (or device_lane.DEVICE)")
+            "build KV tensors on the `device` fixture (or helpers.device_lane.DEVICE)")

@@ -6,9 +6,9 @@ planner's lookup, allocation (null pages for sliding-window blocks already out o
 ``update_state_after_alloc``, ``build_meta`` before the step's tokens count as computed, caching
 of full blocks, optional freeing of sliding-window blocks that left the window, preemption and
 resumption, and finish (blocks freed tail first). The test chooses the tokens of every request in
-every step, may accept less than a CPU hit, and completes transfers when it says so; the harness
+every step, may accept less than a CPU hit, and completes transfers when it says so; the driver
 remembers every transfer in flight so that ``check_invariants`` can account for every reference
-the planner holds.
+the planner holds. The functions after the class are scenario steps the planner tests share.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class StoreInFlight:
     reports: int = 0
 
 
-class Harness:
+class PlannerDriver:
     """``free_out_of_window``: free sliding-window blocks once they leave the window (vLLM's
     ``remove_skipped_blocks``); the planner keeps their ids, which may then be reused."""
 
@@ -142,7 +142,7 @@ class Harness:
         """One step: ``scheduled[rid]`` tokens per request (default: the rest of the prompt, or 1
         when ``decode``; nothing for a request waiting for its CPU load). build_meta sees the
         tokens computed before this step; ``extra`` sets further ``StepOutput`` fields (its
-        preempted and resumed ids join the harness's own). Sliding-window blocks out of the
+        preempted and resumed ids join the driver's own). Sliding-window blocks out of the
         window are freed after the step when ``free_out_of_window``."""
         if scheduled is None:
             scheduled = {}
@@ -236,7 +236,7 @@ class Harness:
         self.complete_stores(list(self.stores))
 
     def abandon_tracking(self) -> None:
-        """After ``planner.reset()``: the harness forgets its requests (their GPU blocks are
+        """After ``planner.reset()``: the driver forgets its requests (their GPU blocks are
         freed); transfers in flight stay tracked until completed."""
         for rid in list(self.running):
             self.kv.free_seq_blocks(self.running.pop(rid))
@@ -319,3 +319,55 @@ class Harness:
                 assert keys == self.registered.get(c), (
                     f"CPU block {c} holds {keys}, its last completed store carried "
                     f"{self.registered.get(c)}")
+
+
+# ---- scenario steps -----------------------------------------------------------------------------
+
+# The two store selectors, which every eager scenario runs on: they must agree exactly.
+SCANS = ["fused", "loop"]
+
+
+def stored_prompt(h: PlannerDriver, rid: str, tokens: list[int], *, complete: bool = True):
+    """Admit, prefill and decode one step (which stores the prompt's full blocks)."""
+    req = h.request(rid, tokens)
+    h.admit(req)
+    h.step({rid: req.num_tokens - req.num_computed_tokens})
+    meta = h.step({rid: 1})
+    if complete:
+        h.complete(meta)
+    return req, meta
+
+
+def store_prompt(h: PlannerDriver, rid: str, tokens: list[int]):
+    """Admit ``rid``, prefill, decode one step, completing both steps' stores; return the
+    request and the GPU blocks stored."""
+    req = h.request(rid, tokens)
+    h.admit(req)
+    stored = []
+    for meta in (h.step({rid: req.num_tokens - req.num_computed_tokens}), h.step({rid: 1})):
+        stored += meta.store.gpu_blocks
+        h.complete(meta)
+    return req, stored
+
+
+def evict_gpu_cache(h: PlannerDriver) -> None:
+    """Drop every free cached GPU block (outside pressure on the GPU prefix cache)."""
+    for b in list(h.gpu.iter_free()):
+        h.gpu.evict_cached(b)
+
+
+def cpu_blocks_of(h: PlannerDriver, keys) -> list[int]:
+    return [h.cpu.get_cached_block(int(k)) for k in keys]
+
+
+def lookup(h: PlannerDriver, rid: str, tokens: list[int], computed: int = 0) -> int:
+    """CPU hit tokens of a fresh request; its pins are released again."""
+    req = h.request(rid, tokens)
+    hit, _ = h.planner.get_num_new_matched_tokens(req, computed)
+    h.planner.request_finished(req)
+    return hit
+
+
+def pool_snapshot(h: PlannerDriver):
+    return (list(h.cpu.ref_cnt), [h.cpu.block_keys(b) for b in range(h.cpu.num_blocks)],
+            list(h.gpu.ref_cnt), [h.gpu.block_keys(b) for b in range(h.gpu.num_blocks)])

@@ -6,8 +6,8 @@ access width, the compiled kernel must keep to its contract: no spills and at mo
 ``MAX_REGISTERS`` registers per thread at the launcher's warps (so the persistent programs leave
 most of each SM's register file to the model), 128-bit global loads and stores on the 16-byte
 path, streaming stores (``st.global.cs``) into the host pool, and no shared-memory round trip
-(``convert_layout`` / ``local_alloc``) between load and store. The kernel this replaced, with a
-run-time branch over the widths, took 255 registers with spills on sm_90 and two
+(``convert_layout`` / ``local_alloc``) between load and store. These limits refuse a kernel that
+branches over the widths at run time, which takes 255 registers with spills on sm_90 and two
 ``convert_layout`` through 4 KiB of shared memory.
 """
 

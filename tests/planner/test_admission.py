@@ -1,16 +1,52 @@
-"""Hinted admission: a lazy tier does not offload the keys a closed session held last.
+"""Admission rules (``kvtriton.planner.admission``): second sight holds an eager store back until
+a second request holds the key; hinted admission keeps a lazy tier from offloading the keys a
+closed session held last.
 
-Each scenario runs with ``admission="all"`` beside it as the negative control: the same blocks
-must then be stored, so a filter that skipped everything (or nothing) fails."""
+``admission="all"`` runs beside each rule as the negative control: the same blocks must then be
+stored, so a filter that skipped everything (or nothing) fails.
+"""
 
 from __future__ import annotations
 
 import pytest
-from planner_harness import Harness, tokens_for
+from helpers.planner_driver import PlannerDriver, store_prompt, tokens_for
 
 from kvtriton.planner import PlannerConfig
-from kvtriton.setups import parse_policy
 from kvtriton.sim import agent_workload, simulate
+
+# ---- second sight (eager stores) -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scan", ["fused", "loop"])
+def test_second_sight_stores_a_key_once_a_second_request_holds_it(scan):
+    h = PlannerDriver(config=PlannerConfig(scan=scan, admission="second"))
+    _, stored = store_prompt(h, "a", tokens_for(1, 161))
+    assert stored == []  # first sight: nothing stored
+    assert h.planner.stats.admission_skipped == 10
+    h.finish("a")
+    # b shares a's first 96 tokens (6 blocks) and then differs.
+    b, _ = store_prompt(h, "b", tokens_for(1, 96) + tokens_for(2, 65))
+    stored = [k for k in h.primary_keys(b)[:10].tolist() if k in h.cpu]
+    assert stored == h.primary_keys(b)[:6].tolist()  # exactly the keys seen twice
+    h.check_invariants()
+
+
+def test_admission_all_is_the_negative_control():
+    h = PlannerDriver(config=PlannerConfig(admission="all"))
+    _, stored = store_prompt(h, "a", tokens_for(1, 161))
+    assert len(stored) == 10 and h.planner.stats.admission_skipped == 0
+
+
+def test_second_sight_holds_back_the_finish_flush_too():
+    h = PlannerDriver(config=PlannerConfig(admission="second"))
+    a = h.request("a", tokens_for(1, 161))
+    h.admit(a)
+    h.step({"a": a.num_tokens})
+    h.finish("a")  # the flush would store the 10 confirmed blocks
+    assert h.step().store.gpu_blocks == []
+
+
+# ---- hinted admission (lazy mode) ----------------------------------------------------------------
 
 
 def lazy(admission: str) -> PlannerConfig:
@@ -20,14 +56,14 @@ def lazy(admission: str) -> PlannerConfig:
 STORED: dict[int, list[int]] = {}
 
 
-def step(h: Harness, **kw) -> None:
+def step(h: PlannerDriver, **kw) -> None:
     """One step with its transfers completed; the GPU blocks it stored are noted."""
     m = h.step(**kw)
     STORED.setdefault(id(h), []).extend(m.store.gpu_blocks)
     h.complete(m)
 
 
-def run_and_finish(h: Harness, rid: str, tokens: list[int], hint: str | None) -> list[int]:
+def run_and_finish(h: PlannerDriver, rid: str, tokens: list[int], hint: str | None) -> list[int]:
     """Admit, prefill and decode ``rid``, finish it with ``hint``; its GPU table."""
     req = h.request(rid, tokens)
     h.admit(req)
@@ -39,7 +75,7 @@ def run_and_finish(h: Harness, rid: str, tokens: list[int], hint: str | None) ->
     return table
 
 
-def offload_all(h: Harness) -> list[int]:
+def offload_all(h: PlannerDriver) -> list[int]:
     """Steps until the lazy walk finds nothing more; every GPU block stored so far."""
     for _ in range(8):
         step(h)
@@ -48,7 +84,7 @@ def offload_all(h: Harness) -> list[int]:
 
 @pytest.mark.parametrize("admission", ["all", "hinted"])
 def test_a_closed_sessions_blocks_are_not_offloaded(admission):
-    h = Harness(num_gpu_blocks=64, config=lazy(admission))
+    h = PlannerDriver(num_gpu_blocks=64, config=lazy(admission))
     closed = run_and_finish(h, "a", tokens_for(1, 161), "close")
     open_ = run_and_finish(h, "b", tokens_for(2, 161), None)
     stored = set(offload_all(h))
@@ -67,7 +103,7 @@ def test_a_closed_sessions_blocks_are_not_offloaded(admission):
 def test_a_later_holder_admits_a_closed_key_again(hint):
     """A new request holding the closed prefix (a GPU prefix hit) takes its keys out of the
     closed set at its admission; once it finishes without ``close`` they are offloaded."""
-    h = Harness(num_gpu_blocks=64, config=lazy("hinted"))
+    h = PlannerDriver(num_gpu_blocks=64, config=lazy("hinted"))
     first = run_and_finish(h, "a", tokens_for(1, 161), "close")
     assert h.planner._lazy.num_closed == 10
     b = h.request("b", tokens_for(1, 161))
@@ -83,7 +119,7 @@ def test_a_later_holder_admits_a_closed_key_again(hint):
 
 def test_a_close_after_another_finish_wins():
     """The last holder's hint decides: a key closed after an open finish is held back."""
-    h = Harness(num_gpu_blocks=64, config=lazy("hinted"))
+    h = PlannerDriver(num_gpu_blocks=64, config=lazy("hinted"))
     run_and_finish(h, "a", tokens_for(1, 161), None)
     b = h.request("b", tokens_for(1, 161))
     h.admit(b)
@@ -97,7 +133,7 @@ def test_a_close_after_another_finish_wins():
 
 def test_the_closed_set_forgets_keys_the_gpu_evicts():
     """Bounded memory: a closed key leaves the set when its GPU block is evicted."""
-    h = Harness(num_gpu_blocks=64, config=lazy("hinted"))
+    h = PlannerDriver(num_gpu_blocks=64, config=lazy("hinted"))
     run_and_finish(h, "a", tokens_for(1, 161), "close")
     assert h.planner._lazy.num_closed == 10
     for b in list(h.gpu.iter_free()):
@@ -106,7 +142,7 @@ def test_the_closed_set_forgets_keys_the_gpu_evicts():
 
 
 def test_a_bad_hint_is_refused_and_changes_nothing():
-    h = Harness(num_gpu_blocks=64, config=lazy("hinted"))
+    h = PlannerDriver(num_gpu_blocks=64, config=lazy("hinted"))
     req = h.request("a", tokens_for(1, 161))
     h.admit(req)
     h.step()
@@ -114,17 +150,6 @@ def test_a_bad_hint_is_refused_and_changes_nothing():
         h.planner.request_finished(req, hint="later")
     assert h.planner.has_request("a")
     h.check_invariants()
-
-
-def test_hinted_admission_needs_lazy_mode():
-    with pytest.raises(ValueError, match="'hinted' needs lazy mode"):
-        PlannerConfig(admission="hinted")
-    with pytest.raises(ValueError, match="'hinted' admission needs 'lazy'"):
-        parse_policy("eager+hinted")
-    with pytest.raises(ValueError, match="'second' and 'hinted' both set the admission"):
-        parse_policy("lazy+second+hinted")
-    p = parse_policy("hints+hinted+lazy")
-    assert p.composition == "lazy+hinted+hints" and p.planner.admission == "hinted"
 
 
 def test_hinted_admission_in_the_serving_loop():

@@ -1,10 +1,10 @@
 """Stateful fuzzing: planner, both block pools and the TransferEngine, with real bytes in the KV.
 
-A hypothesis ``RuleBasedStateMachine`` drives ``planner_harness.Harness`` (a tiny scheduler around
-``OffloadPlanner``) wired to a real ``TransferEngine`` over miniature KV tensors (one layer, one
-head of four int32 values). Every GPU block the model "computes" is filled with bytes derived from
-its key; every copy is done by the engine. Actions (drawn by weight, see ``ACTIONS``), in any
-interleaving:
+A hypothesis ``RuleBasedStateMachine`` drives ``helpers.planner_driver.PlannerDriver`` (a tiny
+scheduler around ``OffloadPlanner``) wired to a real ``TransferEngine`` over miniature KV tensors
+(one layer, one head of four int32 values). Every GPU block the model "computes" is filled with
+bytes derived from its key; every copy is done by the engine. Actions (drawn by weight, see
+``ACTIONS``), in any interleaving:
 
 - admissions: the next turn of an earlier request (its GPU copy optionally dropped, so the CPU
   serves it), shared prefixes of three families, exact repeats; partial CPU acceptance; resumption;
@@ -55,7 +55,8 @@ from typing import ClassVar
 import numpy as np
 import pytest
 import torch
-from device_lane import DEVICE
+from helpers.device_lane import DEVICE
+from helpers.planner_driver import PlannerDriver, Running, tokens_for
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -64,7 +65,6 @@ from hypothesis.stateful import (
     invariant,
     rule,
 )
-from planner_harness import Harness, Running, tokens_for
 
 from kvtriton.engine import TransferEngine, allocate_kv_caches
 from kvtriton.lookup import find_longest_hit
@@ -148,8 +148,8 @@ class InjectedValueError(ValueError):
     """A backend's own ValueError, raised after the pairs were validated."""
 
 
-class Rig(Harness):
-    """The harness plus a real engine: computed blocks get their key's bytes, every copy runs
+class Rig(PlannerDriver):
+    """The planner driver plus a real engine: computed blocks get their key's bytes, every copy runs
     through ``TransferEngine``, and worker reports are queued for the test to deliver."""
 
     def __init__(self, layout: KVLayout, gpu_blocks: int, cpu_blocks: int,
@@ -866,10 +866,10 @@ def _hybrid_prompt_in_cpu_only(cpu_blocks: int = 24) -> Rig:
 
 
 def test_partial_accept_of_a_hybrid_hit_loads_the_window_of_the_shorter_hit():
-    """Found by this fuzzing. A sliding window needs, at a shorter hit, blocks the longer hit
-    left null (out of its window): the planner loaded the accepted prefix of the longer hit's
-    blocks, so the window of the accepted 12 tokens was never loaded and the request ran on
-    garbage. The planner now looks the shorter hit up again."""
+    """A sliding window needs, at a shorter hit, blocks the longer hit left null (out of its
+    window): the planner looks the shorter hit up again and loads the window of the accepted 12
+    tokens (the accepted prefix of the longer hit's blocks would leave that window unloaded and
+    the request running on garbage)."""
     rig = _hybrid_prompt_in_cpu_only()
     req = rig.request("b", tokens_for(1, 28))
     assert rig.planner.get_num_new_matched_tokens(req, 0) == (24, True)

@@ -1,12 +1,14 @@
-"""Random schedules: the fused scan and the loop reference agree, and no reference leaks.
+"""Random schedules: the fused scan (``kvtriton.planner.scan``) and the loop reference
+(``kvtriton.planner.reference``) agree, and no reference leaks.
 
-Each example drives harnesses built identically (same layout, pools and actions, so block ids line
-up) through admissions with shared prefixes and partial CPU acceptance, chunked prefill, decode,
-idle steps, confirmed-token jitter (output placeholders), random CPU evictions, delayed, reordered,
-partial (``world_size=2``) and failed completions, preemption with resumption, and finish. After
+Each example drives planner drivers built identically (same layout, pools and actions, so block
+ids line up) through admissions with shared prefixes and partial CPU acceptance, chunked prefill,
+decode, idle steps, confirmed-token jitter (output placeholders), random CPU evictions, delayed,
+reordered, partial (``world_size=2``) and failed completions, preemption with resumption, and
+finish. After
 every step the two planners must emit the same ``PlannerMeta``, hold the same cursors and report
 the same stats (all but the measured selection time), every pool reference must be accounted for
-(``Harness.check_invariants``) and the planner's and selector's books must hold
+(``PlannerDriver.check_invariants``) and the planner's and selector's books must hold
 (``OffloadPlanner.check_invariants``).
 Once every request finished and every transfer completed, both pools must be all-free.
 Lazy mode runs the same schedules on single-group layouts and, with the fused and loop planners
@@ -17,9 +19,9 @@ states), where every store must name the group of its GPU block's key.
 from __future__ import annotations
 
 import pytest
+from helpers.planner_driver import ALIAS_TINY, HYBRID_TINY, LLAMA_TINY, PlannerDriver, tokens_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from planner_harness import ALIAS_TINY, HYBRID_TINY, LLAMA_TINY, Harness, tokens_for
 
 from kvtriton.lookup import find_longest_hit
 from kvtriton.planner import PlannerConfig
@@ -43,7 +45,7 @@ def _meta_tuple(meta):
             meta.load_event_to_reqs, meta.need_flush)
 
 
-def _cursors(h: Harness) -> dict:
+def _cursors(h: PlannerDriver) -> dict:
     out = {}
     for rid in list(h.running) + list(h.preempted):
         for g in range(h.G):
@@ -55,11 +57,11 @@ def _cursors(h: Harness) -> dict:
 
 
 class Lockstep:
-    """The same actions on every harness; observable results must agree."""
+    """The same actions on every driver; observable results must agree."""
 
     def __init__(self, layout, gpu_blocks: int, cpu_blocks: int,
                  configs: list[PlannerConfig]) -> None:
-        self.hs = [Harness(layout, gpu_blocks, cpu_blocks, cfg, free_out_of_window=True)
+        self.hs = [PlannerDriver(layout, gpu_blocks, cpu_blocks, cfg, free_out_of_window=True)
                    for cfg in configs]
         self.h = self.hs[0]
         self.n_req = 0
@@ -68,7 +70,7 @@ class Lockstep:
     def all(self, fn):
         results = [fn(h) for h in self.hs]
         for r in results[1:]:
-            assert r == results[0], f"after step {self.steps}, harnesses disagree: {results}"
+            assert r == results[0], f"after step {self.steps}, drivers disagree: {results}"
         return results[0]
 
     def compare(self) -> None:
@@ -87,10 +89,10 @@ class Lockstep:
         self.compare()
 
 
-def _servable(h: Harness, req, accept: int | None) -> int | None:
+def _servable(h: PlannerDriver, req, accept: int | None) -> int | None:
     """``accept``, or 0 where a sliding window or a Mamba state makes that shorter CPU hit a
     set of blocks the CPU lacks (the planner refuses it; a scheduler then takes none). Looked
-    up without pinning anything, so the harnesses stay in step."""
+    up without pinning anything, so the drivers stay in step."""
     if not accept or all(g.kind == "full" for g in h.layout.groups):
         return accept
     hbs = h.layout.hash_block_size

@@ -1,23 +1,35 @@
-"""Waiting-queue lookahead (``waiting``): the CPU copies of keys that a waiting request holds are
-protected from eviction until that request is admitted.
+"""The serving loop (``kvtriton.sim.loop.ServingLoop``): the waiting-queue lookahead, and clean
+ends.
 
-The scenario: request ``a`` computes a prefix P, eight unrelated fillers queue behind it, then
-``b`` (P plus one block) queues behind them with one request running at a time. The fillers'
-stores push P out of an LRU tier before ``b`` is admitted; with lookahead P is still there. The
-setups without ``waiting`` are the negative control: ``b`` must miss there."""
+Waiting-queue lookahead (``waiting``): the CPU copies of keys that a waiting request holds are
+protected from eviction until that request is admitted. The scenario: request ``a`` computes a
+prefix P, eight unrelated fillers queue behind it, then ``b`` (P plus one block) queues behind
+them with one request running at a time. The fillers' stores push P out of an LRU tier before
+``b`` is admitted; with lookahead P is still there. The setups without ``waiting`` are the
+negative control: ``b`` must miss there.
+
+Clean ends: a run steps on until the planner has nothing pending, and both pools end all free
+(``ServingLoop.run`` checks it in every simulation, so every run checks it too).
+"""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from kvtriton.setups import parse_policy, tier_policy
-from kvtriton.sim import simulate
+from kvtriton.planner import OffloadPlanner
+from kvtriton.setups import tier_policy
+from kvtriton.sim import MOONCAKE_SYNTHETIC, agent_workload, data_path, load_trace, simulate
 from kvtriton.sim.cost import CostModel
+from kvtriton.sim.errors import UncleanEndError
 from kvtriton.sim.keys import workload_keys
 from kvtriton.sim.loop import ServingLoop
 from kvtriton.sim.workload import Workload, WorkloadRequest
+from kvtriton.sim.workloads import limit_workload
 from kvtriton.specs import preset
+
+# ---- waiting-queue lookahead ---------------------------------------------------------------------
+
 
 BLOCK = 16
 P_BLOCKS = 16
@@ -78,7 +90,54 @@ def test_the_protected_share_is_bounded():
     assert row["cpu_hit_tokens"] == 8 * BLOCK
 
 
-def test_lookahead_composition():
-    p = parse_policy("waiting:0.25+lazy")
-    assert p.composition == "lazy+waiting:0.25" and p.lookahead and not p.hints
-    assert parse_policy("eager+waiting").waiting_protect_share == 0.5
+# ---- clean ends ----------------------------------------------------------------------------------
+
+
+def _loop(wl, policy: str, *, gpu_blocks: int, cpu_blocks: int, model: str = "llama3-8b"
+          ) -> ServingLoop:
+    layout = preset(model, block_size=wl.hash_block_size)
+    keys, _ = workload_keys(layout, wl)
+    return ServingLoop(wl, keys, layout, tier_policy(policy), CostModel.named(model, "H100"),
+                       gpu_blocks=gpu_blocks, cpu_blocks=cpu_blocks)
+
+
+def _assert_clean(loop: ServingLoop) -> None:
+    assert not loop.planner.has_pending_work()
+    assert loop.gpu.num_used_blocks == 0 and loop.cpu.num_used_blocks == 0
+    assert not loop.planner.loads_in_flight() and not loop.planner.store_events_in_flight()
+    loop.planner.check_invariants(idle=True)
+
+
+MOONCAKE_20 = limit_workload(load_trace(data_path(MOONCAKE_SYNTHETIC), hash_block_size=16), 20)
+SMALL_CPU_POOLS = [1, 2, 3, 8, 32]
+
+
+@pytest.mark.parametrize("cpu_blocks", SMALL_CPU_POOLS, ids=[f"cpu{c}" for c in SMALL_CPU_POOLS])
+def test_the_last_finish_flush_is_sent_and_both_pools_end_free(cpu_blocks):
+    # kvtriton simulate --workload mooncake --limit 20 --cpu-blocks 1 (a GPU of 16,384 blocks),
+    # and other small CPU pools: with few CPU blocks no store is in flight when the last request
+    # finishes; the loop steps on until that request's finish flush is sent and completed.
+    for policy in ("restore_tail", "restore_tail_bounded"):
+        loop = _loop(MOONCAKE_20, policy, gpu_blocks=16384, cpu_blocks=cpu_blocks)
+        m = loop.run()
+        assert m.finished + m.rejected == len(MOONCAKE_20)
+        _assert_clean(loop)
+
+
+@pytest.mark.parametrize("cpu_blocks", SMALL_CPU_POOLS, ids=[f"cpu{c}" for c in SMALL_CPU_POOLS])
+def test_agent_runs_with_small_cpu_pools_end_clean(cpu_blocks):
+    wl = agent_workload(num_conversations=3, min_turns=2, max_turns=3, system_prompt_tokens=256,
+                        seed=1)
+    loop = _loop(wl, "restore_tail_bounded", gpu_blocks=2048, cpu_blocks=cpu_blocks)
+    loop.run()
+    _assert_clean(loop)
+
+
+def test_an_unclean_end_is_an_error(monkeypatch):
+    # Negative control: a planner that hides its queued flush makes the loop stop with the
+    # flush's blocks pinned in both pools.
+    monkeypatch.setattr(OffloadPlanner, "has_pending_work", lambda self: False)
+    loop = _loop(MOONCAKE_20, "restore_tail_bounded", gpu_blocks=16384, cpu_blocks=1)
+    with pytest.raises(UncleanEndError, match=r"policy 'restore_tail_bounded': the run ended at "
+                                              r"step \d+ with .*1 of 1 CPU blocks still held"):
+        loop.run()

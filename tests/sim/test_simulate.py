@@ -1,19 +1,19 @@
-"""The serving-loop simulator: hand-computed scenarios, integrity mode, the command line."""
+"""``simulate()`` (``kvtriton.sim.simulate``): hand-computed scenarios of the serving loop, the
+bound and the rows it covers, refusals before any run, the default setups side by side,
+compositions with the in-loop bounds, and the gap-closed column.
+"""
 
 from __future__ import annotations
 
 import importlib
-import json
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from kvtriton.cli import main
 from kvtriton.hashing import chain_hashes
 from kvtriton.sim import Workload, WorkloadRequest, agent_workload, replay, simulate
-from kvtriton.sim.integrity import IntegrityChecker, IntegrityError
+from kvtriton.sim.integrity import IntegrityChecker
+from kvtriton.sim.simulate import add_gap_closed, gap_closed
 
 B = 16
 
@@ -83,7 +83,7 @@ def test_a_request_larger_than_the_gpu_is_rejected_not_fatal():
 def test_hit_rates_and_the_bound_cover_the_same_requests():
     # "big" (13 blocks) cannot fit 8 GPU blocks. "again" repeats its prompt, so a bound over
     # every request would count a hit no run could have; the bound leaves "big" out as the
-    # runs do, and "again" no longer waits for it. "small" and "small2" share 32 tokens.
+    # runs do, and "again" does not wait for it. "small" and "small2" share 32 tokens.
     wl = Workload([_req("big", 1, 200), _req("again", 1, 64, after="big"),
                    _req("small", 2, 48), _req("small2", 2, 48, after="small")], B)
     res = simulate(wl, gpu_blocks=8, cpu_blocks=8, policies=["no_cpu", "restore_tail"])
@@ -146,117 +146,38 @@ def test_restore_policies_are_reported_side_by_side():
     assert _row(res, "eager")["restored_blocks"] == 0
 
 
-@settings(max_examples=6, deadline=None)
-@given(seed=st.integers(0, 10_000), gpu=st.sampled_from([768, 1024, 2048]),
-       cpu=st.sampled_from([256, 1024, 4096]))
-def test_integrity_mode_over_random_workloads(seed, gpu, cpu):
-    wl = agent_workload(num_conversations=3, min_turns=2, max_turns=4, system_prompt_tokens=128,
-                        first_user_tokens=96, user_tokens=48, output_tokens=24, seed=seed)
-    res = simulate(wl, gpu_tokens=gpu, cpu_tokens=cpu, integrity=True, bound=False,
-                   policies=["control", "restore_tail"])
-    for r in res.rows:
-        assert r["finished"] + r["rejected"] == len(wl)
-        assert r["integrity_blocks_checked"] == r["loaded_blocks"]
-        assert r["integrity_registrations_checked"] == (
-            r["integrity_blocks_filled"] + r["loaded_blocks"] + r["stored_blocks"])
+# ---- compositions, in-loop bounds, the gap closed ------------------------------------------------
 
 
-@pytest.mark.parametrize("model", ["nemotron-h-8b", "gemma3-12b"])
-def test_hybrid_models_store_and_load_every_group_with_integrity(model):
-    # Full attention + Mamba (states handed off at 256-token boundaries) and full attention +
-    # sliding window: CPU hits happen, land on the scheduler block, and every loaded block of
-    # every group holds the bytes of its key.
-    wl = agent_workload(num_conversations=4, min_turns=3, max_turns=5, system_prompt_tokens=512,
-                        first_user_tokens=256, user_tokens=128, output_tokens=64, seed=3)
-    res = simulate(wl, model=model, gpu_blocks=150, cpu_blocks=800, integrity=True,
-                   policies=["restore_tail"], bound=False)
-    row = res.rows[0]
-    sched = {"nemotron-h-8b": 256, "gemma3-12b": 16}[model]
-    assert row["cpu_hit_tokens"] > 0 and row["cpu_hit_tokens"] % sched == 0
-    assert row["integrity_blocks_checked"] == row["loaded_blocks"] > 0
-    assert (row["handoff_stored"] > 0) == (model == "nemotron-h-8b")
+def test_gap_closed_is_the_share_of_the_control_to_bound_gap():
+    assert gap_closed(0.5, 0.4, 0.6) == pytest.approx(0.5)
+    assert gap_closed(0.3, 0.4, 0.6) == pytest.approx(-0.5)
+    assert gap_closed(0.5, 0.4, 0.4) is None
+    rows = [{"composition": "eager", "token_hit_rate": 0.2},
+            {"composition": "lazy", "token_hit_rate": 0.3}]
+    bounds = [{"composition": "eager+nextuse", "token_hit_rate": 0.4},
+              {"composition": "lazy+nextuse", "token_hit_rate": 0.6}]
+    add_gap_closed(rows, bounds)  # the bound is the better next-use run
+    assert [r["gap_closed"] for r in rows + bounds] == pytest.approx([0, 0.25, 0.5, 1.0])
+    lone = [{"composition": "lazy", "token_hit_rate": 0.3}]
+    add_gap_closed(lone, [])
+    assert lone[0]["gap_closed"] is None
 
 
-def test_integrity_mode_catches_a_corrupted_load():
-    wl = Workload([_req("a", 1, 64), _req("c", 2, 64, after="a"), _req("b", 1, 64, after="c")],
-                  B)
-    original = IntegrityChecker.execute
-
-    def corrupting(self, meta):
-        original(self, meta)
-        for b in meta.load.gpu_blocks:  # flip a byte of every block just loaded
-            view, _ = self.engine.segments[0][0]
-            view[b, 0] ^= 0xFF
-
-    IntegrityChecker.execute = corrupting
-    try:
-        with pytest.raises(IntegrityError, match=r"step \d+: request 'b': GPU block \d+"):
-            simulate(wl, gpu_blocks=6, cpu_blocks=16, policies=["restore_tail"], integrity=True,
-                     bound=False)
-    finally:
-        IntegrityChecker.execute = original
-
-
-# ---- the command line ---------------------------------------------------------------------------
-
-def test_cli_simulate_writes_json_and_table(tmp_path, capsys):
-    out = tmp_path / "sim.json"
-    rc = main(["simulate", "--conversations", "3", "--turns", "2", "3", "--gpu-tokens", "4096",
-               "--cpu-tokens", "8192", "--policies", "control,restore_tail", "--json", str(out),
-               "--quiet"])
-    assert rc == 0
-    text = capsys.readouterr().out
-    assert "restore_tail" in text and "hit rate" in text
-    doc = json.loads(out.read_text())
-    assert [r["policy"] for r in doc["rows"]] == ["control", "restore_tail"]
-
-
-def test_cli_shows_rejected_requests(tmp_path, capsys):
-    out = tmp_path / "sim.json"
-    assert main(["simulate", "--conversations", "3", "--turns", "2", "3", "--gpu-blocks", "230",
-                 "--cpu-blocks", "1000", "--policies", "control", "--quiet", "--json",
-                 str(out)]) == 0
-    text = capsys.readouterr().out
-    assert "9 requests (8 rejected: larger than the GPU; hit rates and the bound cover the " \
-           "others)" in text
-    doc = json.loads(out.read_text())
-    assert doc["conditions"]["rejected"] == doc["rows"][0]["rejected"] == 8
-    assert (doc["bound"]["requests"], doc["bound"]["rejected"]) == (1, 8)
-
-
-@pytest.mark.parametrize("argv, message", [
-    (["simulate", "--gpu-tokens", "0"], "--gpu-tokens: '0' must be positive"),
-    (["simulate", "--gpu-tokens", "x"], "is not an integer"),
-    (["simulate", "--policies", "nope"], "unknown policy 'nope'"),
-    (["simulate", "--model", "gpt5"], "invalid choice"),
-    (["simulate", "--gpu-tokens", "8", "--gpu-gib", "1"], "give one of"),
-    (["simulate", "--workload", "/no/such/trace.jsonl"], "no such file"),
-    (["replay", "--evictions", "fifo"], "fifo"),
-    (["trace-stats", "/no/such/file"], "no such file"),
-    ([], "required: command"),
-], ids=["zero", "not-int", "policy", "model", "two-units", "missing-file", "replay-eviction",
-        "stats-missing", "no-command"])
-def test_cli_errors_are_one_line_and_exit_2(argv, message, capsys):
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("kvtriton: error:")
-    assert message in err
-
-
-@pytest.mark.parametrize("name, content, where", [
-    ("t.jsonl", "", "empty"),
-    ("t.jsonl", '{"timestamp": 0, "input_length": 10, "output_length": 1}\n', ":1:"),
-    ("t.jsonl", '{"timestamp": 5, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n'
-     '{"timestamp": 1, "input_length": 10, "output_length": 1, "hash_ids": [2]}\n', ":2:"),
-    ("t.jsonl", '{"timestamp": 0, "input_length": -3, "output_length": 1, "hash_ids": []}\n',
-     ":1:"),
-    ("t.jsonl", "not json at all\n", ":1: bad JSON"),
-    ("t.txt", "not json at all\n", "not a Mooncake"),
-], ids=["empty", "missing-field", "time-goes-back", "negative-length", "bad-json",
-        "wrong-format"])
-def test_cli_bad_trace_names_file_and_line(tmp_path, capsys, name, content, where):
-    path = tmp_path / name
-    path.write_text(content)
-    assert main(["trace-stats", str(path)]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and str(path) in err and where in err
+def test_simulate_runs_compositions_and_the_in_loop_bounds():
+    wl = agent_workload(num_conversations=4, min_turns=3, max_turns=4, seed=3)
+    res = simulate(wl, gpu_tokens=8192, cpu_tokens=8192, policies=["lazy+hints", "eager+arc"])
+    names = [r["policy"] for r in res.rows + res.bounds]
+    assert names == ["lazy+hints", "eager+arc", "eager", "eager+nextuse", "lazy+nextuse",
+                     "eager+inf"]
+    every = res.rows + res.bounds
+    assert all(r["finished"] == len(wl) for r in every)
+    inf = next(r for r in res.bounds if r["composition"] == "eager+inf")
+    assert inf["cpu_blocks"] > res.conditions["cpu_blocks"]
+    assert inf["running_evictions"] == 0
+    hinted = res.rows[0]
+    assert sum(hinted["hints_applied"].values()) == len(wl)
+    assert hinted["lazy_stored"] > 0 and hinted["stored_blocks"] > 0
+    assert "gap closed" in res.table().splitlines()[0]
+    off = simulate(wl, gpu_tokens=8192, cpu_tokens=8192, policies=["eager+arc"], bound=False)
+    assert [r["policy"] for r in off.rows] == ["eager+arc"] and off.bounds == []

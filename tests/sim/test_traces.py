@@ -1,15 +1,20 @@
-"""Trace loaders on the shipped files (counts, block mapping, sub-agent flattening) and on
-malformed input (each error names the file and the line or request)."""
+"""Trace loaders (``kvtriton.sim.traces``) on the shipped files (counts, block mapping, sub-agent
+flattening), the continuation hints they read (kv-cache-tester ``stop``, Mooncake ``hint``), and
+malformed input (each error names the file and the line or request), including odd file names,
+line separators inside JSON strings and files without end."""
 
 from __future__ import annotations
 
 import functools
 import gzip
 import json
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
+import kvtriton.sim.traces as traces_module
+from kvtriton.sim import STOP_REASONS, Workload, trace_stats
 from kvtriton.sim.traces import (
     CC_AGENTIC_SAMPLE,
     MOONCAKE_SYNTHETIC,
@@ -341,3 +346,134 @@ def test_tester_bad_json_empty_and_wrong_format(tmp_path):
     junk.write_bytes(b"PK\x03\x04 not a trace")
     with pytest.raises(TraceError, match="not a Mooncake JSONL or kv-cache-tester JSON"):
         load_trace(junk)
+
+
+# ---- continuation hints: kv-cache-tester stop reasons, the Mooncake hint field -------------------
+
+
+def raw_stops() -> dict[str, object]:
+    """The ``stop`` of every request of the shipped sample, by the id the loader gives it
+    (``<stem>#<i>``, ``<stem>#<i>.<j>`` inside a sub-agent marker), read from the raw files."""
+    out: dict[str, object] = {}
+
+    def walk(items: list, stem: str, index: str) -> None:
+        for i, obj in enumerate(items):
+            if obj.get("type") == "subagent":
+                walk(obj["requests"], stem, f"{index}{i}.")
+            else:
+                out[f"{stem}#{index}{i}"] = obj.get("stop", "<missing>")
+
+    for f in sorted(CC_DIR.glob("*.json.gz")):
+        walk(json.loads(gzip.decompress(f.read_bytes()))["requests"],
+             f.name.removesuffix(".json.gz"), "")
+    return out
+
+
+def hints(w: Workload) -> list[str | None]:
+    return [r.hint for r in w]
+
+
+def treq(t: float = 0.0, **extra) -> dict:
+    return {"t": t, "type": "n", "model": "m", "in": 128, "out": 10, "hash_ids": [1, 2],
+            "think_time": 0.0, **extra}
+
+
+def test_shipped_sample_hints():
+    stops = raw_stops()
+    w = load_kv_cache_tester(CC_DIR)
+    assert {r.request_id for r in w} == set(stops)
+    for r in w:
+        assert r.hint == ("continue" if stops[r.request_id] == "tool_use" else None), r.request_id
+    counts = Counter(hints(w))
+    n_tool_use = sum(s == "tool_use" for s in stops.values())
+    assert counts == {"continue": n_tool_use, None: len(stops) - n_tool_use}
+    assert set(stops.values()) <= set(STOP_REASONS)  # every shipped stop reason is known
+    assert n_tool_use > 0 and counts[None] > 0
+    s = trace_stats(w)
+    assert s["hints"] == {"continue": n_tool_use, "close": 0, "none": len(stops) - n_tool_use}
+
+
+def test_every_known_stop_reason(tmp_path):
+    reasons = sorted(STOP_REASONS)
+    doc = conv_doc([treq(t=i, stop=s) for i, s in enumerate(reasons)] + [treq(t=len(reasons))])
+    w = load_kv_cache_tester(write_json(tmp_path / "c.json.gz", doc, gz=True))
+    got = {r.request_id: r.hint for r in w}
+    for i, s in enumerate(reasons):
+        assert got[f"c#{i}"] == ("continue" if s == "tool_use" else None)
+    assert got[f"c#{len(reasons)}"] is None  # no stop field: no hint
+    assert set(STOP_REASONS) == {"tool_use", "end_turn", "max_tokens", "stop_sequence",
+                                 "pause_turn", "refusal", ""}
+
+
+STOP_BAD = {
+    "number": ([treq(), treq(t=1, stop=3)], "requests[1]: field 'stop' must be a string, got 3"),
+    "null": ([treq(stop=None)], "requests[0]: field 'stop' must be a string, got None"),
+    "list": ([treq(stop=["tool_use"])], "requests[0]: field 'stop' must be a string, got "
+                                        "['tool_use']"),
+    "unknown": ([treq(stop="tool_call")], "requests[0]: field 'stop' is not a known stop reason: "
+                                          "'tool_call'"),
+    "case": ([treq(stop="TOOL_USE")], "requests[0]: field 'stop' is not a known stop reason: "
+                                      "'TOOL_USE'"),
+    "nested": ([treq(), {"t": 1, "type": "subagent", "requests": [treq(t=0, stop="later")]}],
+               "requests[1].requests[0]: field 'stop' is not a known stop reason: 'later'"),
+}
+
+
+@pytest.mark.parametrize("case", list(STOP_BAD))
+def test_bad_stop(tmp_path, case):
+    requests, message = STOP_BAD[case]
+    p = write_json(tmp_path / "conv.json.gz", conv_doc(requests), gz=True)
+    with pytest.raises(TraceError) as e:
+        load_kv_cache_tester(p)
+    assert str(e.value).startswith(f"{p}: ") and message in str(e.value)
+
+
+def write_jsonl(path: Path, lines: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(o) + "\n" for o in lines))
+    return path
+
+
+def test_mooncake_hints(tmp_path):
+    p = write_jsonl(tmp_path / "t.jsonl", [GOOD, {**GOOD, "hint": "continue"},
+                                           {**GOOD, "hint": "close"}, {**GOOD, "hint": None}])
+    assert hints(load_mooncake(p)) == [None, "continue", "close", None]
+    assert hints(load_trace(p)) == [None, "continue", "close", None]
+    shipped = load_trace(data_path("mooncake_synthetic_trace.jsonl"))
+    assert set(hints(shipped)) == {None}  # the shipped trace has none
+
+
+@pytest.mark.parametrize("bad", ["maybe", "", "Close", 1, True, ["continue"], {"a": 1}])
+def test_mooncake_bad_hint(tmp_path, bad):
+    p = write_jsonl(tmp_path / "t.jsonl", [GOOD, {**GOOD, "hint": bad}])
+    with pytest.raises(TraceError) as e:
+        load_mooncake(p)
+    msg = str(e.value)
+    assert msg.startswith(f"{p}:2: field 'hint' must be null or one of") and repr(bad) in msg
+
+
+# ---- odd names, separators, files without end ----------------------------------------------------
+
+
+def test_dotted_file_names_do_not_collide(tmp_path):
+    for i in (1, 2):
+        (tmp_path / f"conv.{i}.json").write_text(json.dumps(conv_doc([req(), req(t=1)])))
+    w = load_trace(tmp_path)
+    assert sorted(r.request_id for r in w) == ["conv.1#0", "conv.1#1", "conv.2#0", "conv.2#1"]
+
+
+@pytest.mark.parametrize("char", ["\u2028", "\u0085", "\u000b", "\u001c"])
+def test_line_separators_inside_json_strings(tmp_path, char):
+    line = {"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [1, 2],
+            "note": f"a{char}b"}
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(line, ensure_ascii=False) + "\n" + json.dumps(line) + "\n",
+                    encoding="utf-8")
+    assert len(load_mooncake(path)) == 2
+
+
+def test_gzip_bomb_is_capped(tmp_path, monkeypatch):
+    monkeypatch.setattr(traces_module, "MAX_TRACE_BYTES", 1 << 20)
+    path = tmp_path / "bomb.jsonl.gz"
+    path.write_bytes(gzip.compress(b"\n" * (8 << 20)))
+    with pytest.raises(ValueError, match="larger than 1,048,576 bytes"):
+        load_mooncake(path)

@@ -77,7 +77,6 @@ def test_under_gpu_pressure_the_serving_loop_is_vllms_step_for_step(full_isl):
     # policy (loads that landed wait holding their blocks and never preempt, the in-flight
     # prefill reservation, the CPU lookup before allocation, scheduler_reserve_full_isl), and
     # the connector gets finished loads in completion order: every modeled figure agrees.
-    # (Before: 1 to 3 preemptions apart and hits hundreds of tokens apart on this workload.)
     wl = agent_workload(num_conversations=8, min_turns=3, max_turns=6, seed=0)
     kw = {"gpu_tokens": 12288, "cpu_tokens": 16384, "policies": ["no_cpu", "control"],
           "bound": False}

@@ -1,7 +1,11 @@
-"""Workload records and the multi-turn agent generator."""
+"""Workload records and the multi-turn agent generator (``kvtriton.sim.workload``): the records'
+checks, the generator's sessions and hashes, continuation hints (the ``WorkloadRequest.hint``
+field, the agent generator's hints) and ``mark_session_close``.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 from collections import defaultdict
 
@@ -9,8 +13,14 @@ import numpy as np
 import pytest
 
 from kvtriton.hashing import chain_hashes
-from kvtriton.sim.trace_stats import trace_stats
-from kvtriton.sim.workload import AgentConfig, Workload, WorkloadRequest, agent_workload
+from kvtriton.sim import CC_AGENTIC_SAMPLE, HINTS, data_path, load_kv_cache_tester, trace_stats
+from kvtriton.sim.workload import (
+    AgentConfig,
+    Workload,
+    WorkloadRequest,
+    agent_workload,
+    mark_session_close,
+)
 
 SMALL = {"num_conversations": 6, "min_turns": 3, "max_turns": 8, "system_prompt_tokens": 100,
          "first_user_tokens": 60, "user_tokens": 30, "output_tokens": 20}
@@ -93,15 +103,6 @@ def test_open_loop_and_context_cap():
     assert all(len(t) < 40 for t in by_session(capped).values())
 
 
-def test_stats():
-    w = agent_workload(**{**SMALL, "min_turns": 10, "max_turns": 10})
-    s = trace_stats(w)
-    assert s["requests"] == len(w) == 60 and s["sessions"] == 6
-    assert s["closed_loop_requests"] == 60 - 6
-    assert 0.8 < s["reusable_token_fraction"] < 1.0  # history is re-hit every turn
-    assert s["prompt_len"]["p50"] <= s["prompt_len"]["p90"] <= s["prompt_len"]["p99"]
-
-
 @pytest.mark.parametrize(("overrides", "message"), [
     ({"min_turns": 5, "max_turns": 4}, "max_turns=4 < min_turns=5"),
     ({"num_conversations": 0}, "num_conversations must be a positive int"),
@@ -145,3 +146,120 @@ def test_request_validation(kwargs, message):
                         **kwargs)
     with pytest.raises(ValueError, match="1-D uint64"):
         WorkloadRequest("x", 0.0, 8, 0, np.zeros(2, np.int64))
+
+
+# ---- continuation hints --------------------------------------------------------------------------
+
+
+def session_turns(w: Workload) -> dict[str, list[WorkloadRequest]]:
+    """Each session's turns in arrival order (requests without a session left out)."""
+    out: dict[str, list[WorkloadRequest]] = defaultdict(list)
+    for r in w:  # a workload is in arrival order
+        if r.session is not None:
+            out[r.session].append(r)
+    return out
+
+
+def hints(w: Workload) -> list[str | None]:
+    return [r.hint for r in w]
+
+
+def turn(rid: str, t: float, *, session: str | None = None, after: str | None = None,
+         hint: str | None = None) -> WorkloadRequest:
+    return WorkloadRequest(rid, t, 32, 0, np.zeros(2, np.uint64), session=session, after=after,
+                           hint=hint)
+
+
+def test_hints_constant():
+    assert HINTS == ("continue", "close")
+    assert WorkloadRequest("r", 0.0, 1, 0, np.zeros(0, np.uint64)).hint is None
+    for h in (None, *HINTS):
+        assert turn("r", 0.0, hint=h).hint == h
+
+
+@pytest.mark.parametrize("bad", ["Continue", "", "tool_use", 1, True, ["close"]])
+def test_bad_request_hint(bad):
+    with pytest.raises(ValueError) as e:
+        turn("turn-7", 0.0, hint=bad)
+    assert "'turn-7'" in str(e.value) and f"got {bad!r}" in str(e.value)
+
+
+# ---- mark_session_close --------------------------------------------------------------------------
+
+
+def test_mark_session_close():
+    w = Workload([
+        turn("a0", 0.0, session="a", hint="continue"),
+        turn("x0", 0.5),  # no session: left alone
+        turn("b0", 1.0, session="b"),
+        turn("a1", 2.0, session="a", after="a0", hint="continue"),  # a's last: close overrides
+        turn("x1", 2.5, hint="continue"),
+        turn("b1", 3.0, session="b", after="b0", hint="continue"),
+        turn("b2", 4.0, session="b", after="b1"),  # b's last
+        turn("c0", 5.0, session="c"),  # a one-turn session is closed too
+        turn("d0", 6.0, session="d", hint="continue"),
+        turn("e0", 7.0, session="e", after="d0"),  # d's last is named in after: no close for d
+    ], 16, "hand-made")
+    before = hints(w)
+    m = mark_session_close(w)
+    assert hints(w) == before  # the input is not modified
+    assert m.name == w.name and m.hash_block_size == w.hash_block_size
+    assert [r.request_id for r in m] == [r.request_id for r in w]
+    assert dict(zip([r.request_id for r in m], hints(m), strict=True)) == {
+        "a0": "continue", "x0": None, "b0": None, "a1": "close", "x1": "continue",
+        "b1": "continue", "b2": "close", "c0": "close", "d0": "continue", "e0": "close"}
+    for a, b in zip(w, m, strict=True):  # nothing but the hint changes
+        assert (a.request_id, a.arrival_s, a.prompt_len, a.output_len, a.session, a.after,
+                a.think_s, a.model) == (b.request_id, b.arrival_s, b.prompt_len, b.output_len,
+                                        b.session, b.after, b.think_s, b.model)
+        assert np.array_equal(a.hashes, b.hashes)
+    assert hints(mark_session_close(m)) == hints(m)  # idempotent
+
+
+def test_mark_session_close_on_the_sample():
+    w = load_kv_cache_tester(data_path(CC_AGENTIC_SAMPLE))
+    m = mark_session_close(w)
+    sessions = session_turns(w)
+    closed = {r.request_id for r in m if r.hint == "close"}
+    assert closed == {turns[-1].request_id for turns in sessions.values()}
+    assert len(closed) == len(sessions) > 12  # the 12 conversations and their sub-agents
+    for a, b in zip(w, m, strict=True):
+        assert b.hint == ("close" if a.request_id in closed else a.hint)
+    s = trace_stats(m)["hints"]
+    before = trace_stats(w)["hints"]
+    assert s["close"] == len(closed)
+    assert s["continue"] + s["none"] == before["continue"] + before["none"] - len(closed)
+
+
+# ---- the agent generator's hints -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overrides", [
+    {}, {"closed_loop": False, "seed": 4}, {"max_context_tokens": 600, "min_turns": 40,
+                                            "max_turns": 40}])
+def test_agent_hints(overrides):
+    w = agent_workload(**{**SMALL, **overrides})
+    for turns in session_turns(w).values():
+        turns.sort(key=lambda r: r.request_id)
+        assert [r.hint for r in turns] == ["continue"] * (len(turns) - 1) + ["close"]
+    assert hints(mark_session_close(w)) == hints(w)  # already marked
+    s = trace_stats(w)
+    n_sessions = len(session_turns(w))
+    assert s["hints"] == {"continue": len(w) - n_sessions, "close": n_sessions, "none": 0}
+
+
+def test_agent_generator_unchanged_by_hints():
+    """The hints feed no random stream: everything else the generator makes is what it made
+    before hints existed (digest measured on the generator without hints)."""
+    h = hashlib.sha256()
+    for kw in [{}, {"seed": 3, "num_conversations": 7},
+               {"closed_loop": False, "seed": 5, "num_conversations": 5},
+               {"max_context_tokens": 8000, "seed": 2, "num_conversations": 10},
+               {"hash_block_size": 64, "seed": 9, "num_conversations": 4}]:
+        w = agent_workload(**kw)
+        h.update(w.name.encode())
+        for r in w:
+            h.update(repr((r.request_id, r.arrival_s, r.prompt_len, r.output_len, r.session,
+                           r.after, r.think_s, r.model)).encode())
+            h.update(r.hashes.tobytes())
+    assert h.hexdigest() == "2917cb9b2817917e1fe46342f36480b8b19bc9ee2d6e769dc3302b4d200f5f90"

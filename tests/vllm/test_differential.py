@@ -10,28 +10,27 @@ every call that changes them.
 
 Differences are recognised by construction, each by its own evidence, and counted:
 
-- ``per_request_allocation`` (the one the issue names, in ``KVTritonConnector``'s docstring):
+- ``per_request_allocation`` (described in ``KVTritonConnector``'s docstring):
   vLLM allocates CPU blocks per request inside its scan, evicting cached blocks as it goes, so a
-  later request of the same step sees some hashes as no longer cached; kvtriton classified the
-  whole step against the tier as it stood before allocating. It shows two ways: vLLM stores a
+  later request of the same step sees some hashes as no longer cached; kvtriton classifies the
+  whole step against the tier as it stands before allocating. It shows two ways: vLLM stores a
   block whose hash an earlier allocation of the step evicted (the hash was cached before the
   step and is not after it); or, once the budget is spent, vLLM's cursor stops at such a hash
-  (a block it would now store) where kvtriton's passed it as cached. The gap is recognised only
+  (a block it would now store) where kvtriton's passes it as cached. The gap is recognised only
   if vLLM's cursor stopped at a hash that was evicted during the step; vLLM storing, later, a
   block at a position inside a recognised gap is the same difference.
 - ``in_flight_duplicate`` (kvtriton's deliberate improvement, also in the docstring): vLLM dedups
   stores by GPU block id, kvtriton by hash too; two GPU blocks with one hash (vLLM never merges
-  them) are both copied by vLLM, into two CPU blocks, and once by kvtriton (anchors.md lists
-  this among vLLM's open problems).
+  them) are both copied by vLLM, into two CPU blocks, and once by kvtriton.
 
 vLLM storing more can leave it without budget for a block kvtriton stores, so a block only
 kvtriton stored is allowed on such a step if vLLM used its whole budget. The first stored-block
 difference ends the comparison of a seed (the tiers then hold different blocks); anything not
-recognised fails the test. (Two differences found earlier are gone: kvtriton's cursor now stays
-put where the budget was spent before the scan reached it, as vLLM's does; and its finish flush
-reads the table vLLM hands to ``request_finished_all_groups``, so a request aborted before a
-step carried its table (its CPU load pending, or allocated again after a preemption) flushes
-its GPU prefix hits as vLLM's manager does.)
+recognised fails the test: among them, a cursor that moves where the budget was spent before the
+scan reached it (vLLM's stays put), and a finish flush that ignores the table vLLM hands to
+``request_finished_all_groups`` (a request aborted before a step carried its table, its CPU load
+pending or allocated again after a preemption, must flush its GPU prefix hits as vLLM's manager
+does).
 """
 
 from __future__ import annotations
@@ -363,7 +362,7 @@ def run_seed(model_dir, seed: int) -> Record:
                        cpu_blocks=int(rng.choice([6, 12, 24, 48, 160])),
                        max_num_batched_tokens=int(rng.choice([64, 128, 256])), max_num_seqs=8,
                        kv_connector="TeeConnector",
-                       kv_connector_module_path="test_vllm_differential")
+                       kv_connector_module_path=__name__)  # vLLM imports TeeConnector from here
     tee: TeeConnector = s.connector
     pending = _prompts(rng, int(rng.integers(10, 26)))
     stores: list[tuple[int, int, int]] = []  # (due step, vLLM event, kvtriton event)

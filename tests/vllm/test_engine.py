@@ -143,7 +143,7 @@ def test_reset_with_transfers_pending(model_dir):
     served later would show.
     (On CPU a worker's copies complete within their step, so a store issued and not yet
     reported cannot be caught between steps here; that case runs in vLLM's real scheduler in
-    ``test_vllm_scheduler.py::test_reset_with_transfers_in_flight``.)"""
+    ``tests/vllm/test_scheduler_side.py::test_reset_with_transfers_in_flight``.)"""
     turns = conversations(seed=2, start=281, turn=96)
     assert all((len(p) + 7) % BS == 0 for batch in turns for p in batch)
     turns = [turns[0], "reset_all", turns[1], "reset_all", *turns[2:]]
@@ -200,7 +200,7 @@ def test_sliding_window_model(tmp_path_factory):
     group, whose lookups need the window's blocks and whose stores recover blocks that left the
     window from the GPU prefix cache. (A full-attention plus sliding-window hybrid cannot run on
     vLLM's CPU platform, which turns the hybrid allocator off; it runs in vLLM's scheduler in
-    ``test_vllm_scheduler.py::test_hybrid_full_and_sliding_window_round_trip``.)"""
+    ``tests/vllm/test_scheduler_side.py::test_hybrid_full_and_sliding_window_round_trip``.)"""
     model = tiny_llama(tmp_path_factory.mktemp("tiny-mistral-weights"), sliding_window=512)
     turns = conversations()
     ref = run_turns(model, turns, connector=None)

@@ -1,11 +1,13 @@
-"""``KVTritonConnector`` in vLLM's real ``Scheduler`` (scheduler role; no model is run).
+"""``KVTritonConnector``'s scheduler role (``kvtriton.vllm.scheduler_side``) in vLLM's real
+``Scheduler`` (no model is run).
 
-The scenarios of vLLM's own ``tests/v1/simple_kv_offload/test_scheduler.py`` (as listed in
-``../shared/docs/anchors.md``), written anew against this connector; then the re-store scenario
-vLLM's tests lack, a hybrid layout through vLLM's hybrid allocator, preemption and abort with
-transfers in flight, and store completions counted over two workers. Each test builds a
-scheduler on a local ``config.json`` (no hub access) and steps it with ``harness.Driver``, which
-reports every transfer one step after it was issued unless a test holds it.
+The scenarios of vLLM's own ``tests/v1/simple_kv_offload/test_scheduler.py``, written anew against
+this connector; then the re-store scenario vLLM's tests lack, a hybrid layout through vLLM's
+hybrid allocator, preemption and abort with transfers in flight, store completions counted over
+two workers, and the errors a bad setting gives at start-up. Each test builds a scheduler on a
+local ``config.json`` (no hub access) and steps it with ``kvtriton.sim.vllm_scheduler.Driver``
+(``helpers.vllm_driver``), which reports every transfer one step after it was issued unless a
+test holds it.
 """
 
 from __future__ import annotations
@@ -17,87 +19,29 @@ import pytest
 pytest.importorskip("vllm")
 os.environ["HF_HUB_OFFLINE"] = "1"
 
+from helpers.vllm_driver import (
+    BS,
+    FULL,
+    WINDOW,
+    assert_idle,
+    build,
+    cpu_hashes,
+    evict_gpu,
+    gpu_hash_list,
+    run,
+    step_until,
+    tokens,
+)
 from vllm.v1.core.kv_cache_utils import get_group_id
 from vllm.v1.request import RequestStatus
 
-from kvtriton.sim.vllm_scheduler import (
-    Driver,
-    make_scheduler,
-    tiny_model_dir,
-    vllm_request,
-)
-from kvtriton.specs import FullAttentionSpec, SlidingWindowSpec
-
-BS = 16
-FULL = FullAttentionSpec(BS, 1, 8, 1)
-WINDOW = SlidingWindowSpec(BS, 1, 8, 1, sliding_window=32)
+from kvtriton.sim.vllm_scheduler import make_scheduler, tiny_model_dir, vllm_request
+from kvtriton.specs import FullAttentionSpec
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"), 8192)
-
-
-def tokens(seed: int, n: int, start: int = 0) -> list[int]:
-    """Token ids that depend on (seed, position): equal seeds share their prefix."""
-    return [(seed * 7919 + i * 104729) % 30000 + 1 for i in range(start, start + n)]
-
-
-def build(model_dir, groups=(FULL,), **kw):
-    kw.setdefault("num_gpu_blocks", 64)
-    kw.setdefault("cpu_blocks", 128)
-    kw.setdefault("max_num_batched_tokens", 256)
-    s = make_scheduler(model_dir, list(groups), **kw)
-    return s, s.connector.scheduler_side, Driver(s, world_size=kw.get("world_size", 1))
-
-
-def cpu_hashes(side) -> set[bytes]:
-    """vLLM hashes (with group id) the CPU tier holds now."""
-    pool = side.cpu_pool
-    return {side.keys.hash_of(k) for b in range(1, pool.num_blocks) for k in pool.block_keys(b)}
-
-
-def gpu_block_hashes(s, rid) -> list[list[bytes | None]]:
-    """Per group, the vLLM hash of each GPU block of ``rid``'s table."""
-    pool = s.kv_cache_manager.block_pool
-    return [[pool.blocks[b].block_hash for b in ids]
-            for ids in s.kv_cache_manager.get_block_ids(rid)]
-
-
-def run(drv, max_steps=500):
-    drv.run(max_steps)
-    assert not drv.scheduler.has_requests() and not drv.pending()
-
-
-def assert_idle(s, side):
-    """Nothing leaked: every GPU and CPU block is free and the planner holds nothing."""
-    side.planner.check_invariants(idle=True)
-    pool = s.kv_cache_manager.block_pool
-    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
-    assert side.cpu_pool.num_used_blocks == 0
-    assert side.keys.num_reserved() == 0
-
-
-def evict_gpu(drv, seed=999, natural=False):
-    """Empty the GPU prefix cache: vLLM's ``reset_prefix_cache`` (nothing may be running), or
-    with ``natural`` two requests of fresh tokens that take every GPU block (their blocks go to
-    the CPU tier too)."""
-    if not natural:
-        assert drv.scheduler.reset_prefix_cache()
-        return
-    kv = drv.scheduler.kv_cache_manager
-    n = (kv.block_pool.num_gpu_blocks - 1) // kv.num_kv_cache_groups - 2
-    for i in range(2):  # two rounds: every block of the pool is handed out at least once
-        drv.add(vllm_request(f"filler{seed}.{i}", tokens(seed + i, n * BS), 1, BS))
-        run(drv)
-
-
-def step_until(drv, cond, limit=200):
-    for _ in range(limit):
-        so, _ = drv.step()
-        if cond(so):
-            return so
-    raise AssertionError("condition never met")
 
 
 # ---- vLLM's simple_kv_offload scheduler scenarios, re-expressed ----------------------------------
@@ -122,12 +66,6 @@ def test_eager_round_trip_store_then_load(model_dir):
     assert side.planner.stats.cpu_hit_tokens == 5 * BS
     assert side.planner.stats.blocks_loaded == 5
     assert_idle(s, side)
-
-
-def gpu_hash_list(token_ids, group=0):
-    """vLLM's hashes (with group id) of the full blocks of ``token_ids``."""
-    r = vllm_request("h", token_ids, 1, BS)
-    return [h + group.to_bytes(4, "big") for h in r.block_hashes]
 
 
 def test_lazy_round_trip(model_dir):
@@ -395,7 +333,7 @@ def test_multi_group_null_blocks_are_skipped(model_dir):
     assert_idle(s, side)
 
 
-# ---- beyond vLLM's tests ---------------------------------------------------------------------
+# ---- beyond vLLM's tests -------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("restore", [True, False], ids=["restore", "no_restore"])
@@ -480,9 +418,9 @@ def test_abort_with_load_in_flight(model_dir):
 
 def test_abort_with_load_pending_flushes_the_gpu_prefix_hit(model_dir):
     """A request aborted while its CPU load is pending was never in a scheduler output, so the
-    planner had no table for it and its finish flush stored nothing, where vLLM's manager stores
-    the request's GPU prefix hit the CPU lacks (found by the differential test). The flush now
-    reads the table vLLM hands to ``request_finished_all_groups``."""
+    planner holds no table of it: its finish flush reads the table vLLM hands to
+    ``request_finished_all_groups`` and stores the request's GPU prefix hit the CPU lacks, as
+    vLLM's manager does."""
     s, side, drv = build(model_dir, num_gpu_blocks=24)
     p = tokens(54, 8 * BS)
     drv.add(vllm_request("a", [*p, 1], 1, BS))
@@ -550,52 +488,6 @@ def test_world_size_two_counts_both_workers(model_dir):
     assert_idle(s, side)
 
 
-def test_kv_events_use_vllm_field_names(model_dir):
-    from vllm.distributed.kv_events import BlockRemoved, BlockStored
-    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
-
-    s, _side, drv = build(model_dir, cpu_blocks=3, enable_kv_cache_events=True,
-                         extra_config={"cpu_free_order": "head_first"})
-    seen = []
-    take = s.connector.take_events
-
-    def record():  # the scheduler drains the connector's events every step
-        events = list(take())
-        seen.extend(events)
-        return events
-
-    s.connector.take_events = record
-    p = tokens(56, 3 * BS)
-    drv.add(vllm_request("a", [*p, 1], 1, BS))
-    run(drv)
-    events, seen[:] = list(seen), []
-    stored = [e for e in events if isinstance(e, BlockStored)]
-    hashes = [maybe_convert_block_hash(h[:-4]) for h in gpu_hash_list(p)]
-    assert [e.block_hashes for e in stored] == [[h] for h in hashes]
-    assert stored[1].parent_block_hash == hashes[0] and stored[0].parent_block_hash is None
-    assert stored[0].token_ids == p[:BS] and stored[0].block_size == BS
-    assert all(e.medium == "CPU" and e.locality == "LOCAL" and e.group_idx == 0 for e in stored)
-    drv.add(vllm_request("b", [*tokens(57, BS), 1], 1, BS))
-    run(drv)
-    removed = [e for e in seen if isinstance(e, BlockRemoved)]
-    assert [e.block_hashes for e in removed] == [[hashes[0]]]
-
-
-def test_stats_report_counters_since_last_call(model_dir):
-    s, _side, drv = build(model_dir)
-    drv.add(vllm_request("a", tokens(58, 3 * BS), 1, BS))
-    run(drv)
-    st = s.connector.get_kv_connector_stats()
-    assert st.data["cpu_used_blocks"] == 0
-    # The scheduler drains the stats every step, so the run's counters were already reported.
-    assert st.is_empty()
-    drv.add(vllm_request("b", tokens(59, 2 * BS), 1, BS))
-    drv.run(5)
-    again = s.connector.get_kv_connector_stats()
-    merged = st.aggregate(again)
-    assert merged.reduce()["cpu_used_blocks"] == again.data["cpu_used_blocks"]
-
-
 def test_mixed_block_sizes_hit_on_the_scheduler_block(model_dir):
     # Full attention in 32-token blocks, a window in 16-token blocks: hashes every 16 tokens,
     # hits on the 32-token scheduler block, both groups loaded.
@@ -615,7 +507,7 @@ def test_mixed_block_sizes_hit_on_the_scheduler_block(model_dir):
     assert_idle(s, side)
 
 
-# ---- start-up errors -------------------------------------------------------------------------
+# ---- start-up errors -----------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(("extra", "message"), [
@@ -626,52 +518,6 @@ def test_mixed_block_sizes_hit_on_the_scheduler_block(model_dir):
 def test_bad_setting_is_one_error_when_the_scheduler_starts(model_dir, extra, message):
     with pytest.raises(ValueError, match=message):
         make_scheduler(model_dir, [FULL], num_gpu_blocks=16, extra_config=extra)
-
-
-
-
-def test_worker_role_refuses_kv_tensors_it_cannot_address(model_dir):
-    """The worker role checks vLLM's KV tensors at ``register_kv_caches`` (engine start): a
-    missing layer or a tensor whose blocks are not dense ranges of the spec's bytes is one
-    error naming the layer, before any request is served."""
-    import torch
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-
-    from kvtriton.sim.vllm_scheduler import make_configs
-    from kvtriton.vllm import KVTritonConnector
-
-    vllm_config, kv_cache_config, _ = make_configs(model_dir, [FULL], num_gpu_blocks=16,
-                                                   cpu_blocks=8)
-    conn = KVTritonConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
-    with pytest.raises(ValueError, match="layer 'layer0' has no KV cache tensor"):
-        conn.register_kv_caches({})
-    with pytest.raises(ValueError, match=r"layer0.*shape \(3, 3\)"):
-        conn.register_kv_caches({"layer0": torch.zeros(3, 3)})
-    with pytest.raises(ValueError, match="bytes per block"):
-        conn.register_kv_caches({"layer0": torch.zeros(16, 2, BS, 1, 4)})  # half the bytes
-    kv = torch.zeros(2, 16, BS, 1, 8)  # (2, num_blocks, block, heads, head): FlashAttention's
-    conn.register_kv_caches({"layer0": kv})
-    assert conn.worker_side.engine.attn_layout == "flash_attn"
-    # One store through the worker role: reported in the worker metadata and its stats.
-    from kvtriton.records import Transfer
-    from kvtriton.vllm.metadata import KVTritonMetadata
-
-    assert conn.get_kv_connector_stats() is None
-    kv[:, 3] = 7.0
-    conn.bind_connector_metadata(KVTritonMetadata(store=Transfer(0, [3], [1], [0])))
-    conn.start_load_kv(None)
-    conn.wait_for_save()
-    results = conn.get_transfer_results(set())
-    assert results.finished_recving == set() and results.failed_recving == set()
-    assert conn.build_connector_worker_meta().completed_store_events == {0: 1}
-    assert conn.build_connector_worker_meta() is None  # reported once
-    conn.clear_connector_metadata()
-    stats = conn.get_kv_connector_stats().data
-    assert stats["worker_blocks_stored"] == 1 and stats["worker_store_bytes"] == 2 * BS * 8 * 4
-    assert torch.equal(conn.worker_side.engine.cpu_pool[1].view(torch.float32),
-                       torch.full((2 * BS * 8,), 7.0))
-    with pytest.raises(RuntimeError, match="scheduler-role call on the worker role"):
-        conn.build_connector_meta(None)
 
 
 def test_cpu_tier_too_small_for_one_block_fails_at_start(model_dir):

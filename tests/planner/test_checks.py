@@ -1,0 +1,75 @@
+"""The entry checks of each step (``kvtriton.planner.checks``): a step's new blocks and
+hand-offs, and workers' reports of store events, are refused before anything is applied.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from helpers.planner_driver import SCANS, PlannerDriver, pool_snapshot, stored_prompt, tokens_for
+from helpers.planner_state import assert_unchanged, finish_and_drain, snapshot
+
+from kvtriton.planner import PlannerConfig, StepOutput
+
+
+def test_never_issued_store_events_raise_before_anything_is_applied():
+    h = PlannerDriver()
+    a, m = stored_prompt(h, "a", tokens_for(1, 161), complete=False)
+    before = pool_snapshot(h)
+    for bad in ({5: 1}, {-1: 1}, {0: 0}):
+        with pytest.raises(ValueError):
+            h.planner.update_connector_output(completed_stores=bad)
+    with pytest.raises(ValueError, match="never issued"):
+        h.planner.update_connector_output(failed_stores=[3])
+    with pytest.raises(ValueError, match="never issued"):  # the valid report is not applied
+        h.planner.update_connector_output(completed_stores={0: 1}, failed_stores=[7])
+    assert pool_snapshot(h) == before and h.planner.has_pending_stores()
+    h.complete(m)
+    assert h.cpu_prefix_blocks(a) == 10
+
+
+BAD_STEPS = {
+    "out-of-range": (lambda n: {"b": ([n],)}, {}, "block id 256 out of range [0, 256)"),
+    "negative": (lambda n: {"b": ([-1],)}, {}, "block id -1 out of range"),
+    "float": (lambda n: {"b": ([2.5],)}, {}, "block id 2.5 is not an int"),
+    "bool": (lambda n: {"b": ([True],)}, {}, "block id True is not an int"),
+    "two-groups": (lambda n: {"b": ([1], [2])}, {}, "per group (1), got 2 lists"),
+    "no-groups": (lambda n: {"b": ()}, {}, "per group (1), got 0 lists"),
+    "not-a-list": (lambda n: {"b": (5,)}, {}, "group 0: expected a list of block ids, got int"),
+    "handoff-block": (lambda n: {}, {"b": [(64, 999, 0)]}, "block id 999 out of range"),
+    "handoff-group": (lambda n: {}, {"b": [(64, 1, 3)]}, "group 3 out of range [0, 1)"),
+    "handoff-shape": (lambda n: {}, {"b": [(64, 1)]}, "expected (boundary_tokens, gpu_block_id"),
+}
+
+
+@pytest.mark.parametrize("scan", SCANS)
+@pytest.mark.parametrize("bad", list(BAD_STEPS), ids=list(BAD_STEPS))
+def test_bad_new_block_ids_are_refused_before_any_table_moves(bad, scan):
+    """Bad ids in a step's new blocks are a ``ValueError`` raised before any table moves, those of
+    the requests before them in the step included. Request "a" comes first in the step with
+    valid new blocks; "b" carries the bad ones."""
+    h = PlannerDriver(config=PlannerConfig(scan=scan))
+    a, b = h.request("a", tokens_for(1, 161)), h.request("b", tokens_for(2, 161))
+    h.admit(a)
+    h.admit(b)
+    h.step({"a": 32, "b": 32})
+    new_a = h.gpu.get_new_blocks(1)
+    make, handoffs, text = BAD_STEPS[bad]
+    step = StepOutput(num_scheduled_tokens={"a": 16, "b": 16},
+                      new_block_ids={"a": (new_a,), **make(h.gpu.num_blocks)},
+                      boundary_handoffs=handoffs, order=["a", "b"])
+    cursors = [h.planner.cursor(r) for r in "ab"]
+    before = snapshot(h)
+    with pytest.raises(ValueError, match=re.escape(text)):
+        h.planner.build_meta(step)
+    assert_unchanged(h, before)
+    assert [h.planner.cursor(r) for r in "ab"] == cursors
+    h.gpu.free_blocks(new_a)
+    stored = []
+    for m in (h.step(), h.step(decode=True)):  # the rest of both prompts, one decode step
+        stored += m.store.gpu_blocks
+        h.complete(m)
+    assert sorted(stored) == sorted(h.running["a"].tables[0][:10] + h.running["b"].tables[0][:10])
+    h.check_invariants()
+    finish_and_drain(h)
