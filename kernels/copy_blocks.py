@@ -18,7 +18,7 @@ segments are all 16-byte aligned), driven by int64 tables that are built once pe
 The access width is a ``constexpr`` of the launch: a runtime branch over the three widths inlines
 three copy loops into one kernel, which takes 255 registers per thread plus spills on sm_90 at 8
 warps (a whole SM's register file for each of the persistent programs); one width per launch
-takes about 48. ``tests/test_kernel_compile.py`` checks this on the compiled artifact.
+takes about 48. ``tests/kernels/test_compiled.py`` checks this on the compiled artifact.
 
 Per step the host sends only the pairs, sorted by group, and each width class's per-group unit and
 pair ranges: one small int64 buffer, not one descriptor per (block x layer) as a batched memcpy

@@ -58,9 +58,8 @@ def _kv_on_lane_device(request, monkeypatch):
         return
     import functools
 
-    from helpers.device_lane import check_kv_device
-
     import kvtriton.engine.descriptors as descriptors
+    from helpers.device_lane import check_kv_device
 
     real = descriptors._block_bytes_view
 

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.device_lane import DEVICE, check_kv_device
 
 import kvtriton.engine.descriptors as descriptors
+from helpers.device_lane import DEVICE, check_kv_device
 
 TESTS = Path(__file__).resolve().parent
 LANE_FILES = ("kernels/test_copy_blocks.py", "kernels/test_reference.py",

@@ -6,11 +6,11 @@ import typing
 
 import numpy as np
 import pytest
-from helpers.planner_state import deep_state, raises_naming
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from helpers.planner_state import deep_state, raises_naming
 from kvtriton.pool import (
     NULL_BLOCK,
     AllBlocksCleared,

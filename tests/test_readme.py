@@ -53,6 +53,6 @@ def test_readme_integrity_example_passes():
     with tempfile.TemporaryDirectory() as tmp:
         out = f"{tmp}/out.json"
         assert main([*shlex.split(lines[0])[1:], "--quiet", "--json", out]) == 0
-        rows = json.loads(open(out).read())["rows"]
+        rows = json.loads(Path(out).read_text())["rows"]
     assert rows and all(r["integrity_registrations_checked"] > 0 for r in rows)
     assert any(r["integrity_blocks_checked"] > 0 for r in rows)

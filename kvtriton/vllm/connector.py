@@ -72,7 +72,7 @@ class KVTritonConnector(KVConnectorBase_V1, SupportsHMA):
 
     One deliberate difference: vLLM dedups stores by GPU block id only, so two GPU blocks that
     hold one hash (vLLM never merges them) are copied twice, into two CPU blocks; kvtriton dedups
-    by hash too and copies one. ``tests/test_vllm_differential.py`` checks all of this step for
+    by hash too and copies one. ``tests/vllm/test_differential.py`` checks all of this step for
     step against vLLM's manager and fails on any other difference.
     """
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers.device_lane import synchronize
-from helpers.vllm_layouts import LAYOUT, fill_random, layout_engine
 
 import kvtriton.engine.transfer as transfer_mod
+from helpers.device_lane import synchronize
+from helpers.vllm_layouts import LAYOUT, fill_random, layout_engine
 from kvtriton import TransferEngine
 from kvtriton.engine import allocate_kv_caches, segment_views
 from kvtriton.engine.copy_engine import (

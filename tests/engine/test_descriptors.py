@@ -13,6 +13,7 @@ import re
 
 import pytest
 import torch
+
 from helpers.vllm_layouts import (
     HND,
     HYBRID,
@@ -26,7 +27,6 @@ from helpers.vllm_layouts import (
     tensors,
     vllm_attention,
 )
-
 from kvtriton.engine import allocate_kv_caches, segment_views
 from kvtriton.kernels.reference import load_blocks_loop, store_blocks_loop
 

@@ -21,10 +21,10 @@ import logging
 import numpy as np
 import pytest
 import torch
-from helpers.device_lane import DEVICE
-from helpers.planner_driver import PlannerDriver, tokens_for
 
 import kvtriton.engine.transfer as transfer_mod
+from helpers.device_lane import DEVICE
+from helpers.planner_driver import PlannerDriver, tokens_for
 from kvtriton.engine import TransferEngine, allocate_kv_caches
 from kvtriton.planner import PlannerConfig
 from kvtriton.specs import FullAttentionSpec, KVLayout

@@ -5,10 +5,10 @@ reference of the same rules.
 from __future__ import annotations
 
 import pytest
-from helpers.queue_ops import OPS, cached_pool, drain_order, hit, run_ops, store
 from hypothesis import given
 from hypothesis import strategies as st
 
+from helpers.queue_ops import OPS, cached_pool, drain_order, hit, run_ops, store
 from kvtriton.eviction import ARCQueue, EvictionQueue
 from kvtriton.pool import BlockPool
 

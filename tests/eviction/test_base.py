@@ -8,10 +8,10 @@ are in ``test_arc.py`` and ``test_s3fifo.py``; LRU (vLLM's free queue) has none 
 from __future__ import annotations
 
 import pytest
-from helpers.queue_ops import OPS, cached_pool, drain_order, hit, run_ops, store
 from hypothesis import given
 from hypothesis import strategies as st
 
+from helpers.queue_ops import OPS, cached_pool, drain_order, hit, run_ops, store
 from kvtriton.eviction import EVICTION_QUEUES, ARCQueue, S3FIFOQueue, make_eviction_queue
 from kvtriton.pool import BlockPool
 

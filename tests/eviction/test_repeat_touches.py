@@ -8,8 +8,8 @@ planner (whose lookups name the request), so it is checked through each: the que
 from __future__ import annotations
 
 import pytest
-from helpers.planner_driver import PlannerDriver, tokens_for
 
+from helpers.planner_driver import PlannerDriver, tokens_for
 from kvtriton.eviction import ARCQueue, S3FIFOQueue
 from kvtriton.pool import BlockPool
 

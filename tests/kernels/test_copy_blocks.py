@@ -15,6 +15,7 @@ import re
 import numpy as np
 import pytest
 import torch
+
 from helpers.copy_rig import (
     CASES,
     NUM_CPU_BLOCKS,
@@ -31,7 +32,6 @@ from helpers.copy_rig import (
     tensors,
 )
 from helpers.device_lane import host_pool, synchronize
-
 from kvtriton.engine import allocate_kv_caches, segment_views
 from kvtriton.engine.copy_engine import build_piece_table, copy_pieces
 from kvtriton.kernels.copy_blocks import WIDTHS, copy_blocks, prepare_copy

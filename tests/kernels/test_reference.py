@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers.copy_rig import rebuild, same, setup_rig, snapshot, tensors
 
+from helpers.copy_rig import rebuild, same, setup_rig, snapshot, tensors
 from kvtriton.engine import segment_views
 from kvtriton.kernels.reference import (
     load_blocks_loop,

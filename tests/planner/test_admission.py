@@ -9,8 +9,8 @@ stored, so a filter that skipped everything (or nothing) fails.
 from __future__ import annotations
 
 import pytest
-from helpers.planner_driver import PlannerDriver, store_prompt, tokens_for
 
+from helpers.planner_driver import PlannerDriver, store_prompt, tokens_for
 from kvtriton.planner import PlannerConfig
 from kvtriton.sim import agent_workload, simulate
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import re
 
 import pytest
+
 from helpers.planner_driver import SCANS, PlannerDriver, pool_snapshot, stored_prompt, tokens_for
 from helpers.planner_state import assert_unchanged, finish_and_drain, snapshot
-
 from kvtriton.planner import PlannerConfig, StepOutput
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers.planner_state import raises_naming
 
+from helpers.planner_state import raises_naming
 from kvtriton.planner import PlannerConfig
 from kvtriton.setups import parse_policy
 

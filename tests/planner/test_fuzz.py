@@ -55,8 +55,6 @@ from typing import ClassVar
 import numpy as np
 import pytest
 import torch
-from helpers.device_lane import DEVICE
-from helpers.planner_driver import PlannerDriver, Running, tokens_for
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -66,6 +64,8 @@ from hypothesis.stateful import (
     rule,
 )
 
+from helpers.device_lane import DEVICE
+from helpers.planner_driver import PlannerDriver, Running, tokens_for
 from kvtriton.engine import TransferEngine, allocate_kv_caches
 from kvtriton.lookup import find_longest_hit
 from kvtriton.planner import PlannerConfig, PlannerMeta

@@ -5,6 +5,7 @@ the group each stored block is named with, and the hit its stores serve.
 from __future__ import annotations
 
 import pytest
+
 from helpers.planner_driver import (
     HYBRID_TINY,
     LLAMA_TINY,
@@ -14,7 +15,6 @@ from helpers.planner_driver import (
     stored_prompt,
     tokens_for,
 )
-
 from kvtriton.planner import PlannerConfig, StepOutput
 from kvtriton.pool import NULL_BLOCK
 

@@ -10,6 +10,7 @@ import re
 
 import numpy as np
 import pytest
+
 from helpers.planner_driver import (
     ALIAS_TINY,
     HYBRID_TINY,
@@ -30,7 +31,6 @@ from helpers.planner_state import (
     run_hit,
     snapshot,
 )
-
 from kvtriton.eviction import ARCQueue
 from kvtriton.planner import PlannerConfig, ScanOutcomes, StepOutput
 from kvtriton.pool import NULL_BLOCK, BlockPool

@@ -16,6 +16,7 @@ import re
 
 import numpy as np
 import pytest
+
 from helpers.planner_driver import (
     HYBRID_TINY,
     LLAMA_TINY,
@@ -35,7 +36,6 @@ from helpers.planner_state import (
     run_hit,
     snapshot,
 )
-
 from kvtriton.planner import OffloadPlanner, PlannerConfig, Request, ScanOutcomes, StepOutput
 from kvtriton.pool import BlockPool
 

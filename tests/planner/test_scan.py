@@ -19,10 +19,10 @@ states), where every store must name the group of its GPU block's key.
 from __future__ import annotations
 
 import pytest
-from helpers.planner_driver import ALIAS_TINY, HYBRID_TINY, LLAMA_TINY, PlannerDriver, tokens_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers.planner_driver import ALIAS_TINY, HYBRID_TINY, LLAMA_TINY, PlannerDriver, tokens_for
 from kvtriton.lookup import find_longest_hit
 from kvtriton.planner import PlannerConfig
 from kvtriton.specs import FullAttentionSpec, KVLayout, MambaSpec, SlidingWindowSpec

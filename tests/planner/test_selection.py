@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from helpers.planner_driver import (
     HYBRID_TINY,
     LLAMA_TINY,
@@ -20,7 +21,6 @@ from helpers.planner_driver import (
     stored_prompt,
     tokens_for,
 )
-
 from kvtriton.planner import PlannerConfig, ScanOutcomes
 from kvtriton.pool import NULL_BLOCK
 

@@ -6,6 +6,7 @@ configured order, a finish while a store is in flight, and the finish flush.
 from __future__ import annotations
 
 import pytest
+
 from helpers.planner_driver import (
     ALIAS_TINY,
     HYBRID_TINY,
@@ -15,7 +16,6 @@ from helpers.planner_driver import (
     stored_prompt,
     tokens_for,
 )
-
 from kvtriton.planner import PlannerConfig, ScanOutcomes
 
 # ---- tables, registration, the CPU free order ----------------------------------------------------

@@ -29,9 +29,8 @@ pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 os.environ["HF_HUB_OFFLINE"] = "1"
 
-from helpers.faults import inject
-
 from bench.engine_run import EngineRun, run_turns, tiny_llama
+from helpers.faults import inject
 
 LOGPROB_TOL = 1e-4
 BS = 32

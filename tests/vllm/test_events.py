@@ -13,7 +13,6 @@ pytest.importorskip("vllm")
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 from helpers.vllm_driver import BS, build, gpu_hash_list, run, tokens
-
 from kvtriton.sim.vllm_scheduler import tiny_model_dir, vllm_request
 
 

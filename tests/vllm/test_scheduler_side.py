@@ -19,6 +19,9 @@ import pytest
 pytest.importorskip("vllm")
 os.environ["HF_HUB_OFFLINE"] = "1"
 
+from vllm.v1.core.kv_cache_utils import get_group_id
+from vllm.v1.request import RequestStatus
+
 from helpers.vllm_driver import (
     BS,
     FULL,
@@ -32,9 +35,6 @@ from helpers.vllm_driver import (
     step_until,
     tokens,
 )
-from vllm.v1.core.kv_cache_utils import get_group_id
-from vllm.v1.request import RequestStatus
-
 from kvtriton.sim.vllm_scheduler import make_scheduler, tiny_model_dir, vllm_request
 from kvtriton.specs import FullAttentionSpec
 

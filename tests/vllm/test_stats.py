@@ -12,7 +12,6 @@ pytest.importorskip("vllm")
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 from helpers.vllm_driver import BS, build, run, tokens
-
 from kvtriton.sim.vllm_scheduler import tiny_model_dir, vllm_request
 
 

@@ -23,7 +23,7 @@ import pytest
 
 from bench import bench_kernels, gpu_check
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STEPS = ["setup", "env", "compiled", "tests", "kernel_check", "bench"]
 
 

@@ -19,7 +19,7 @@ from bench.__main__ import main as harness
 from bench.common import MANIFEST, record_output, write_result, writing_as
 from bench.studies import BY_NAME, NEEDS, STUDIES, always_written, writers
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DATE = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ")
 
 
