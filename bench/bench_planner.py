@@ -33,7 +33,9 @@ import time
 from bench.common import OneLineParser, write_result
 from bench.scenarios import BLOCK, EVICTIONS, VARIANTS, Scenario
 
-# vLLM 0.33.0's SimpleCPUOffloadScheduler on this machine class, from ../shared/docs/anchors.md.
+# vLLM 0.33.0's SimpleCPUOffloadScheduler measured beside kvtriton's planner in one process on a
+# 2-vCPU machine of this class (an earlier run, not this one: ``bench.bench_vs_vllm`` measures
+# both in the same run).
 VLLM_ANCHOR_MS = {
     16: {"control": 0.079, "restore_loop": 5.9},
     64: {"control": 0.29, "restore_loop": 43},
@@ -141,7 +143,7 @@ def main(argv: list[str] | None = None) -> dict:
         "targets": {**targets(rows, args.evict),
                     **{f"{k}_no_eviction": v for k, v in targets(rows, 0.0).items()
                        if k == "fused_restore_over_loop_control_at_128"}},
-        "vllm_anchor_ms": {"source": "shared/docs/anchors.md (vLLM 0.33.0, 2 vCPU)",
+        "vllm_anchor_ms": {"source": "an earlier same-process run beside vLLM 0.33.0, 2 vCPU",
                            "by_requests": VLLM_ANCHOR_MS},
     }
     path = write_result(args.out, payload)

@@ -1,13 +1,13 @@
 """Planner cost beside vLLM's own, in one process, interleaved step by step.
 
-The setting of ``bench_planner`` and of the vLLM figures in ``../shared/docs/anchors.md``: one
+The setting of ``bench_planner`` (``bench.scenarios``): one
 full-attention group of 16-token blocks, R running requests of 2,048 stored blocks each, one new
 block per request per step, and 1% of the CPU tier's cached blocks evicted before each step in
 LRU order (the tier's next victims, as a real tier's pressure evicts them), CPU blocks freed head
 first (vLLM's order) in every variant. Variants, each with its own pools and requests:
 
 - ``vllm_control``: vLLM's ``SimpleCPUOffloadScheduler.build_connector_meta``, its cursor scan;
-- ``vllm_rescan_restore``: the re-store design of seed ``000_*`` written as a subclass of it:
+- ``vllm_rescan_restore``: the re-store design this project started from, written as a subclass:
   after a CPU eviction, every step re-scans each request from block 0 (Phase 1a: stored blocks
   whose hash the CPU no longer holds, re-stored) before the new blocks past the cursor (1b);
 - ``kvt_loop_control``, ``kvt_fused_control``, ``kvt_fused_restore``: kvtriton's
@@ -19,8 +19,8 @@ first (vLLM's order) in every variant. Variants, each with its own pools and req
 Per step, the variants run one after another (interleaved), so machine noise falls on all; only
 the build call is timed, not the evictions, new blocks or completions between steps. Reported:
 per-step median and quartiles, blocks stored per step, each variant's ratio to ``vllm_control``
-and to ``vllm_rescan_restore``, and for re-store rows the cost per stored block. The targets
-(issue 12, at R = 128) are checked and written with the figures to ``bench/results/vs_vllm.json``.
+and to ``vllm_rescan_restore``, and for re-store rows the cost per stored block. The targets at
+R = 128 (``targets``) are checked and written with the figures to ``bench/results/vs_vllm.json``.
 
 Run: ``python -m bench.bench_vs_vllm [--quick]`` (needs vLLM).
 """
@@ -51,7 +51,7 @@ CONNECTOR_CONFIGS = {
     "kvt_connector_fused_control": {"restore": False, "cpu_free_order": "head_first"},
     "kvt_connector_fused_restore": {"restore": True, "cpu_free_order": "head_first"},
 }
-# Issue 12's targets, at R = 128.
+# The running requests the targets are judged at.
 TARGET_R = 128
 
 
@@ -108,7 +108,8 @@ class _SchedulerOutput:
 
 
 def _rescan_manager_class():
-    """vLLM's manager with seed 000's re-store: a re-scan from block 0 after a CPU eviction."""
+    """vLLM's manager with the original re-store design: a re-scan from block 0 after a CPU
+    eviction."""
     from vllm.v1.simple_kv_offload.manager import SimpleCPUOffloadScheduler
 
     class RescanRestoreScheduler(SimpleCPUOffloadScheduler):
@@ -362,7 +363,7 @@ def run_size(r: int, blocks: int, steps: int, warmup: int, evict: float, variant
 
 
 def targets(rows: list[dict]) -> dict:
-    """Issue 12's three targets at R = 128, each with its figure and whether it was met."""
+    """The three targets at R = 128, each with its figure and whether it was met."""
     at = {row["variant"]: row for row in rows if row["requests"] == TARGET_R}
     out = {}
     need = ("vllm_control", "vllm_rescan_restore", "kvt_fused_control", "kvt_fused_restore")

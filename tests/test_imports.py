@@ -128,3 +128,28 @@ def test_no_import_cycles():
         if n not in done:
             visit(n)
     assert not cycles, f"import cycles: {cycles}"
+
+
+def _library_files() -> dict[str, Path]:
+    return {_module_name(p): p for base in PACKAGES.values() for p in base.rglob("*.py")}
+
+
+def test_the_library_imports_nothing_from_the_command_line():
+    # The CLI sits on top: workloads, checks and settings it uses live in the library.
+    upward = sorted(name for name, path in _library_files().items() if name != "kvtriton.cli"
+                    and any(d == "kvtriton.cli" or d.startswith("kvtriton.cli.")
+                            for d in _imports(ast.parse(path.read_text()))))
+    assert not upward, f"modules importing kvtriton.cli: {upward}"
+
+
+def test_the_connector_package_holds_no_experiment_driver():
+    # kvtriton.vllm is what vLLM loads: no command line, no experiment (those live in bench/).
+    drivers = []
+    for name, path in _library_files().items():
+        if not name.startswith("kvtriton.vllm"):
+            continue
+        tree = ast.parse(path.read_text())
+        top = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+        if "main" in top or "argparse" in _imports(tree) or "__main__" in path.read_text():
+            drivers.append(name)
+    assert not drivers, f"experiment drivers in kvtriton/vllm: {drivers}"
