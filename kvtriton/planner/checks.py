@@ -61,16 +61,38 @@ def check_reports(completed: Mapping[int, int] | Iterable[int], failed: Iterable
     """Store reports as (event -> report count, failed events); ``ValueError`` for an event
     never issued (store events are numbered ``0 .. events_issued - 1``) or a count that is not
     positive."""
+    def event(ev: object) -> int:
+        # A NumPy integer is an event id like any other; a bool or a float is not one.
+        if not is_int(ev) or not 0 <= ev < events_issued:
+            raise ValueError(f"store event {ev!r} was never issued")
+        return int(ev)
+
     if not isinstance(completed, Mapping):
         counts: dict[int, int] = {}
         for ev in completed:
-            counts[ev] = counts.get(ev, 0) + 1
+            counts[event(ev)] = counts.get(event(ev), 0) + 1
         completed = counts
-    failed = list(failed)
-    for ev in [*completed, *failed]:
-        if not isinstance(ev, int) or not 0 <= ev < events_issued:
-            raise ValueError(f"store event {ev!r} was never issued")
+    out: dict[int, int] = {}
     for ev, count in completed.items():
-        if count <= 0:
-            raise ValueError(f"store event {ev}: report count must be positive, got {count}")
-    return dict(completed), failed
+        if not is_int(count) or count <= 0:
+            raise ValueError(f"store event {ev!r}: report count must be a positive int, got "
+                             f"{count!r}")
+        out[event(ev)] = out.get(event(ev), 0) + int(count)
+    failed = [event(ev) for ev in failed]
+    both = sorted(set(out) & set(failed))
+    if both:
+        raise ValueError(f"store event {both[0]} reported both completed and failed in one "
+                         "call")
+    return out, failed
+
+
+def check_request_ids(ids: Iterable[str], what: str) -> list[str]:
+    """``ids`` as a list of request ids; ``ValueError`` for a single string (it would be read
+    letter by letter) or an id that is not a string."""
+    if isinstance(ids, str | bytes):
+        raise ValueError(f"{what} must be a collection of request ids, got the string {ids!r}")
+    out = list(ids)
+    bad = [r for r in out if not isinstance(r, str)]
+    if bad:
+        raise ValueError(f"{what}: request ids are strings, got {bad[0]!r}")
+    return out

@@ -40,7 +40,7 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
-from kvtriton.planner.checks import check_reports, check_step
+from kvtriton.planner.checks import check_reports, check_request_ids, check_step
 from kvtriton.planner.config import PlannerConfig
 from kvtriton.planner.lazy import LazyOffload
 from kvtriton.planner.loads import Loads
@@ -206,11 +206,14 @@ class OffloadPlanner:
         reports arrived. Reports that a real worker can legitimately send late or twice (an event
         already completed or abandoned by ``reset``, a load of a request already cleaned up) are
         logged and counted in ``stats.stale_reports``; an event id that was never issued raises
-        ``ValueError``, before any report of the call is applied. ``failed_*`` release the
-        transfer's pins without caching anything.
+        ``ValueError``, before any report of the call is applied, and so do a report count that
+        is not a positive int, one event both completed and failed in one call, and request ids
+        given as one string. ``failed_*`` release the transfer's pins without caching anything.
         """
         completed, failed = check_reports(completed_stores, failed_stores,
                                           self._stores.events_issued)
+        finished_loads = check_request_ids(finished_loads, "finished_loads")
+        failed_loads = check_request_ids(failed_loads, "failed_loads")
         for rid in finished_loads:
             self._loads.finish(rid, failed=False)
         for rid in failed_loads:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 
 from helpers.planner_driver import SCANS, PlannerDriver, pool_snapshot, stored_prompt, tokens_for
@@ -73,3 +74,34 @@ def test_bad_new_block_ids_are_refused_before_any_table_moves(bad, scan):
     assert sorted(stored) == sorted(h.running["a"].tables[0][:10] + h.running["b"].tables[0][:10])
     h.check_invariants()
     finish_and_drain(h)
+
+
+@pytest.mark.parametrize(("reports", "named"), [
+    ({"completed_stores": {0: 1.5}}, "report count must be a positive int, got 1.5"),
+    ({"completed_stores": {0: True}}, "report count must be a positive int, got True"),
+    ({"completed_stores": {0: 1}, "failed_stores": [0]}, "both completed and failed"),
+    ({"completed_stores": [0], "failed_stores": [0]}, "both completed and failed"),
+    ({"finished_loads": "a"}, "got the string 'a'"),
+    ({"failed_loads": "a"}, "got the string 'a'"),
+    ({"finished_loads": [7]}, "request ids are strings, got 7"),
+])
+def test_malformed_reports_are_refused_with_nothing_changed(reports, named):
+    # A count of 1.5 used to complete the store at world size 1 and leave half a report stale;
+    # a str was read letter by letter; an event both completed and failed was applied twice.
+    h = PlannerDriver()
+    a, m = stored_prompt(h, "a", tokens_for(1, 161), complete=False)
+    before = pool_snapshot(h)
+    with pytest.raises(ValueError, match=re.escape(named)):
+        h.planner.update_connector_output(**reports)
+    assert pool_snapshot(h) == before and h.planner.has_pending_stores()
+    assert h.planner.stats.as_dict()["stale_reports"] == 0
+    h.complete(m)
+    assert h.cpu_prefix_blocks(a) == 10
+
+
+@pytest.mark.parametrize("as_numpy", [np.int64, np.int32, np.uint16])
+def test_a_numpy_integer_event_id_that_was_issued_is_accepted(as_numpy):
+    h = PlannerDriver()
+    a, m = stored_prompt(h, "a", tokens_for(1, 161), complete=False)
+    h.planner.update_connector_output(completed_stores={as_numpy(m.store.event): as_numpy(1)})
+    assert not h.planner.has_pending_stores() and h.cpu_prefix_blocks(a) == 10
