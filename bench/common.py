@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import datetime as _dt
 import fcntl
+import functools
 import json
 import os
 import platform
@@ -68,9 +69,12 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {' '.join(message.split())}\n")
 
 
+@functools.cache
 def _git_sha() -> str:
     """HEAD's short sha, with ``+dirty`` when tracked code differs from it (results, the paper
-    and the README's generated block do not count: a benchmark run rewrites them)."""
+    and the README's generated block do not count: a benchmark run rewrites them). Read once per
+    process, at this module's import (before any study computes anything): a run records the
+    code it loaded, not a commit made while it ran."""
     return git_sha(Path(__file__).resolve().parent.parent,
                    (".", ":!bench/results", ":!paper", ":!README.md"))
 
@@ -189,3 +193,6 @@ def write_result(name: str, payload: dict, results_dir: Path | None = None) -> P
     _atomic_write(path, json.dumps(doc, indent=2, sort_keys=False) + "\n")
     _record(path, _writer(), machine["git_sha"], machine["date_utc"])
     return path
+
+
+_git_sha()  # read now: see _git_sha

@@ -219,3 +219,13 @@ def test_the_paper_names_each_inputs_commit(tmp_path, monkeypatch):
         rows["policies_agent_full.json"]
     assert v["inputs_text"].startswith("The 2 results files behind this paper come from 2 "
                                        "commits")
+
+
+def test_the_commit_is_read_once_before_any_study_runs(monkeypatch):
+    # A run records the commit of the code it loaded: one made while it ran (a 20-minute study
+    # writes its only result at the end) must not be recorded instead.
+    import bench.common as common
+
+    first = common._git_sha()
+    monkeypatch.setattr(common, "git_sha", lambda *a, **k: "later00+dirty")
+    assert common._git_sha() == first and common._git_sha.cache_info().misses == 1
