@@ -30,12 +30,12 @@ from kvtriton.sim import (
     simulate,
 )
 from kvtriton.sim.progress import Progress
-from kvtriton.sim.workloads import WORKLOADS, serving_workload
+from kvtriton.sim.workloads import WORKLOADS, load_workload, serving_workload
 
 
 def agent(quick: bool):
     if quick:
-        return agent_workload(num_conversations=24, min_turns=6, max_turns=12, seed=0)
+        return load_workload("agent")  # the registry's default agent setting
     return agent_workload(num_conversations=64, min_turns=10, max_turns=50, seed=0)
 
 

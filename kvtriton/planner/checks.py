@@ -69,15 +69,16 @@ def check_reports(completed: Mapping[int, int] | Iterable[int], failed: Iterable
 
     if not isinstance(completed, Mapping):
         counts: dict[int, int] = {}
-        for ev in completed:
-            counts[event(ev)] = counts.get(event(ev), 0) + 1
+        for ev in map(event, completed):
+            counts[ev] = counts.get(ev, 0) + 1
         completed = counts
     out: dict[int, int] = {}
     for ev, count in completed.items():
         if not is_int(count) or count <= 0:
             raise ValueError(f"store event {ev!r}: report count must be a positive int, got "
                              f"{count!r}")
-        out[event(ev)] = out.get(event(ev), 0) + int(count)
+        ev = event(ev)
+        out[ev] = out.get(ev, 0) + int(count)
     failed = [event(ev) for ev in failed]
     both = sorted(set(out) & set(failed))
     if both:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import heapq
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -48,7 +49,7 @@ class Link:
         return self.free_at
 
 
-class ServingClock:
+class ServingClock(ABC):
     """One workload's clock under one tier policy: a subclass supplies ``step()`` (one scheduler
     step, False when everything is done) and ``_end_run()`` (its end-of-run checks and
     counters); ``run()`` drives it and returns the metrics.
@@ -161,9 +162,11 @@ class ServingClock:
 
     # ---- the run -------------------------------------------------------------------------------
 
+    @abstractmethod
     def step(self) -> bool:
-        raise NotImplementedError
+        """One scheduler step; False when everything is done."""
 
+    @abstractmethod
     def _end_run(self) -> None:
         """The subclass's end-of-run checks and counters, before the common ones are set."""
 

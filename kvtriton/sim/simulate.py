@@ -195,14 +195,14 @@ def _check_engine(engine: str, chosen: list[TierPolicy], layout: KVLayout, model
         # vLLM's scheduler config requires it: every running request gets at least one token.
         raise ValueError(f"max_running {max_running} exceeds token_budget {token_budget}: "
                          "vLLM's scheduler needs max_running <= token_budget")
+    from kvtriton.vllm.config import extra_config_for  # imports no vLLM
+
     for pol in chosen:
-        if pol.planner is not None and (pol.oracle or pol.hints or pol.lookahead
-                                        or pol.planner.admission != "all"
-                                        or pol.planner.refresh_on_gpu_hit):
-            raise ValueError(f"policy {pol.name!r} uses an axis the connector does not take "
-                             "(next-use oracle, unbounded tier, hints, waiting-queue lookahead, "
-                             "second-sight or hinted admission, refresh): run it with the "
-                             "kvtriton engine")
+        if pol.planner is not None:
+            try:
+                extra_config_for(pol)  # the connector's own refusal, once, before any run
+            except ValueError as e:
+                raise ValueError(f"{e}: run it with the kvtriton engine") from None
     if any(g.kind == "mamba" for g in layout.groups):
         raise ValueError(f"model {model!r} has Mamba groups, which the vllm engine's scheduler "
                          "setup does not build")

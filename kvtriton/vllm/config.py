@@ -106,8 +106,9 @@ def extra_config_for(policy: TierPolicy) -> dict[str, Any]:
         raise ValueError(f"setup {policy.name!r} has no CPU tier: run vLLM without the connector")
     if (policy.oracle or policy.hints or policy.lookahead or p.admission != "all"
             or p.refresh_on_gpu_hit):
-        raise ValueError(f"setup {policy.name!r}: the connector has no setting for its oracle, "
-                         "hints, lookahead, admission or refresh axis")
+        raise ValueError(f"setup {policy.name!r} uses an axis the connector does not take "
+                         "(next-use oracle, unbounded tier, hints, waiting-queue lookahead, "
+                         "second-sight or hinted admission, refresh)")
     return {**{k: getattr(p, k) for k in _PLANNER_KEYS},
             "cpu_eviction": policy.cpu_eviction, "offload": "lazy" if p.lazy else "eager"}
 
