@@ -8,7 +8,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from helpers.queue_ops import OPS, cached_pool, drain_order, hit, run_ops, store
+from helpers.queue_ops import (
+    OPS,
+    assert_matches_reference,
+    cached_pool,
+    drain_order,
+    hit,
+    store,
+)
 from kvtriton.eviction import ARCQueue, EvictionQueue
 from kvtriton.pool import BlockPool
 
@@ -135,8 +142,4 @@ class RefARC(EvictionQueue):
 @pytest.mark.parametrize(("name", "ref"), [("arc", RefARC)])
 @given(ops=OPS, num_blocks=st.integers(2, 12))
 def test_matches_plain_list_reference(name, ref, ops, num_blocks):
-    pool = BlockPool(num_blocks, eviction=name)
-    ref_pool = BlockPool(num_blocks, eviction=ref())
-    assert run_ops(pool, ops) == run_ops(ref_pool, ops)
-    pool.check_invariants()
-    assert list(pool.iter_free()) == drain_order(pool.eviction)
+    assert_matches_reference(name, ref(), ops, num_blocks)

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from helpers.queue_ops import OPS, drain_order, hit, run_ops, store
+from helpers.queue_ops import OPS, assert_matches_reference, drain_order, hit, store
 from kvtriton.eviction import EvictionQueue, S3FIFOQueue
 from kvtriton.pool import BlockPool
 
@@ -135,8 +135,4 @@ class RefS3FIFO(EvictionQueue):
 @pytest.mark.parametrize(("name", "ref"), [("s3fifo", RefS3FIFO)])
 @given(ops=OPS, num_blocks=st.integers(2, 12))
 def test_matches_plain_list_reference(name, ref, ops, num_blocks):
-    pool = BlockPool(num_blocks, eviction=name)
-    ref_pool = BlockPool(num_blocks, eviction=ref())
-    assert run_ops(pool, ops) == run_ops(ref_pool, ops)
-    pool.check_invariants()
-    assert list(pool.iter_free()) == drain_order(pool.eviction)
+    assert_matches_reference(name, ref(), ops, num_blocks)

@@ -79,3 +79,13 @@ def run_ops(pool: BlockPool, ops) -> list:
             trace.append(("evict", b, pool.evict_cached(b)))
         trace.append(("free_order", list(pool.iter_free())))
     return trace
+
+
+def assert_matches_reference(name: str, reference: EvictionQueue, ops, num_blocks: int) -> None:
+    """The registry's queue ``name`` and ``reference`` (a plain-list model of the same rule)
+    give the same results under ``ops``, and the pool's free order is the queue's drain order."""
+    pool = BlockPool(num_blocks, eviction=name)
+    ref_pool = BlockPool(num_blocks, eviction=reference)
+    assert run_ops(pool, ops) == run_ops(ref_pool, ops)
+    pool.check_invariants()
+    assert list(pool.iter_free()) == drain_order(pool.eviction)
