@@ -56,6 +56,7 @@ _CROSSCHECK = ("--limit", "mooncake=500", "--limit", "cc_agentic=100", "--json",
                "{results}/crosscheck.json")
 _CC_WHOLE = ("--full", "--only", "ablation", "--workloads", "cc_agentic")
 _MOONCAKE_MAP = ("--only", "map", "--maps", "mooncake")
+_DIFFERENTIAL = ("--seeds", "3000", "--json", "{results}/differential.json")
 
 STUDIES: tuple[Study, ...] = (
     Study("kernel_check", "bench.kernel_check", "kernel correctness", (), (), "cpu",
@@ -93,6 +94,9 @@ STUDIES: tuple[Study, ...] = (
           ("--quick",), ("--quick",), "vllm", ("vllm_agent.json",), run_in=("full",)),
     Study("crosscheck", "bench.crosscheck", "ServingLoop beside vLLM's scheduler", _CROSSCHECK,
           _CROSSCHECK, "vllm", ("crosscheck.json",), run_in=("full",), quiet=True),
+    Study("differential", "bench.differential",
+          "kvtriton's scheduler side beside vLLM's manager, step for step, over 3,000 seeds",
+          _DIFFERENTIAL, _DIFFERENTIAL, "vllm", ("differential.json",), run_in=()),
     Study("integrity", "bench.bench_integrity", "what integrity mode costs over the plain run",
           (), (), "cpu", ("integrity.json",), run_in=()),
     # The longer runs behind the paper's optional sections (30 and 5 minutes on 2 cores).
