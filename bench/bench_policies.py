@@ -53,12 +53,15 @@ QUICK_CC_TURNS = 12
 QUICK_RATIOS = {"agent": RATIOS, "cc_agentic": (1,), "mooncake": RATIOS}
 # Without --full the shipped traces run a subset, to stay within make bench's 10 minutes: the
 # control, the bounded re-store and the signals of section 3.3; on Mooncake (no hints, and each
-# run a minute on 2 cores) only the admission, recency and waiting-queue signals. The agent
+# run a minute on 2 cores) only the admission, recency and waiting-queue signals. Both run the
+# connector's default (kvtriton.setups.DEFAULT_SETUP), so the rule that picks it
+# (bench/default_setup.py) sees it on every workload. The agent
 # generator runs the whole ablation either way; --full runs it everywhere.
 QUICK_TRACE_SETS = {
-    "cc_agentic": ("eager", "eager+restore:0.5", "eager+second", "eager+refresh+arc",
-                   "eager+hints", "eager+waiting", "lazy", "lazy+hints", "lazy+hinted+hints"),
-    "mooncake": ("eager", "eager+second", "eager+refresh+arc", "eager+waiting"),
+    "cc_agentic": ("eager", "eager+restore:0.5", "eager+arc", "eager+second",
+                   "eager+refresh+arc", "eager+hints", "eager+waiting", "lazy", "lazy+hints",
+                   "lazy+hinted+hints"),
+    "mooncake": ("eager", "eager+arc", "eager+second", "eager+refresh+arc", "eager+waiting"),
 }
 
 

@@ -1,22 +1,32 @@
-"""vLLM with kvtriton's CPU tier, against vLLM without one and with vLLM's own CPU offload.
+"""The study's setups in vLLM's real engine, and the simulator's prediction of the same runs.
 
-A trace is replayed by time stamp through vLLM's engine (``LLMEngine.add_request`` at each
-request's arrival, scaled by ``--time-scale``; a closed-loop turn arrives its think time after
-the turn it follows finished), with greedy sampling of each request's output length. Token ids
-come from the trace's block hashes, so requests that share a prefix in the trace share it here.
-Per system it reports TTFT p50/p90/p99 (arrival to first token, seconds), output tokens per
-second, the connector's CPU hit tokens, stores, re-stores and loads, and the worker's transfer
-GB/s (bytes over copy time: device time under CUDA), with the machine.
+A workload is replayed by time stamp through vLLM's ``LLMEngine`` (``add_request`` at each
+request's arrival; a closed-loop turn arrives its think time after the turn it follows
+finished), once per system, each engine shut down before the next starts. Systems are setup
+names of ``kvtriton.setups`` turned on by name through ``kv_connector_extra_config["setup"]``,
+plus ``none`` (the GPU prefix cache alone), ``default`` (the connector with no setup given) and,
+on CUDA, ``simple`` (vLLM's own ``SimpleCPUOffloadConnector``). ``eager`` is the connector
+configured as vLLM's connector behaves (eager, head-first, LRU, no re-store). Turns carry the
+trace's hints in ``kv_transfer_params`` (``kvtriton_hint``); setups without the ``hints`` axis
+ignore them.
 
-Systems: ``none`` (GPU prefix cache only), ``kvtriton`` (``KVTritonConnector``), ``simple``
-(vLLM's ``SimpleCPUOffloadConnector``, CUDA only: it uses CUDA streams). All run one after the
-other in this process, each engine shut down before the next starts.
+Per system the JSON has token hit rate, CPU hit tokens, TTFT p50/p90 (arrival to first token,
+seconds), output tokens/s, stored and loaded blocks. Every engine step is timed with what it
+computed; ``kvtriton.sim.cost.MeasuredCost`` is fitted to all of them (per workload, across
+systems) and ``kvtriton.sim.simulate`` replays the same workload, sizes and setups on that
+clock: prediction and measurement side by side, with the targets (hit rate within 1 point of the
+engine's for every system, the systems' TTFT p50 in the same order, modeled TTFT p50 within 20%).
 
-On a GPU box: ``python -m bench.bench_vllm --model /models/llama3-8b --trace mooncake
---cpu-gib 32`` (any local model folder; nothing is downloaded). Without ``--model`` it serves a
-tiny random Llama on whatever the machine has, as a smoke test of the harness: on CPU the
-timings mean nothing (vLLM's CPU backend, a model of 1 MB), only that every system ran and the
-tier was used. Writes ``bench/results/vllm_<trace>.json``.
+Without CUDA the engine is vLLM's CPU backend serving a random-weight Llama made at run time
+(``MODEL``), large enough that prefill dominates a step (the JSON records ms per 1,000 prefill
+tokens); the workloads are shrunk to fit it: the agent generator at small sizes, and the shipped
+coding-agent traces' first turns with every ``CC_STRIDE``-th block (``coarsen``) and capped
+think times. Outputs are cut to ``MAX_OUTPUT`` tokens with fresh hashes (``fresh_outputs``): the
+engine samples its own tokens, which a later prompt built from the trace never matches.
+
+Run: ``python -m bench.bench_vllm [--full] [--workloads agent,cc_agentic] [--systems ...]``;
+``--model DIR`` serves a local model folder instead (a GPU box; nothing is downloaded). Writes
+``bench/results/vllm_engine.json`` (``vllm_engine_full.json`` with ``--full``).
 """
 
 from __future__ import annotations
@@ -26,36 +36,85 @@ import sys
 import tempfile
 import time
 import zlib
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from bench.common import OneLineParser, write_result
+from bench.common import OneLineParser, machine_info, write_result
 
-SYSTEMS = ("none", "kvtriton", "simple")
-TRACES = ("agent", "mooncake", "cc_agentic")
+SYSTEMS = ("none", "eager", "lazy+hints", "eager+s3fifo", "default")
+WORKLOADS = ("agent", "cc_agentic")
+BLOCK_TOKENS = 64
+MAX_OUTPUT = 16
+CC_STRIDE = 64
+THINK_CAP_S = 20.0
+# The random model of the CPU run: 4 layers of width 256 (fp32), about 100 ms per 1,000 prefill
+# tokens and 5-10 ms per decode step on 2 cores, so a CPU hit saves most of a turn's time.
+MODEL = dict(hidden_size=256, intermediate_size=1024, num_layers=4, num_heads=4, num_kv_heads=2,
+             vocab_size=1000)
+TARGET_HIT_POINTS = 1.0
+TARGET_TTFT_REL = 0.20
 
 
-def _workload(name: str, limit: int | None, quick: bool):
-    from kvtriton.sim import CC_AGENTIC_SAMPLE, MOONCAKE_SYNTHETIC, agent_workload, data_path
-    from kvtriton.sim.traces import load_trace
-    from kvtriton.sim.workloads import limit_workload
+@dataclass(frozen=True)
+class Size:
+    """One run's size: the workload's knobs and the engine's capacities."""
+
+    agent_conversations: int
+    agent_turns: tuple[int, int]
+    cc_sessions: int
+    cc_turns: int
+    gpu_blocks: int  # the engine's KV cache, in blocks of BLOCK_TOKENS
+    cpu_ratio: float  # CPU tier / GPU KV cache
+    time_scale: float  # arrivals and think times multiplied by this
+    max_num_batched_tokens: int = 1024
+    max_num_seqs: int = 16
+
+
+QUICK = Size(agent_conversations=6, agent_turns=(3, 4), cc_sessions=5, cc_turns=5,
+             gpu_blocks=48, cpu_ratio=1.0, time_scale=0.05)
+# The tests' size: every step of the pipeline, a few seconds of serving per engine.
+SMOKE = Size(agent_conversations=2, agent_turns=(2, 2), cc_sessions=1, cc_turns=3,
+             gpu_blocks=48, cpu_ratio=1.0, time_scale=0.02)
+FULL = Size(agent_conversations=16, agent_turns=(4, 8), cc_sessions=12, cc_turns=10,
+            gpu_blocks=64, cpu_ratio=1.0, time_scale=0.05)
+
+
+# ---- workloads -------------------------------------------------------------------------------
+
+def engine_workload(name: str, size: Size):
+    """The workload ``name`` as this benchmark replays it (module docstring): the engine and the
+    simulator get exactly this."""
+    from kvtriton.sim import CC_AGENTIC_SAMPLE, agent_workload, data_path, load_trace
+    from kvtriton.sim.workloads import coarsen, first_turns, fresh_outputs, scale_times
 
     if name == "agent":
-        kw = dict(num_conversations=4, min_turns=2, max_turns=3, system_prompt_tokens=256,
-                  first_user_tokens=128, user_tokens=64, output_tokens=16,
-                  think_s_mean=0.2, start_window_s=0.5) if quick else {}
-        wl = agent_workload(**kw)
+        lo, hi = size.agent_turns
+        wl = agent_workload(num_conversations=size.agent_conversations, min_turns=lo,
+                            max_turns=hi, system_prompt_tokens=384, first_user_tokens=256,
+                            user_tokens=96, output_tokens=MAX_OUTPUT, think_s_mean=4.0,
+                            start_window_s=6.0, hash_block_size=BLOCK_TOKENS,
+                            vocab_size=MODEL["vocab_size"], seed=0)
+    elif name == "cc_agentic":
+        wl = first_turns(load_trace(data_path(CC_AGENTIC_SAMPLE)), size.cc_turns)
+        sessions = sorted({r.session.split("/")[0] for r in wl})[:size.cc_sessions]
+        keep = [r for r in wl.requests if r.session.split("/")[0] in sessions]
+        keep = [replace(r, think_s=min(r.think_s, THINK_CAP_S)) for r in keep]
+        wl = coarsen(type(wl)(keep, wl.hash_block_size, wl.name), CC_STRIDE)
     else:
-        wl = load_trace(data_path(MOONCAKE_SYNTHETIC if name == "mooncake"
-                                  else CC_AGENTIC_SAMPLE))
-    return limit_workload(wl, limit) if limit else wl
+        raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
+    if wl.hash_block_size != BLOCK_TOKENS:
+        raise ValueError(f"workload {name!r}: {wl.hash_block_size}-token blocks, the engine "
+                         f"runs {BLOCK_TOKENS}")
+    return scale_times(fresh_outputs(wl, MAX_OUTPUT), size.time_scale)
 
 
-def _tokens(wl, vocab: int, max_len: int) -> dict[str, tuple[list[int], int]]:
-    """Per request: prompt token ids (from its block hashes, so shared prefixes stay shared)
-    and output tokens, cut to fit ``max_len``."""
+def prompt_tokens(wl, vocab: int) -> dict[str, list[int]]:
+    """Per request, prompt token ids made from its block hashes (a block's tokens are drawn
+    from its hash, so equal hashes give equal tokens and prefixes shared in the trace are
+    shared here); the partial last block is drawn from the request id."""
     b = wl.hash_block_size
     cache: dict[int, list[int]] = {}
     out = {}
@@ -64,216 +123,381 @@ def _tokens(wl, vocab: int, max_len: int) -> dict[str, tuple[list[int], int]]:
         for h in r.hashes[:r.prompt_len // b].tolist():
             blk = cache.get(h)
             if blk is None:
-                blk = cache[h] = (np.random.default_rng(h).integers(1, vocab, b)).tolist()
+                blk = cache[h] = np.random.default_rng(h).integers(1, vocab, b).tolist()
             ids += blk
         tail = r.prompt_len - len(ids)
-        if tail > 0:
+        if tail:
             seed = zlib.crc32(r.request_id.encode())  # not hash(): salted per process
             ids += np.random.default_rng(seed).integers(1, vocab, tail).tolist()
-        n_out = max(1, min(r.output_len, 64))
-        ids = ids[:max(1, max_len - n_out - 1)]
-        out[r.request_id] = (ids, n_out)
+        out[r.request_id] = ids
     return out
 
 
-def _percentiles(xs: list[float]) -> dict[str, float | None]:
-    if not xs:
-        return {"p50": None, "p90": None, "p99": None}
-    a = np.asarray(xs)
-    return {f"p{q}": float(np.percentile(a, q)) for q in (50, 90, 99)}
+# ---- one engine run --------------------------------------------------------------------------
+
+class StepRecorder:
+    """What every engine step computed, and each request's prefix hits at its first admission
+    (vLLM's own ``prefill_stats``), from a wrapper around the in-process scheduler's
+    ``schedule``; ``replay`` pairs each step's chunks with its measured time."""
+
+    def __init__(self, scheduler: Any) -> None:
+        self.sched = scheduler
+        self.hits: dict[str, tuple[int, int]] = {}
+        self.chunks: list[tuple[int, int, int]] = []
+        self._schedule = scheduler.schedule
+        scheduler.schedule = self._record_schedule
+
+    def _record_schedule(self, *args: Any, **kwargs: Any) -> Any:
+        out = self._schedule(*args, **kwargs)
+        reqs = self.sched.requests
+        # vLLM advanced num_computed_tokens when it scheduled them.
+        self.chunks += [(n, reqs[rid].num_computed_tokens - n, reqs[rid].num_prompt_tokens)
+                        for rid, n in out.num_scheduled_tokens.items()]
+        for rid, req in reqs.items():
+            if rid not in self.hits and req.prefill_stats is not None:
+                st = req.prefill_stats
+                self.hits[rid] = (st.num_local_cached_tokens, st.num_external_cached_tokens)
+        return out
+
+    def take(self) -> list[tuple[int, int, int]]:
+        chunks, self.chunks = self.chunks, []
+        return chunks
 
 
-def replay(llm: Any, wl: Any, tokens: dict, time_scale: float) -> dict[str, Any]:
-    """Serve ``wl`` on ``llm``'s engine by time stamp; TTFT and throughput."""
+def _percentile(xs: list[float], q: float) -> float | None:
+    return float(np.percentile(np.asarray(xs), q)) if xs else None
+
+
+def replay(engine: Any, recorder: StepRecorder, wl, tokens: dict[str, list[int]],
+           hints: bool) -> dict[str, Any]:
+    """Serve ``wl`` on ``engine`` by time stamp, as the simulator's clock does: a request
+    without a predecessor at its ``arrival_s``, a closed-loop turn ``think_s`` after the turn
+    it follows finished. Per request TTFT (from when it was due to the end of the step that gave
+    its first token); every step's chunks with its measured seconds (``engine.step()`` whole:
+    scheduling, the model, output processing)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    engine = llm.llm_engine
-    reqs = sorted(wl, key=lambda r: r.arrival_s)
     done: dict[str, float] = {}
-    start: dict[str, float] = {}
-    first: dict[str, float] = {}
+    due_at: dict[str, float] = {}
+    ttft: dict[str, float] = {}
+    steps: list[tuple[list[tuple[int, int, int]], float]] = []
     out_tokens = 0
+    waiting = sorted(wl, key=lambda r: r.arrival_s)
     t0 = time.perf_counter()
-    waiting = list(reqs)
     while waiting or engine.has_unfinished_requests():
         now = time.perf_counter() - t0
-        still = []
+        still, next_due = [], float("inf")
         for r in waiting:
-            due = r.arrival_s * time_scale
-            if r.after is not None:
-                due = None if r.after not in done else max(due, done[r.after]
-                                                           + r.think_s * time_scale)
-            if due is not None and due <= now:
-                ids, n_out = tokens[r.request_id]
-                engine.add_request(r.request_id, TokensPrompt(prompt_token_ids=ids),
-                                   SamplingParams(temperature=0, max_tokens=n_out,
-                                                  ignore_eos=True, detokenize=False))
-                start[r.request_id] = due
-            else:
+            due = r.arrival_s if r.after is None else (
+                done[r.after] + r.think_s if r.after in done else float("inf"))
+            if due > now:
                 still.append(r)
+                next_due = min(next_due, due)
+                continue
+            extra = {"kv_transfer_params": {"kvtriton_hint": r.hint}} \
+                if hints and r.hint is not None else None
+            engine.add_request(r.request_id, TokensPrompt(prompt_token_ids=tokens[r.request_id]),
+                               SamplingParams(temperature=0, max_tokens=r.output_len,
+                                              ignore_eos=True, detokenize=False,
+                                              extra_args=extra))
+            due_at[r.request_id] = due
         waiting = still
         if not engine.has_unfinished_requests():
-            time.sleep(0.001)
+            time.sleep(min(max(next_due - now, 0.0), 0.01))
             continue
-        for o in engine.step():
-            t = time.perf_counter() - t0
-            if o.request_id not in first and o.outputs and o.outputs[0].token_ids:
-                first[o.request_id] = t
+        t_step = time.perf_counter()
+        outputs = engine.step()
+        t = time.perf_counter()
+        chunks = recorder.take()
+        if chunks:
+            steps.append((chunks, t - t_step))
+        for o in outputs:
+            if o.request_id not in ttft and o.outputs and o.outputs[0].token_ids:
+                ttft[o.request_id] = t - t0 - due_at[o.request_id]
             if o.finished:
-                done[o.request_id] = t
+                done[o.request_id] = t - t0
                 out_tokens += len(o.outputs[0].token_ids)
     wall = time.perf_counter() - t0
-    ttft = [first[r] - start[r] for r in first]
     return {"requests": len(done), "wall_s": wall, "output_tokens": out_tokens,
-            "output_tokens_per_s": out_tokens / wall if wall else None,
-            "ttft_s": _percentiles(ttft)}
+            "output_tokens_per_s": out_tokens / wall if wall else None, "ttft": ttft,
+            "steps": steps}
 
 
-def run_system(system: str, model: str, wl: Any, tokens: dict, args: Any) -> dict[str, Any]:
-    import torch
+def connector_config(system: str, cpu_bytes: int) -> dict[str, Any] | None:
+    """``kv_connector_extra_config`` of a system (None: no connector)."""
+    if system == "none":
+        return None
+    if system == "default":
+        return {"cpu_bytes_per_rank": cpu_bytes}
+    return {"setup": system, "cpu_bytes_per_rank": cpu_bytes}
+
+
+def run_system(system: str, model: str, wl, tokens: dict, *, gpu_blocks: int, cpu_bytes: int,
+               kv_bytes_per_block: int, size: Size, max_model_len: int, dtype: str
+               ) -> dict[str, Any]:
+    """One engine, one replay: the system's row and its timed steps."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
     from bench.engine_run import _shutdown
 
-    cpu_bytes = int(args.cpu_gib * 2**30)
     kv = None
-    if system == "kvtriton":
-        kv = KVTransferConfig(kv_connector="KVTritonConnector",
-                              kv_connector_module_path="kvtriton.vllm", kv_role="kv_both",
-                              kv_load_failure_policy="recompute",
-                              kv_connector_extra_config={"cpu_bytes_per_rank": cpu_bytes})
-    elif system == "simple":
+    if system == "simple":
         kv = KVTransferConfig(kv_connector="SimpleCPUOffloadConnector", kv_role="kv_both",
                               kv_connector_extra_config={"cpu_bytes_to_use": cpu_bytes})
-    kw: dict[str, Any] = dict(model=model, enable_prefix_caching=True,
-                              max_model_len=args.max_model_len, seed=0, kv_transfer_config=kv)
-    if args.tiny:
-        kw.update(skip_tokenizer_init=True, enforce_eager=True, block_size=32, dtype="float32",
-                  kv_cache_memory_bytes=args.kv_cache_mib << 20, max_num_batched_tokens=256)
-    elif args.kv_cache_mib:
-        kw["kv_cache_memory_bytes"] = args.kv_cache_mib << 20
-    else:
-        kw["gpu_memory_utilization"] = args.gpu_memory_utilization
+    elif (extra := connector_config(system, cpu_bytes)) is not None:
+        kv = KVTransferConfig(kv_connector="KVTritonConnector",
+                              kv_connector_module_path="kvtriton.vllm", kv_role="kv_both",
+                              kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
     t0 = time.perf_counter()
-    llm = LLM(**kw)
+    # One block more than asked: vLLM keeps a null block out of the pool.
+    llm = LLM(model=model, skip_tokenizer_init=True, enforce_eager=True,
+              block_size=BLOCK_TOKENS, enable_prefix_caching=True,
+              kv_cache_memory_bytes=(gpu_blocks + 1) * kv_bytes_per_block,
+              max_model_len=max_model_len, max_num_batched_tokens=size.max_num_batched_tokens,
+              max_num_seqs=size.max_num_seqs, seed=0, dtype=dtype, kv_transfer_config=kv)
     startup = time.perf_counter() - t0
+    core = llm.llm_engine.engine_core.engine_core
+    conn = core.scheduler.connector
     try:
-        res = replay(llm, wl, tokens, args.time_scale)
-        res["startup_s"] = startup
-        conn = None
-        if not int(os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1")):
-            conn = llm.llm_engine.engine_core.engine_core.scheduler.connector
-        if system == "kvtriton" and conn is not None:
+        rec = StepRecorder(core.scheduler)
+        res = replay(llm.llm_engine, rec, wl, tokens, hints=kv is not None)
+        steps = res.pop("steps")
+        prompt = sum(r.prompt_len for r in wl)
+        gpu_hit = sum(h[0] for h in rec.hits.values())
+        cpu_hit = sum(h[1] for h in rec.hits.values())
+        ttft = list(res.pop("ttft").values())
+        row: dict[str, Any] = {
+            "system": system, "startup_s": startup, **res,
+            "engine_gpu_blocks": core.scheduler.kv_cache_manager.block_pool.num_gpu_blocks - 1,
+            "prompt_tokens": prompt, "gpu_hit_tokens": gpu_hit, "cpu_hit_tokens": cpu_hit,
+            "token_hit_rate": (gpu_hit + cpu_hit) / prompt,
+            "ttft_p50_s": _percentile(ttft, 50), "ttft_p90_s": _percentile(ttft, 90),
+            "ttft_mean_s": float(np.mean(ttft)) if ttft else None,
+            "stored_blocks": 0, "loaded_blocks": 0, "cpu_blocks": 0}
+        if conn is not None and hasattr(conn, "scheduler_side"):
+            planner = conn.scheduler_side.planner
+            st = planner.stats.as_dict()
+            row.update(stored_blocks=st["blocks_stored"], loaded_blocks=st["blocks_loaded"],
+                       cpu_blocks=planner.cpu_pool.num_blocks - 1,
+                       setup=conn.scheduler_side.config.setup)
             from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-            st = conn.scheduler_side.planner.stats.as_dict()
-            res["connector"] = {k: st[k] for k in ("cpu_hit_tokens", "blocks_stored",
-                                                   "scan_restored", "blocks_loaded",
-                                                   "running_evictions", "failed_transfers")}
-            res["transfers"] = get_kv_transfer_group().worker_side.transfer_totals()
+            row["transfers"] = get_kv_transfer_group().worker_side.transfer_totals()
+        row["_steps"] = steps
     finally:
         _shutdown(llm)
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    return res
+    return row
+
+
+# ---- the prediction --------------------------------------------------------------------------
+
+def fit_cost(rows: list[dict[str, Any]], block_bytes: int):
+    """``MeasuredCost`` from every timed step of ``rows``; transfer rates from the connector's
+    measured copy times, per block, scaled to the simulator's ``block_bytes``."""
+    from kvtriton.sim.cost import MeasuredCost, step_features
+
+    feats, secs = [], []
+    for row in rows:
+        for chunks, dt in row["_steps"]:
+            feats.append(step_features(chunks))
+            secs.append(dt)
+    rates = {}
+    for kind, key in (("load", "h2d"), ("store", "d2h")):
+        blocks = seconds = 0.0
+        for row in rows:
+            t = row.get("transfers", {}).get(kind)
+            if t and t["seconds"]:
+                blocks += t["bytes"] / row["_block_bytes"]
+                seconds += t["seconds"]
+        # No transfer measured: a nominal rate (the tier then moved nothing worth timing).
+        rates[key] = blocks * block_bytes / seconds if seconds else 10e9
+    return MeasuredCost.fit(feats, secs, h2d_bytes_per_s=rates["h2d"],
+                            d2h_bytes_per_s=rates["d2h"])
+
+
+def predict(wl, systems: list[str], cost, *, gpu_blocks: int, cpu_blocks: int, size: Size):
+    """The simulator's rows for ``systems`` on ``wl`` at the engine's sizes and ``cost``."""
+    from kvtriton.setups import DEFAULT_SETUP
+    from kvtriton.sim import simulate
+
+    names = [DEFAULT_SETUP if s == "default" else "eager" if s == "simple" else s
+             for s in systems]
+    res = simulate(wl, policies=list(dict.fromkeys(names)), gpu_blocks=gpu_blocks,
+                   cpu_blocks=cpu_blocks, token_budget=size.max_num_batched_tokens,
+                   max_running=size.max_num_seqs, bound=False, cost=cost)
+    by_name = {r["policy"]: r for r in res.rows}
+    return {s: by_name[n] for s, n in zip(systems, names, strict=True)}
+
+
+def compare(measured: list[dict[str, Any]], predicted: dict[str, dict]) -> dict[str, Any]:
+    """The targets: hit rate within ``TARGET_HIT_POINTS`` for every system, the TTFT p50 order
+    of the systems, modeled TTFT p50 within ``TARGET_TTFT_REL`` of measured."""
+    rows, hit_ok, ttft_ok = [], True, True
+    for m in measured:
+        p = predicted[m["system"]]
+        d_hit = 100 * (p["token_hit_rate"] - m["token_hit_rate"])
+        rel = p["ttft_p50_s"] / m["ttft_p50_s"] - 1 if m["ttft_p50_s"] else None
+        hit_ok &= abs(d_hit) <= TARGET_HIT_POINTS
+        ttft_ok &= rel is not None and abs(rel) <= TARGET_TTFT_REL
+        rows.append({"system": m["system"], "hit_rate_engine": m["token_hit_rate"],
+                     "hit_rate_sim": p["token_hit_rate"], "hit_points_off": d_hit,
+                     "ttft_p50_engine_s": m["ttft_p50_s"], "ttft_p50_sim_s": p["ttft_p50_s"],
+                     "ttft_p50_rel_off": rel})
+    order_m = [m["system"] for m in sorted(measured, key=lambda m: m["ttft_p50_s"])]
+    order_p = sorted(predicted, key=lambda s: predicted[s]["ttft_p50_s"])
+    return {"rows": rows,
+            "targets": {"hit_rate_within_1_point": bool(hit_ok),
+                        "ttft_p50_same_order": order_m == order_p,
+                        "ttft_p50_within_20pct": bool(ttft_ok)},
+            "ttft_order_engine": order_m, "ttft_order_sim": order_p}
+
+
+# ---- the run ---------------------------------------------------------------------------------
+
+def _model_dir(args: Any) -> tuple[str, int, int, str]:
+    """The model folder, its vocabulary, its KV bytes per block and dtype."""
+    if args.model is not None:
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(args.model)
+        kv_heads = getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)
+        head = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        per_block = 2 * cfg.num_hidden_layers * kv_heads * head * 2 * BLOCK_TOKENS  # bf16
+        return args.model, cfg.vocab_size, per_block, "bfloat16"
+    from bench.engine_run import tiny_llama
+
+    m = MODEL
+    name = "kvtriton-bench-llama-" + "-".join(f"{k}{v}" for k, v in m.items())
+    path = tiny_llama(Path(tempfile.gettempdir()) / name, max_model_len=8192, **m)
+    head = m["hidden_size"] // m["num_heads"]
+    per_block = 2 * m["num_layers"] * m["num_kv_heads"] * head * 4 * BLOCK_TOKENS  # fp32
+    return str(path), m["vocab_size"], per_block, "float32"
+
+
+def prefill_ms_per_1k(cost) -> float:
+    """Modeled ms to prefill 1,000 tokens in one step from an empty context."""
+    return 1e3 * (cost.step_overhead_s + cost.prefill_s(1000, 0))
+
+
+def run_workload(name: str, systems: list[str], args: Any, size: Size) -> dict[str, Any]:
+    from kvtriton.specs import preset
+
+    model, vocab, kv_block_bytes, dtype = args.resolved_model
+    wl = engine_workload(name, size)
+    tokens = prompt_tokens(wl, vocab)
+    longest = max(r.prompt_len + r.output_len for r in wl)
+    max_model_len = -(-longest // BLOCK_TOKENS) * BLOCK_TOKENS
+    if longest > size.gpu_blocks * BLOCK_TOKENS:
+        raise ValueError(f"workload {name!r}: a request of {longest} tokens does not fit the "
+                         f"{size.gpu_blocks}-block KV cache")
+    cpu_bytes = int(size.cpu_ratio * size.gpu_blocks * kv_block_bytes)
+    print(f"{name}: {len(wl)} requests, {sum(r.prompt_len for r in wl):,} prompt tokens, "
+          f"GPU {size.gpu_blocks} blocks, CPU {size.cpu_ratio:g}x", flush=True)
+    measured = []
+    for system in systems:
+        if system == "simple" and not args.cuda:
+            print(f"  {system:14s} skipped: SimpleCPUOffloadConnector needs CUDA", flush=True)
+            continue
+        row = run_system(system, model, wl, tokens, gpu_blocks=size.gpu_blocks,
+                         cpu_bytes=cpu_bytes, kv_bytes_per_block=kv_block_bytes, size=size,
+                         max_model_len=max_model_len, dtype=dtype)
+        row["_block_bytes"] = kv_block_bytes
+        measured.append(row)
+        print(f"  {system:14s} hit {row['token_hit_rate']:6.1%} (CPU {row['cpu_hit_tokens']:,} "
+              f"tok)  TTFT p50/p90 {row['ttft_p50_s']:.3f}/{row['ttft_p90_s']:.3f} s  "
+              f"{row['output_tokens_per_s']:.1f} tok/s  stored {row['stored_blocks']:,} "
+              f"loaded {row['loaded_blocks']:,}", flush=True)
+    layout = preset("llama3-8b", block_size=BLOCK_TOKENS)
+    cost = fit_cost(measured, layout.cpu_block_bytes)
+    cpu_blocks = next((r["cpu_blocks"] for r in measured if r["cpu_blocks"]),
+                      int(size.cpu_ratio * size.gpu_blocks))
+    predicted = predict(wl, [r["system"] for r in measured], cost,
+                        gpu_blocks=measured[0]["engine_gpu_blocks"], cpu_blocks=cpu_blocks,
+                        size=size)
+    cmp = compare(measured, predicted)
+    for r in cmp["rows"]:
+        print(f"  {r['system']:14s} sim hit {r['hit_rate_sim']:6.1%} "
+              f"({r['hit_points_off']:+.1f} pt)  TTFT p50 {r['ttft_p50_sim_s']:.3f} s "
+              f"({r['ttft_p50_rel_off']:+.0%})", flush=True)
+    print(f"  targets: {cmp['targets']}; step fit r2 {cost.r2:.3f} over {cost.samples} steps, "
+          f"{prefill_ms_per_1k(cost):.0f} ms per 1,000 prefill tokens", flush=True)
+    for r in measured:
+        del r["_steps"], r["_block_bytes"]
+    return {"workload": wl.name, "requests": len(wl),
+            "prompt_tokens": sum(r.prompt_len for r in wl), "gpu_blocks": size.gpu_blocks,
+            "cpu_blocks": cpu_blocks, "cpu_ratio": size.cpu_ratio, "max_model_len": max_model_len,
+            "cost_fit": {**cost.conditions(), "prefill_ms_per_1k_tokens": prefill_ms_per_1k(cost),
+                         "decode_step_ms": 1e3 * (cost.step_overhead_s
+                                                  + cost.decode_step_s([256]))},
+            "measured": measured,
+            "predicted": {s: {k: p[k] for k in ("token_hit_rate", "cpu_hit_tokens",
+                                                "ttft_p50_s", "ttft_p90_s", "stored_blocks",
+                                                "loaded_blocks")}
+                          for s, p in predicted.items()},
+            **cmp}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = OneLineParser(prog="python -m bench.bench_vllm", description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None, help="a local model folder (default: a tiny "
-                    "random Llama, a smoke test)")
-    ap.add_argument("--trace", choices=TRACES, default="agent")
-    ap.add_argument("--limit", type=int, default=None, help="first N requests of the trace")
+    ap.add_argument("--full", action="store_true", help="larger workloads (several minutes)")
+    ap.add_argument("--quick", action="store_true", help="the make bench size (the default)")
+    ap.add_argument("--smoke", action="store_true", help="the tests' size: seconds per engine")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS),
+                    help=f"comma-separated, from {', '.join(WORKLOADS)}")
     ap.add_argument("--systems", default=",".join(SYSTEMS),
-                    help=f"comma-separated, from {', '.join(SYSTEMS)}")
-    ap.add_argument("--cpu-gib", type=float, default=None,
-                    help="CPU tier per rank, GiB (default 32 on a GPU box, 0.03 for the tiny "
-                         "model)")
-    ap.add_argument("--time-scale", type=float, default=1.0,
-                    help="multiply arrival and think times by this")
-    ap.add_argument("--max-model-len", type=int, default=None)
-    ap.add_argument("--kv-cache-mib", type=int, default=None,
-                    help="KV cache size, MiB (default: vLLM's gpu_memory_utilization)")
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    ap.add_argument("--quick", action="store_true", help="a few small requests")
+                    help="comma-separated: setup names (kvtriton.setups), none, default, "
+                         "simple (CUDA only)")
+    ap.add_argument("--model", default=None, help="a local model folder (default: a random "
+                    "Llama made at run time, for vLLM's CPU backend)")
     ap.add_argument("--out", type=Path, default=None, help="results folder")
     args = ap.parse_args(argv)
-    systems = [s for s in args.systems.split(",") if s]
-    bad = [s for s in systems if s not in SYSTEMS]
-    if bad:
-        ap.error(f"--systems: unknown {bad[0]!r}; choose from {', '.join(SYSTEMS)}")
-    for name in ("limit", "max_model_len", "kv_cache_mib"):
-        v = getattr(args, name)
-        if v is not None and v <= 0:
-            ap.error(f"--{name.replace('_', '-')} must be positive, got {v}")
-    if args.time_scale <= 0 or (args.cpu_gib is not None and args.cpu_gib <= 0):
-        ap.error("--time-scale and --cpu-gib must be positive")
+    workloads = [w for w in args.workloads.split(",") if w]
+    for w in workloads:
+        if w not in WORKLOADS:
+            ap.error(f"--workloads: unknown {w!r}; choose from {', '.join(WORKLOADS)}")
+    systems = list(dict.fromkeys(s for s in args.systems.split(",") if s))
+    from kvtriton.setups import parse_policy
+
+    for s in systems:
+        if s in ("none", "default", "simple"):
+            continue
+        try:
+            parse_policy(s)
+        except ValueError as e:
+            ap.error(f"--systems: {e}")
+    if args.model is not None and not Path(args.model).is_dir():
+        ap.error(f"--model {args.model!r}: not a folder (no download is attempted)")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the step recorder needs the core here
     try:
         import torch
         import vllm
     except ImportError as e:
         print(f"bench_vllm: needs vLLM ({e}); `make test` installs it", file=sys.stderr)
         return 2
-    cuda = torch.cuda.is_available()
-    args.tiny = args.model is None
-    if args.model is not None and not Path(args.model).is_dir():
-        ap.error(f"--model {args.model!r}: not a folder (no download is attempted)")
-    if args.tiny:
-        from bench.engine_run import tiny_llama
-
-        args.model = str(tiny_llama(Path(tempfile.gettempdir()) / "kvtriton-tiny-llama"))
-        # 1 MiB of fp32 KV holds 992 tokens: the quick agent turns do not all fit, so later
-        # turns find their prefix in the CPU tier.
-        args.max_model_len = args.max_model_len or 960
-        args.kv_cache_mib = args.kv_cache_mib or 1
-        args.cpu_gib = args.cpu_gib or 0.03
-        vocab = 1000
-    else:
-        args.max_model_len = args.max_model_len or 32768
-        args.cpu_gib = args.cpu_gib or 32.0
-        from transformers import AutoConfig
-
-        vocab = AutoConfig.from_pretrained(args.model).vocab_size
-    wl = _workload(args.trace, args.limit or (12 if args.quick else None), args.quick)
-    tokens = _tokens(wl, vocab, args.max_model_len)
-    note = None if cuda else ("CPU only: vLLM's CPU backend and a tiny random model; the "
-                              "timings mean nothing, the run shows every system works")
-    print(f"bench_vllm: {args.trace} ({len(wl)} requests), model {args.model}, "
-          f"{'CUDA ' + torch.cuda.get_device_name(0) if cuda else 'no CUDA'}, vLLM "
-          f"{vllm.__version__}" + (f"; {note}" if note else ""), flush=True)
-    rows = []
-    for system in systems:
-        if system == "simple" and not cuda:
-            rows.append({"system": system, "skipped": "SimpleCPUOffloadConnector needs CUDA "
-                                                      "(it uses CUDA streams)"})
-            print(f"  {system:9s} skipped: needs CUDA", flush=True)
-            continue
-        res = run_system(system, args.model, wl, tokens, args)
-        res["system"] = system
-        rows.append(res)
-        t = res["ttft_s"]
-        extra = ""
-        if "connector" in res:
-            c, tr = res["connector"], res["transfers"]
-            gbs = {k: v["gb_per_s"] for k, v in tr.items()}
-            extra = (f", CPU hit {c['cpu_hit_tokens']:,} tok, stored {c['blocks_stored']:,}, "
-                     f"re-stored {c['scan_restored']:,}, loaded {c['blocks_loaded']:,} blocks, "
-                     f"GB/s {gbs}")
-        print(f"  {system:9s} TTFT p50/p90/p99 {t['p50']:.3f}/{t['p90']:.3f}/{t['p99']:.3f} s, "
-              f"{res['output_tokens_per_s']:.1f} tok/s, {res['requests']} requests{extra}",
-              flush=True)
-    doc = {"conditions": {"trace": args.trace, "requests": len(wl), "model": args.model,
-                          "tiny_model": args.tiny, "cpu_gib": args.cpu_gib,
-                          "time_scale": args.time_scale, "max_model_len": args.max_model_len,
-                          "kv_cache_mib": args.kv_cache_mib, "vllm": vllm.__version__,
-                          "note": note},
-           "rows": rows}
-    path = write_result(f"vllm_{args.trace}", doc, args.out)
-    print(f"wrote {path}")
+    args.cuda = torch.cuda.is_available()
+    args.resolved_model = _model_dir(args)
+    size = FULL if args.full else SMOKE if args.smoke else QUICK
+    label = "full" if args.full else "smoke" if args.smoke else "quick"
+    print(f"bench_vllm: vLLM {vllm.__version__} on "
+          f"{'CUDA ' + torch.cuda.get_device_name(0) if args.cuda else 'CPU'}, model "
+          f"{args.resolved_model[0]}; systems {', '.join(systems)}", flush=True)
+    t0 = time.perf_counter()
+    runs = {w: run_workload(w, systems, args, size) for w in workloads}
+    doc = {"benchmark": "vllm_engine", "machine": machine_info(),
+           "conditions": {"size": label, **size.__dict__,
+                          "block_tokens": BLOCK_TOKENS, "max_output_tokens": MAX_OUTPUT,
+                          "cc_stride": CC_STRIDE, "think_cap_s": THINK_CAP_S,
+                          "model": args.model or {"random_llama": MODEL},
+                          "backend": "cuda" if args.cuda else "cpu", "vllm": vllm.__version__,
+                          "simulator_layout": "llama3-8b preset (blocks given in blocks; "
+                                              "transfer rates scaled per block)"},
+           "targets": {"hit_rate_points": TARGET_HIT_POINTS, "ttft_p50_rel": TARGET_TTFT_REL},
+           "runs": runs, "wall_s": time.perf_counter() - t0}
+    path = write_result("vllm_engine_full" if args.full else "vllm_engine", doc, args.out)
+    print(f"wrote {path} ({doc['wall_s']:.0f} s)")
     return 0
 
 

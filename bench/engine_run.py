@@ -31,17 +31,22 @@ __all__ = ["EngineRun", "run_turns", "tiny_llama"]
 
 def tiny_llama(path: str | Path, *, seed: int = 0, vocab_size: int = 1000,
                num_layers: int = 2, max_model_len: int = 4096,
-               sliding_window: int | None = None) -> Path:
-    """A Llama (``sliding_window``: a Mistral, every layer windowed) of hidden size 128 with
-    random weights from ``seed``, saved with ``save_pretrained`` into ``path``; reused if there."""
+               sliding_window: int | None = None, hidden_size: int = 128,
+               intermediate_size: int | None = None, num_heads: int = 4,
+               num_kv_heads: int = 2) -> Path:
+    """A Llama (``sliding_window``: a Mistral, every layer windowed) with random weights from
+    ``seed``, saved with ``save_pretrained`` into ``path``; reused if there (the folder's name
+    should say its size). ``intermediate_size`` defaults to twice ``hidden_size``."""
     path = Path(path)
     if (path / "config.json").exists():
         return path
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
-    kw = dict(vocab_size=vocab_size, hidden_size=128, intermediate_size=256,
-              num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+    kw = dict(vocab_size=vocab_size, hidden_size=hidden_size,
+              intermediate_size=intermediate_size or 2 * hidden_size,
+              num_hidden_layers=num_layers, num_attention_heads=num_heads,
+              num_key_value_heads=num_kv_heads,
               max_position_embeddings=max_model_len)
     torch.manual_seed(seed)
     if sliding_window is None:

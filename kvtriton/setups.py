@@ -51,6 +51,7 @@ __all__ = [
     "AXES",
     "BOUNDS",
     "DEFAULT_POLICIES",
+    "DEFAULT_SETUP",
     "HINTED_COMBINED",
     "NEXT_USE_BOUNDS",
     "REFUSED",
@@ -337,3 +338,8 @@ def tier_policy(name: str) -> TierPolicy:
             raise ValueError(f"unknown policy {name!r}; presets: {', '.join(TIER_POLICIES)}; "
                              f"or a composition of axis values joined by '+' ({e})") from None
         raise
+
+#: The connector's setup when ``kv_connector_extra_config`` names none: the study's choice for a
+#: workload nobody characterised (``bench/default_setup.py`` states the rule and
+#: ``paper/build.py`` checks that the results still choose it).
+DEFAULT_SETUP = "eager+arc"

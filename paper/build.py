@@ -43,7 +43,8 @@ WORKLOADS = (("agent", "agent generator"), ("cc_agentic", "coding-agent traces")
 INPUTS = ("hole_demo", "planner",
           *(f"policies_{key}" for tag, _ in WORKLOADS for key in (tag, f"{tag}_full")),
           *(f"restore_map_{tag}" for tag, _ in WORKLOADS),
-          "replay_mooncake", "replay_agent", "replay_cc_agentic", "kernel_check", "bench_kernels")
+          "replay_mooncake", "replay_agent", "replay_cc_agentic", "kernel_check", "bench_kernels",
+          "vllm_engine")
 
 
 def _load(name: str) -> dict | None:
@@ -490,6 +491,104 @@ def kernel_section(v: dict) -> None:
     v["fig_kernels"] = "![kernel bandwidth](figures/kernels.png)"
 
 
+def default_section(v: dict) -> None:
+    """The connector's default and the rule that picks it; the build stops if the results no
+    longer pick ``kvtriton.setups.DEFAULT_SETUP``."""
+    from bench.default_setup import MIN_CELLS, cells, choose
+    from kvtriton.setups import DEFAULT_SETUP
+
+    try:
+        got = choose(cells(RESULTS))
+    except ValueError as e:
+        v["default_text"] = f"*Pending: {e}.*"
+        return
+    if got["setup"] != DEFAULT_SETUP:
+        raise SystemExit(f"paper/build.py: the results choose {got['setup']!r} as the "
+                         f"connector's default, kvtriton.setups.DEFAULT_SETUP is "
+                         f"{DEFAULT_SETUP!r}: the evidence moved (python -m bench.default_setup)")
+    rows = [[f"`{r['setup']}`" + (" **(default)**" if r["setup"] == DEFAULT_SETUP else ""),
+             str(r["cells"]), f"{r['worst_points']:+.2f}", f"{r['mean_points']:+.2f}",
+             "yes" if r["eligible"] else f"no (< {MIN_CELLS} cells)"]
+            for r in got["table"]]
+    best = got["table"][0]
+    v["default_text"] = (
+        f"A connector started without a `setup` runs `{DEFAULT_SETUP}`. The candidates are the "
+        "setups it runs with nothing from the client or the scheduler (no hints, no waiting-"
+        f"queue lookahead, no oracle); the rule: {got['rule']}, over the {got['cells']} cells "
+        "(workload x CPU capacity) of the policy study above (`bench/default_setup.py`). "
+        f"`{best['setup']}` loses nothing in any cell it ran in (worst "
+        f"{best['worst_points']:+.2f} points, mean {best['mean_points']:+.2f}); the margin over "
+        "the control is small, and a workload with hints does better with a hinted setup "
+        f"(Section {{{{sec_what}}}}).\n\n"
+        + _table(["setup", "cells", "worst change (points)", "mean change (points)",
+                  "eligible"], rows))
+
+
+def _verdict(ok: bool) -> str:
+    return "met" if ok else "**missed**"
+
+
+def engine_section(v: dict) -> None:
+    """The real-engine benchmark: measured rows, the simulator's prediction, the targets."""
+    doc = _load("vllm_engine")
+    if doc is None:
+        v["engine_text"] = f"*Pending: `vllm_engine.json` is {_not_run('vllm_engine.json')}.*"
+        return
+    c = doc["conditions"]
+    model = c["model"]
+    model_txt = (f"a random-weight Llama made at run time ({model['random_llama']['num_layers']} "
+                 f"layers of width {model['random_llama']['hidden_size']}, fp32)"
+                 if isinstance(model, dict) else f"`{model}`")
+    parts = [
+        f"vLLM {c['vllm']} on its {c['backend'].upper()} backend, {_machine(doc)}, serving "
+        f"{model_txt}; {c['block_tokens']}-token blocks, a KV cache of {c['gpu_blocks']} "
+        f"blocks, a CPU tier {c['cpu_ratio']:g} times that, at most "
+        f"{c['max_num_batched_tokens']:,} tokens and {c['max_num_seqs']} requests per step. "
+        "Each workload is replayed by time stamp (arrivals and think times x"
+        f"{c['time_scale']:g}), once per system, each turn's trace hint in "
+        "`kv_transfer_params`; outputs are cut to "
+        f"{c['max_output_tokens']} tokens (`python -m bench.bench_vllm`, "
+        "`bench/bench_vllm.py` says how the traces are shrunk). The simulator then replays the "
+        "same workload at the same sizes on a clock fitted to this engine's own steps "
+        "(`MeasuredCost`, least squares over every step of every system)."]
+    targets = doc["targets"]
+    for w, run in doc["runs"].items():
+        fit = run["cost_fit"]
+        parts.append(
+            f"**{w}** ({run['requests']} requests, {run['prompt_tokens']:,} prompt tokens). "
+            f"Step-time fit: {fit['prefill_ms_per_1k_tokens']:.0f} ms per 1,000 prefill tokens, "
+            f"{fit['decode_step_ms']:.1f} ms for a decode step of one 256-token sequence, "
+            f"R\u00b2 {fit['r2']:.2f} over {fit['samples']:,} steps.")
+        parts.append(_table(
+            ["system", "token hit rate", "CPU hit tokens", "TTFT p50 (s)", "TTFT p90 (s)",
+             "output tok/s", "stored blocks", "loaded blocks"],
+            [[f"`{m['system']}`", _pct(m["token_hit_rate"]), f"{m['cpu_hit_tokens']:,}",
+              f"{m['ttft_p50_s']:.3f}", f"{m['ttft_p90_s']:.3f}",
+              f"{m['output_tokens_per_s']:.1f}", f"{m['stored_blocks']:,}",
+              f"{m['loaded_blocks']:,}"] for m in run["measured"]]))
+        parts.append(_table(
+            ["system", "hit rate: engine", "simulator", "off (points)", "TTFT p50: engine (s)",
+             "simulator (s)", "off"],
+            [[f"`{r['system']}`", _pct(r["hit_rate_engine"]), _pct(r["hit_rate_sim"]),
+              f"{r['hit_points_off']:+.1f}", f"{r['ttft_p50_engine_s']:.3f}",
+              f"{r['ttft_p50_sim_s']:.3f}",
+              "-" if r["ttft_p50_rel_off"] is None else f"{r['ttft_p50_rel_off']:+.0%}"]
+             for r in run["rows"]]))
+        t = run["targets"]
+        worst = max(abs(r["hit_points_off"]) for r in run["rows"])
+        rel = [abs(r["ttft_p50_rel_off"]) for r in run["rows"]
+               if r["ttft_p50_rel_off"] is not None]
+        parts.append(
+            f"Targets: hit rate within {targets['hit_rate_points']:g} point for every system "
+            f"{_verdict(t['hit_rate_within_1_point'])} (worst {worst:.1f}); TTFT p50 in the same "
+            f"order {_verdict(t['ttft_p50_same_order'])} (engine: "
+            + ", ".join(f"`{s}`" for s in run["ttft_order_engine"]) + "; simulator: "
+            + ", ".join(f"`{s}`" for s in run["ttft_order_sim"]) + "); modeled TTFT p50 within "
+            f"{targets['ttft_p50_rel']:.0%} {_verdict(t['ttft_p50_within_20pct'])} (worst "
+            f"{max(rel, default=0):.0%}).")
+    v["engine_text"] = "\n\n".join(parts)
+
+
 def _not_run(file: str) -> str:
     """Why input ``file`` is absent, from the studies that write it."""
     options = writers(file)
@@ -575,12 +674,16 @@ def build() -> None:
     replay_section(v)
     kernel_section(v)
     hybrid_waste(v)
+    default_section(v)
+    engine_section(v)
     template = (PAPER / "template.md").read_text()
     v.update(section_numbers(template))
     missing = sorted(set(re.findall(r"\{\{(\w+)\}\}", template)) - set(v))
     if missing:
         raise SystemExit(f"paper/template.md uses values build.py does not make: {missing}")
     text = re.sub(r"\{\{(\w+)\}\}", lambda m: v[m.group(1)], template)
+    # A generated value may cite a section ({{sec_...}}): one more pass fills those.
+    text = re.sub(r"\{\{(sec_\w+)\}\}", lambda m: v[m.group(1)], text)
     (PAPER / "paper.md").write_text(text)
     readme = ROOT / "README.md"
     summary = "\n\n".join(x for x in (

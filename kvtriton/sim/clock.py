@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from kvtriton.records import PlannerMeta
-from kvtriton.sim.cost import CostModel
+from kvtriton.sim.cost import ServingCost
 from kvtriton.sim.metrics import RunMetrics
 from kvtriton.sim.workload import Workload, WorkloadRequest
 from kvtriton.specs import KVLayout
@@ -57,7 +57,7 @@ class ServingClock(ABC):
     ``gpu_blocks``: the GPU pool's usable blocks (a request needing more is rejected);
     ``world_size``: how many workers report each store."""
 
-    def __init__(self, workload: Workload, layout: KVLayout, cost: CostModel,
+    def __init__(self, workload: Workload, layout: KVLayout, cost: ServingCost,
                  metrics: RunMetrics, *, gpu_blocks: int, world_size: int = 1,
                  progress: Callable[[int, int], None] | None = None) -> None:
         self.workload = workload

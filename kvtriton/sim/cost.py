@@ -14,7 +14,11 @@ submission per piece plus bytes over the link's bandwidth.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
 
 from kvtriton.specs import preset
 
@@ -23,7 +27,10 @@ __all__ = [
     "MODELS",
     "CostModel",
     "GPUSpec",
+    "MeasuredCost",
     "ModelSpec",
+    "ServingCost",
+    "step_features",
     "transfer_s",
 ]
 
@@ -223,6 +230,14 @@ class CostModel:
         nbytes = 2.0 * m.params + kv
         return nbytes / (self.hbm_efficiency * self.gpu.hbm_bytes_per_s)
 
+    def conditions(self) -> dict:
+        """The constants a result's ``conditions`` record."""
+        return {"kind": "modeled", "model": self.model.name, "gpu": self.gpu.name,
+                "mfu": self.mfu, "hbm_efficiency": self.hbm_efficiency,
+                "step_overhead_s": self.step_overhead_s,
+                "h2d_bytes_per_s": self.gpu.h2d_bytes_per_s,
+                "d2h_bytes_per_s": self.gpu.d2h_bytes_per_s}
+
     # ---- transfers ---------------------------------------------------------------------------
 
     def h2d_s(self, nbytes: int, num_pieces: int = 0) -> float:
@@ -263,3 +278,145 @@ class CostModel:
             done += chunk
             todo -= chunk
         return t
+
+
+class ServingCost(Protocol):
+    """What the serving loop's clock asks of a cost model (``CostModel``, ``MeasuredCost``)."""
+
+    step_overhead_s: float
+
+    def prefill_s(self, num_tokens: int, context_tokens: int = 0) -> float: ...
+
+    def decode_step_s(self, context_tokens: list[int] | tuple[int, ...]) -> float: ...
+
+    def h2d_s(self, nbytes: int, num_pieces: int = 0) -> float: ...
+
+    def d2h_s(self, nbytes: int, num_pieces: int = 0) -> float: ...
+
+    def conditions(self) -> dict: ...
+
+
+#: The terms of ``MeasuredCost``'s step time, in the order ``step_features`` returns them.
+STEP_TERMS = ("step_s", "prefill_s_per_token", "prefill_s_per_attended", "decode_s_per_seq",
+              "decode_s_per_context_token")
+
+
+def step_features(chunks: Iterable[tuple[int, int, int]]) -> np.ndarray:
+    """One step's regressors for ``MeasuredCost.fit``, from what it computed: per request
+    ``(tokens, tokens computed before, prompt tokens)``, a chunk of one token past the prompt
+    being a decode (as the serving loop's clock counts them). Returns float64 ``[1, prefill
+    tokens, attended positions of the prefill tokens, decoding sequences, their context
+    tokens]``."""
+    x = np.zeros(len(STEP_TERMS))
+    x[0] = 1.0
+    for n, before, prompt in chunks:
+        if n == 1 and before >= prompt:
+            x[3] += 1
+            x[4] += before
+        else:
+            x[1] += n
+            x[2] += _attended(before, n)
+    return x
+
+
+@dataclass(frozen=True, slots=True)
+class MeasuredCost:
+    """A step-time model fitted to an engine's measured steps: a fixed cost per step, per
+    prefilled token, per attended position (causal attention), per decoding sequence and per
+    token of its context, all in seconds and all >= 0; transfers at measured byte rates.
+
+    Built by ``fit`` from ``(step_features(chunks), measured seconds)`` samples, so the
+    simulator's clock can replay a workload at the speed of the engine that was measured
+    (``bench.bench_vllm``). ``r2`` and ``samples`` say how well and from how much it was fitted.
+    """
+
+    step_overhead_s: float
+    prefill_s_per_token: float
+    prefill_s_per_attended: float
+    decode_s_per_seq: float
+    decode_s_per_context_token: float
+    h2d_bytes_per_s: float
+    d2h_bytes_per_s: float
+    samples: int = 0
+    r2: float = float("nan")
+
+    def __post_init__(self) -> None:
+        for name in ("step_overhead_s", "prefill_s_per_token", "prefill_s_per_attended",
+                     "decode_s_per_seq", "decode_s_per_context_token"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"MeasuredCost: {name} must be finite and >= 0, got {v!r}")
+        for name in ("h2d_bytes_per_s", "d2h_bytes_per_s"):
+            v = getattr(self, name)
+            if not (v > 0 and math.isfinite(v)):
+                raise ValueError(f"MeasuredCost: {name} must be finite and > 0, got {v!r}")
+
+    @classmethod
+    def fit(cls, features: Sequence[np.ndarray], seconds: Sequence[float], *,
+            h2d_bytes_per_s: float, d2h_bytes_per_s: float) -> MeasuredCost:
+        """Least squares with every coefficient >= 0: a term whose unconstrained fit is negative
+        (noise, or a cost the engine does not have) is dropped and the rest refitted.
+        ``ValueError`` with fewer samples than terms or mismatched lengths."""
+        x = np.asarray(features, dtype=np.float64)
+        y = np.asarray(seconds, dtype=np.float64)
+        if x.ndim != 2 or x.shape[1] != len(STEP_TERMS) or len(y) != len(x):
+            raise ValueError(f"MeasuredCost.fit: features must be (n, {len(STEP_TERMS)}) and "
+                             f"seconds (n,), got {x.shape} and {y.shape}")
+        if len(y) < len(STEP_TERMS):
+            raise ValueError(f"MeasuredCost.fit: {len(y)} samples for {len(STEP_TERMS)} terms")
+        if not (np.isfinite(x).all() and np.isfinite(y).all()):
+            raise ValueError("MeasuredCost.fit: samples must be finite")
+        # Scale columns so the solve is well conditioned (attended positions run to 1e7).
+        scale = np.maximum(np.abs(x).max(axis=0), 1e-12)
+        xs = x / scale
+        keep = np.ones(len(STEP_TERMS), dtype=bool)
+        coef = np.zeros(len(STEP_TERMS))
+        while keep.any():
+            sol, *_ = np.linalg.lstsq(xs[:, keep], y, rcond=None)
+            coef[:] = 0.0
+            coef[keep] = sol
+            if (sol >= 0).all():
+                break
+            keep[np.flatnonzero(keep)[sol < 0]] = False
+        coef[~keep] = 0.0
+        coef /= scale
+        resid = y - x @ coef
+        total = float(((y - y.mean()) ** 2).sum())
+        r2 = 1.0 - float((resid ** 2).sum()) / total if total > 0 else float("nan")
+        return cls(*(float(c) for c in coef), h2d_bytes_per_s=h2d_bytes_per_s,
+                   d2h_bytes_per_s=d2h_bytes_per_s, samples=len(y), r2=r2)
+
+    def step_s(self, features: np.ndarray) -> float:
+        """Modeled seconds of a step with ``step_features`` ``features``."""
+        return float(np.dot(features, [self.step_overhead_s, self.prefill_s_per_token,
+                                       self.prefill_s_per_attended, self.decode_s_per_seq,
+                                       self.decode_s_per_context_token]))
+
+    def prefill_s(self, num_tokens: int, context_tokens: int = 0) -> float:
+        """Seconds to prefill ``num_tokens`` after ``context_tokens`` cached (no step cost)."""
+        return (self.prefill_s_per_token * num_tokens
+                + self.prefill_s_per_attended * _attended(context_tokens, num_tokens))
+
+    def decode_step_s(self, context_tokens: list[int] | tuple[int, ...]) -> float:
+        """Seconds of one decode step for sequences of ``context_tokens`` (no step cost)."""
+        return (self.decode_s_per_seq * len(context_tokens)
+                + self.decode_s_per_context_token * sum(context_tokens))
+
+    def h2d_s(self, nbytes: int, num_pieces: int = 0) -> float:
+        """Seconds to load ``nbytes`` at the measured rate (``num_pieces`` is in the rate)."""
+        return transfer_s(nbytes, self.h2d_bytes_per_s)
+
+    def d2h_s(self, nbytes: int, num_pieces: int = 0) -> float:
+        """Seconds to store ``nbytes`` at the measured rate."""
+        return transfer_s(nbytes, self.d2h_bytes_per_s)
+
+    def conditions(self) -> dict:
+        """The fitted constants, as a result's ``conditions`` record them."""
+        return {"kind": "measured", "step_overhead_s": self.step_overhead_s,
+                "prefill_s_per_token": self.prefill_s_per_token,
+                "prefill_s_per_attended": self.prefill_s_per_attended,
+                "decode_s_per_seq": self.decode_s_per_seq,
+                "decode_s_per_context_token": self.decode_s_per_context_token,
+                "h2d_bytes_per_s": self.h2d_bytes_per_s,
+                "d2h_bytes_per_s": self.d2h_bytes_per_s, "samples": self.samples,
+                "r2": self.r2}

@@ -38,7 +38,7 @@ from kvtriton.pool import BlockPool
 from kvtriton.records import Request
 from kvtriton.setups import TierPolicy
 from kvtriton.sim.clock import ServingClock, gpu_blocks_for
-from kvtriton.sim.cost import CostModel
+from kvtriton.sim.cost import ServingCost
 from kvtriton.sim.errors import UncleanEndError
 from kvtriton.sim.hooks import IntegrityHook
 from kvtriton.sim.metrics import RunMetrics
@@ -78,7 +78,7 @@ class ServingLoop(ServingClock):
     fits (vLLM 0.32's default); False admits it on its first chunk."""
 
     def __init__(self, workload: Workload, keys: list[np.ndarray], layout: KVLayout,
-                 policy: TierPolicy, cost: CostModel, *, gpu_blocks: int, cpu_blocks: int,
+                 policy: TierPolicy, cost: ServingCost, *, gpu_blocks: int, cpu_blocks: int,
                  token_budget: int = 8192, max_running: int = 256,
                  integrity: IntegrityHook | None = None,
                  progress: Callable[[int, int], None] | None = None,

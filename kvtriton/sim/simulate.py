@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvtriton.setups import BOUNDS, DEFAULT_POLICIES, NEXT_USE_BOUNDS, TierPolicy, tier_policy
-from kvtriton.sim.cost import CostModel
+from kvtriton.sim.cost import CostModel, ServingCost
 from kvtriton.sim.keys import workload_keys
 from kvtriton.sim.loop import ServingLoop, gpu_blocks_for, num_keys
 from kvtriton.sim.metrics import SetupRow, format_table
@@ -101,14 +101,6 @@ def tier_blocks(layout: KVLayout, *, gpu_blocks=None, gpu_tokens=None, gpu_gib=N
     n_gpu = capacity_blocks(layout, blocks=gpu_blocks, tokens=gpu_tokens, gib=gpu_gib, what="GPU")
     n_cpu = capacity_blocks(layout, blocks=cpu_blocks, tokens=cpu_tokens, gib=cpu_gib, what="CPU")
     return n_gpu, n_cpu
-
-
-def cost_conditions(cost: CostModel) -> dict:
-    """The cost model's constants, as a result's ``conditions`` record them."""
-    return {"mfu": cost.mfu, "hbm_efficiency": cost.hbm_efficiency,
-            "step_overhead_s": cost.step_overhead_s,
-            "h2d_bytes_per_s": cost.gpu.h2d_bytes_per_s,
-            "d2h_bytes_per_s": cost.gpu.d2h_bytes_per_s}
 
 
 def belady_bound(workload: Workload, layout: KVLayout, n_gpu: int, n_cpu: int,
@@ -266,6 +258,7 @@ def simulate(
     engine: str = "kvtriton",
     scheduler_overrides: dict[str, Any] | None = None,
     check_only: bool = False,
+    cost: ServingCost | None = None,
 ) -> SimulationResult:
     """Replay ``workload`` through the serving loop once per policy.
 
@@ -298,6 +291,9 @@ def simulate(
 
     ``check_only``: check every argument as a run would, then return the result with its
     conditions and no rows, having run nothing (a driver of several runs checks them all first).
+
+    ``cost``: the clock's cost model instead of ``model`` on ``gpu`` (``CostModel.named``), e.g.
+    a ``MeasuredCost`` fitted to a real engine's steps; ``model`` still sets the layout.
     """
     if not is_int(token_budget) or token_budget < 1:
         raise ValueError(f"token_budget must be a positive int, got {token_budget!r}")
@@ -316,7 +312,8 @@ def simulate(
     oracles = [tier_policy(p) for p in in_loop_bounds] if bound and not vllm_engine else []
     if oracles and not any(p.composition == CONTROL for p in chosen):
         oracles.insert(0, tier_policy(CONTROL))
-    cost = CostModel.named(model, gpu)
+    if cost is None:
+        cost = CostModel.named(model, gpu)
     n_gpu, n_cpu = tier_blocks(layout, gpu_blocks=gpu_blocks, gpu_tokens=gpu_tokens,
                                gpu_gib=gpu_gib, cpu_blocks=cpu_blocks, cpu_tokens=cpu_tokens,
                                cpu_gib=cpu_gib)
@@ -335,7 +332,7 @@ def simulate(
         "block_tokens": layout.groups[0].block_size, "token_budget": token_budget,
         "max_running": max_running, "integrity": integrity,
         "requests": len(workload), "rejected": len(rejected),
-        "reserve_full_isl": reserve_full_isl, "cost_model": cost_conditions(cost),
+        "reserve_full_isl": reserve_full_isl, "cost_model": cost.conditions(),
     }
     if vllm_engine:
         _check_scheduler_overrides(scheduler_overrides, token_budget, max_running,
@@ -386,7 +383,7 @@ def simulate(
     return result
 
 
-def _simulate_on_vllm(workload: Workload, layout: KVLayout, cost: CostModel,
+def _simulate_on_vllm(workload: Workload, layout: KVLayout, cost: ServingCost,
                       chosen: list[TierPolicy], n_gpu: int, n_cpu: int, conditions: dict, *,
                       token_budget: int, max_running: int, progress: bool,
                       scheduler_overrides: dict[str, Any] | None,

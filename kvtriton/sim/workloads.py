@@ -4,23 +4,28 @@ A name is ``agent`` (the generator), ``mooncake`` or ``cc_agentic`` (traces ship
 ``kvtriton/sim/data``); anything else is read as a trace file or folder. Each named workload
 carries the serving setting the benchmarks run it at (``WorkloadSpec.serving``), so a setting is
 written once. The transformations every experiment applies are here too: ``limit_workload``
-(the first N requests), ``scale_times`` (arrivals and think times stretched) and
-``first_turns`` (the first turns of every session).
+(the first N requests), ``scale_times`` (arrivals and think times stretched),
+``first_turns`` (the first turns of every session), ``coarsen`` (every k-th prompt block: a
+trace shrunk with its sharing kept) and ``fresh_outputs`` (outputs no later prompt reuses, as
+a real engine's generated tokens are not the trace's).
 """
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+import numpy as np
+
 from kvtriton.sim.traces import CC_AGENTIC_SAMPLE, MOONCAKE_SYNTHETIC, data_path, load_trace
 from kvtriton.sim.workload import AgentConfig, Workload, agent_workload
 
-__all__ = ["WORKLOADS", "WorkloadSpec", "first_turns", "limit_workload", "load_workload",
-           "scale_times", "serving_workload"]
+__all__ = ["WORKLOADS", "WorkloadSpec", "coarsen", "first_turns", "fresh_outputs",
+           "limit_workload", "load_workload", "scale_times", "serving_workload"]
 
 
 @dataclass(frozen=True)
@@ -129,3 +134,45 @@ def first_turns(wl: Workload, turns: int) -> Workload:
     kept = [replace(r, after=None) if r.after is not None and r.after not in ids else r
             for r in kept]
     return Workload(kept, wl.hash_block_size, f"{wl.name} (first {turns} turns per session)")
+
+
+def _with_outputs(r, prompt_hashes: np.ndarray, prompt_len: int, output_len: int, b: int):
+    """``r`` with the given prompt and ``output_len`` tokens of output whose blocks carry hashes
+    drawn from the request id: no other request holds them."""
+    n_out = (prompt_len + output_len) // b - len(prompt_hashes)
+    rng = np.random.default_rng(zlib.crc32(r.request_id.encode()))
+    out = rng.integers(1 << 62, 1 << 63, n_out, dtype=np.uint64)
+    return replace(r, prompt_len=prompt_len, output_len=output_len,
+                   hashes=np.concatenate([prompt_hashes, out]).astype(np.uint64))
+
+
+def coarsen(wl: Workload, stride: int) -> Workload:
+    """``wl`` shrunk ``stride`` times: each prompt keeps its blocks 0, stride, 2 stride, ...
+    (and its partial last block). Chain hashes name whole prefixes, so two prompts still share
+    exactly the kept blocks before the point where they diverged: the sharing structure stays,
+    at ``stride`` times coarser resolution. Outputs are cut by ``stride`` too and get fresh
+    hashes (``fresh_outputs``). For replaying long traces on a small engine."""
+    if not isinstance(stride, int) or isinstance(stride, bool) or stride < 1:
+        raise ValueError(f"coarsen: stride must be an int >= 1, got {stride!r}")
+    b = wl.hash_block_size
+    reqs = []
+    for r in wl.requests:
+        full = r.prompt_len // b
+        kept = r.hashes[:full][::stride]
+        prompt_len = len(kept) * b + r.prompt_len % b
+        reqs.append(_with_outputs(r, kept, prompt_len, max(1, r.output_len // stride), b))
+    return Workload(reqs, b, f"{wl.name} (every {stride}th block)")
+
+
+def fresh_outputs(wl: Workload, max_output_tokens: int) -> Workload:
+    """``wl`` with every output cut to ``max_output_tokens`` and its blocks given hashes no
+    other request holds: a real engine samples its own output tokens, so a later turn's prompt
+    (built from the trace's hashes) never matches them, and a simulation of the same replay
+    must not either."""
+    if not isinstance(max_output_tokens, int) or max_output_tokens < 1:
+        raise ValueError(f"fresh_outputs: max_output_tokens must be an int >= 1, got "
+                         f"{max_output_tokens!r}")
+    b = wl.hash_block_size
+    reqs = [_with_outputs(r, r.hashes[:r.prompt_len // b], r.prompt_len,
+                          min(r.output_len, max_output_tokens), b) for r in wl.requests]
+    return Workload(reqs, b, f"{wl.name} (outputs <= {max_output_tokens} tokens, fresh)")

@@ -1,6 +1,6 @@
-"""``bench/bench_vllm.py`` as a smoke test on CPU: every system that runs here runs, the CPU tier
-is used, the JSON says what ran (and that CPU timings mean nothing); bad arguments are one line
-with exit code 2."""
+"""``bench/bench_vllm.py`` at the tests' size on vLLM's CPU backend: every system serves every
+request, the connector's systems use the tier, the step-time fit and the simulator's prediction
+land in the JSON beside the measurement; bad arguments are one line with exit code 2."""
 
 from __future__ import annotations
 
@@ -14,24 +14,31 @@ pytest.importorskip("transformers")
 from bench import bench_vllm
 
 
-def test_quick_run_on_cpu(tmp_path, capsys):
-    assert bench_vllm.main(["--quick", "--out", str(tmp_path)]) == 0
-    doc = json.loads((tmp_path / "vllm_agent.json").read_text())
-    rows = {r["system"]: r for r in doc["rows"]}
-    assert set(rows) == {"none", "kvtriton", "simple"}
-    assert "needs CUDA" in rows["simple"]["skipped"]
-    for name in ("none", "kvtriton"):
-        assert rows[name]["requests"] == doc["conditions"]["requests"] > 0
-        assert rows[name]["ttft_s"]["p50"] > 0
-    tier = rows["kvtriton"]
-    assert tier["connector"]["cpu_hit_tokens"] > 0 and tier["connector"]["blocks_loaded"] > 0
-    assert tier["transfers"]["load"]["bytes"] > 0
-    assert "timings mean nothing" in doc["conditions"]["note"]
-    assert "machine" in doc
+def test_smoke_run_measures_and_predicts(tmp_path):
+    systems = "none,eager,default"
+    assert bench_vllm.main(["--smoke", "--workloads", "agent", "--systems", systems,
+                            "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "vllm_engine.json").read_text())
+    run = doc["runs"]["agent"]
+    rows = {r["system"]: r for r in run["measured"]}
+    assert list(rows) == systems.split(",")
+    for r in rows.values():
+        assert r["requests"] == run["requests"] > 0 and r["ttft_p50_s"] > 0
+        assert 0 < r["token_hit_rate"] < 1 and r["output_tokens"] > 0
+    assert rows["none"]["stored_blocks"] == 0 and rows["none"]["cpu_blocks"] == 0
+    for name in ("eager", "default"):
+        assert rows[name]["stored_blocks"] > 0 and rows[name]["cpu_blocks"] > 0
+    assert rows["default"]["setup"] == doc["conditions"].get("default_setup", "eager+arc")
+    fit = run["cost_fit"]
+    assert fit["kind"] == "measured" and fit["samples"] > 10 and fit["prefill_s_per_token"] > 0
+    assert set(run["predicted"]) == set(rows) and len(run["rows"]) == 3
+    assert set(run["targets"]) == {"hit_rate_within_1_point", "ttft_p50_same_order",
+                                   "ttft_p50_within_20pct"}
+    assert "machine" in doc and doc["conditions"]["backend"] == "cpu"
 
 
-@pytest.mark.parametrize("argv", [["--systems", "none,nope"], ["--limit", "0"],
-                                  ["--model", "/no/such/folder"], ["--trace", "x"]])
+@pytest.mark.parametrize("argv", [["--systems", "none,nope"], ["--workloads", "x"],
+                                  ["--model", "/no/such/folder"], ["--systems", "eager+bogus"]])
 def test_bad_arguments_are_one_line(argv, capsys):
     with pytest.raises(SystemExit) as e:
         bench_vllm.main(argv)

@@ -52,3 +52,46 @@ def test_the_bookkeeping_sentence_compares_measured_figures(build):
     assert "2.00 ms, more than the 1.00 ms" in text
     rows[0]["median_ms"] = 1.5
     assert "0.50 ms, less than the 1.00 ms" in build._bookkeeping({"rows": rows})
+
+
+def test_the_build_stops_when_the_evidence_picks_another_default(build, monkeypatch):
+    import kvtriton.setups
+
+    v: dict[str, str] = {}
+    build.default_section(v)
+    assert f"runs `{kvtriton.setups.DEFAULT_SETUP}`" in v["default_text"]
+    monkeypatch.setattr(kvtriton.setups, "DEFAULT_SETUP", "eager+second")
+    with pytest.raises(SystemExit, match="the evidence moved"):
+        build.default_section({})
+
+
+def test_the_engine_section_states_each_target(build, monkeypatch):
+    run = {"requests": 3, "prompt_tokens": 900,
+           "cost_fit": {"prefill_ms_per_1k_tokens": 100.0, "decode_step_ms": 5.0, "r2": 0.97,
+                        "samples": 40},
+           "measured": [{"system": s, "token_hit_rate": 0.5, "cpu_hit_tokens": 64,
+                         "ttft_p50_s": t, "ttft_p90_s": 2 * t, "output_tokens_per_s": 9.0,
+                         "stored_blocks": 4, "loaded_blocks": 1}
+                        for s, t in (("none", 0.3), ("eager", 0.2))],
+           "rows": [{"system": "none", "hit_rate_engine": 0.5, "hit_rate_sim": 0.52,
+                     "hit_points_off": 2.0, "ttft_p50_engine_s": 0.3, "ttft_p50_sim_s": 0.33,
+                     "ttft_p50_rel_off": 0.1},
+                    {"system": "eager", "hit_rate_engine": 0.5, "hit_rate_sim": 0.5,
+                     "hit_points_off": 0.0, "ttft_p50_engine_s": 0.2, "ttft_p50_sim_s": 0.2,
+                     "ttft_p50_rel_off": 0.0}],
+           "targets": {"hit_rate_within_1_point": False, "ttft_p50_same_order": True,
+                       "ttft_p50_within_20pct": True},
+           "ttft_order_engine": ["eager", "none"], "ttft_order_sim": ["eager", "none"]}
+    doc = {"machine": {"cpu": "x", "cpu_cores": 2, "gpu": None, "git_sha": "abc", "torch": "2",
+                       "triton": "3", "date_utc": "today"},
+           "conditions": {"vllm": "0.32.0", "backend": "cpu", "model": {"random_llama": {
+               "num_layers": 4, "hidden_size": 256}}, "block_tokens": 64, "gpu_blocks": 48,
+               "cpu_ratio": 1.0, "max_num_batched_tokens": 1024, "max_num_seqs": 16,
+               "time_scale": 0.05, "max_output_tokens": 16},
+           "targets": {"hit_rate_points": 1.0, "ttft_p50_rel": 0.2}, "runs": {"agent": run}}
+    monkeypatch.setattr(build, "_load", lambda name: doc)
+    v: dict[str, str] = {}
+    build.engine_section(v)
+    text = v["engine_text"]
+    assert "**missed** (worst 2.0)" in text and "same order met" in text
+    assert "100 ms per 1,000 prefill tokens" in text and "| `eager` | 50.0% | 50.0% |" in text

@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
+import re
+
+import numpy as np
 import pytest
 
-from kvtriton.sim.cost import GPUS, MODELS, CostModel, GPUSpec, ModelSpec, transfer_s
+from kvtriton.sim.cost import (
+    GPUS,
+    MODELS,
+    CostModel,
+    GPUSpec,
+    MeasuredCost,
+    ModelSpec,
+    step_features,
+    transfer_s,
+)
 from kvtriton.specs import PRESETS
 
 # One attention layer of width 1 and no weights: FLOPs are 4 x (positions attended).
@@ -106,3 +118,84 @@ def test_ttft_falls_with_cached_tokens():
 def test_bad_values(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+# ---- MeasuredCost: the step-time model fitted to a real engine ----------------------------------
+
+def _random_steps(rng, n):
+    """Steps of random prefill chunks and decodes, as the clock sees them."""
+    steps = []
+    for _ in range(n):
+        chunks = []
+        for _ in range(int(rng.integers(1, 5))):
+            if rng.random() < 0.5:
+                prompt = int(rng.integers(64, 2048))
+                chunks.append((1, prompt + int(rng.integers(0, 64)), prompt))
+            else:
+                before = int(rng.integers(0, 1024))
+                chunks.append((int(rng.integers(16, 512)), before, before + 600))
+        steps.append(chunks)
+    return steps
+
+
+TRUE = dict(step_overhead_s=4e-3, prefill_s_per_token=1e-4, prefill_s_per_attended=2e-8,
+            decode_s_per_seq=1e-3, decode_s_per_context_token=2e-7)
+
+
+def test_fit_recovers_a_known_step_model():
+    rng = np.random.default_rng(0)
+    truth = MeasuredCost(**TRUE, h2d_bytes_per_s=1e9, d2h_bytes_per_s=1e9)
+    steps = _random_steps(rng, 400)
+    x = [step_features(c) for c in steps]
+    y = [truth.step_s(f) * (1 + rng.normal(0, 0.01)) for f in x]
+    fit = MeasuredCost.fit(x, y, h2d_bytes_per_s=2e9, d2h_bytes_per_s=3e9)
+    for name, value in TRUE.items():
+        assert getattr(fit, name) == pytest.approx(value, rel=0.1), name
+    assert fit.r2 > 0.99 and fit.samples == 400
+    assert fit.conditions()["kind"] == "measured" and fit.h2d_s(2e9) == pytest.approx(1.0)
+
+
+def test_fit_drops_a_term_the_engine_does_not_have():
+    """A cost that is not there fits to exactly 0, never below."""
+    rng = np.random.default_rng(1)
+    truth = MeasuredCost(**{**TRUE, "decode_s_per_context_token": 0.0},
+                         h2d_bytes_per_s=1e9, d2h_bytes_per_s=1e9)
+    x = [step_features(c) for c in _random_steps(rng, 300)]
+    y = [max(truth.step_s(f) + rng.normal(0, 2e-4), 0.0) for f in x]
+    fit = MeasuredCost.fit(x, y, h2d_bytes_per_s=1e9, d2h_bytes_per_s=1e9)
+    assert all(v >= 0 for v in (fit.step_overhead_s, fit.prefill_s_per_token,
+                                fit.prefill_s_per_attended, fit.decode_s_per_seq,
+                                fit.decode_s_per_context_token))
+    assert fit.prefill_s_per_token == pytest.approx(TRUE["prefill_s_per_token"], rel=0.1)
+
+
+def test_clock_charges_what_the_fit_predicts():
+    """The serving loop's clock and ``step_s(step_features(...))`` are one formula."""
+    from types import SimpleNamespace
+
+    from kvtriton.sim.clock import ServingClock
+
+    cost = MeasuredCost(**TRUE, h2d_bytes_per_s=1e9, d2h_bytes_per_s=1e9)
+    for chunks in _random_steps(np.random.default_rng(2), 50):
+        clock = SimpleNamespace(cost=cost)
+        assert ServingClock._step_seconds(clock, chunks) == pytest.approx(
+            cost.step_s(step_features(chunks)), rel=1e-12)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"features": [np.ones(5)] * 3, "seconds": [1.0] * 3}, "3 samples for 5 terms"),
+    ({"features": [np.ones(4)] * 6, "seconds": [1.0] * 6}, "must be (n, 5)"),
+    ({"features": [np.ones(5)] * 6, "seconds": [1.0] * 5}, "must be (n, 5)"),
+    ({"features": [np.full(5, np.nan)] * 6, "seconds": [1.0] * 6}, "finite"),
+])
+def test_fit_refuses_bad_samples(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        MeasuredCost.fit(**kwargs, h2d_bytes_per_s=1e9, d2h_bytes_per_s=1e9)
+
+
+def test_measured_cost_refuses_negative_or_zero_rates():
+    with pytest.raises(ValueError, match="decode_s_per_seq must be finite and >= 0"):
+        MeasuredCost(**{**TRUE, "decode_s_per_seq": -1.0}, h2d_bytes_per_s=1e9,
+                     d2h_bytes_per_s=1e9)
+    with pytest.raises(ValueError, match="h2d_bytes_per_s must be finite and > 0"):
+        MeasuredCost(**TRUE, h2d_bytes_per_s=0.0, d2h_bytes_per_s=1e9)

@@ -181,3 +181,19 @@ def test_simulate_runs_compositions_and_the_in_loop_bounds():
     assert "gap closed" in res.table().splitlines()[0]
     off = simulate(wl, gpu_tokens=8192, cpu_tokens=8192, policies=["eager+arc"], bound=False)
     assert [r["policy"] for r in off.rows] == ["eager+arc"] and off.bounds == []
+
+
+def test_a_measured_cost_runs_the_clock():
+    """``cost=``: the clock charges the given model (a request alone: TTFT is one step of its
+    prompt, by hand), and the result records it."""
+    from kvtriton.sim.cost import MeasuredCost
+
+    cost = MeasuredCost(step_overhead_s=0.01, prefill_s_per_token=1e-3, prefill_s_per_attended=0.0,
+                        decode_s_per_seq=0.0, decode_s_per_context_token=0.0,
+                        h2d_bytes_per_s=1e9, d2h_bytes_per_s=1e9)
+    wl = Workload([_req("a", 1, 64)], B)
+    res = simulate(wl, gpu_blocks=64, cpu_blocks=64, policies=["eager"], bound=False, cost=cost)
+    assert _row(res, "eager")["ttft_p50_s"] == pytest.approx(0.01 + 64e-3)
+    assert res.conditions["cost_model"]["kind"] == "measured"
+    default = simulate(wl, gpu_blocks=64, cpu_blocks=64, policies=["eager"], bound=False)
+    assert _row(default, "eager")["ttft_p50_s"] != pytest.approx(0.01 + 64e-3)

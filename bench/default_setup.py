@@ -1,0 +1,110 @@
+"""The connector's default setup, chosen from the study's results by a written rule.
+
+A user who turns the connector on without naming a setup has not characterised their workload:
+their clients may send no hints, and vLLM's stock scheduler shows the connector no waiting
+queue. So the candidates are the setups the connector runs that need neither: no hints, no
+waiting-queue lookahead, no oracle (``candidate``). The evidence is every cell (workload x CPU
+capacity) of the policy study's JSONs (``POLICY_FILES``, those present). A candidate's score is
+its worst hit-rate change against the control (``eager``: vLLM's connector) over every cell it
+was measured in; it must have been measured in at least ``MIN_CELLS`` cells of at least
+``MIN_WORKLOADS`` workloads. The default is the best score, ties broken by the mean change: the
+setup that gains most where it gains least. The control scores 0 everywhere, so the default
+never loses to vLLM's behaviour on the evidence.
+
+``python -m bench.default_setup`` prints the table and the choice; ``paper/build.py`` fails when
+the choice differs from ``kvtriton.setups.DEFAULT_SETUP`` (the evidence moved).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from bench.common import RESULTS_DIR
+
+POLICY_FILES = ("policies_agent.json", "policies_cc_agentic.json",
+                "policies_cc_agentic_full.json", "policies_mooncake.json")
+CONTROL = "eager"
+MIN_CELLS = 4
+MIN_WORKLOADS = 2
+
+
+def candidate(composition: str) -> bool:
+    """Whether the connector runs ``composition`` with nothing from the client or the
+    scheduler: a CPU tier, no hints (nor ``hinted`` admission, which reads them), no lookahead,
+    no oracle."""
+    from kvtriton.setups import parse_policy
+
+    p = parse_policy(composition)
+    return (p.planner is not None and not p.oracle and not p.hints and not p.lookahead
+            and p.planner.admission != "hinted")
+
+
+def cells(results_dir: Path = RESULTS_DIR) -> list[dict[str, Any]]:
+    """Per (policy file, CPU ratio): the workload and each setup's hit-rate change against the
+    control, in points."""
+    out = []
+    for name in POLICY_FILES:
+        path = Path(results_dir) / name
+        if not path.exists():
+            continue
+        doc = json.loads(path.read_text())
+        for run in doc["runs"]:
+            rows = {r["composition"]: r for r in run["rows"]}
+            if CONTROL not in rows:
+                raise ValueError(f"{path}: CPU x{run['cpu_ratio']} has no {CONTROL!r} row")
+            base = rows[CONTROL]["token_hit_rate"]
+            out.append({"file": name, "workload": doc["workload"].split(" ")[0],
+                        "cpu_ratio": run["cpu_ratio"],
+                        "gain_points": {c: 100 * (r["token_hit_rate"] - base)
+                                        for c, r in rows.items()}})
+    return out
+
+
+def choose(evidence: list[dict[str, Any]]) -> dict[str, Any]:
+    """The rule (module docstring) over ``cells``: the chosen setup and every candidate's
+    score."""
+    table: dict[str, dict[str, Any]] = {}
+    for cell in evidence:
+        for comp, gain in cell["gain_points"].items():
+            if not candidate(comp):
+                continue
+            t = table.setdefault(comp, {"setup": comp, "gains": [], "workloads": set()})
+            t["gains"].append(gain)
+            t["workloads"].add(cell["file"].removeprefix("policies_").removesuffix(".json")
+                               .removesuffix("_full"))
+    rows = []
+    for t in table.values():
+        g = t["gains"]
+        rows.append({"setup": t["setup"], "cells": len(g), "workloads": sorted(t["workloads"]),
+                     "worst_points": min(g), "mean_points": sum(g) / len(g),
+                     "eligible": len(g) >= MIN_CELLS and len(t["workloads"]) >= MIN_WORKLOADS})
+    rows.sort(key=lambda r: (r["eligible"], r["worst_points"], r["mean_points"]), reverse=True)
+    eligible = [r for r in rows if r["eligible"]]
+    if not eligible:
+        raise ValueError(f"no candidate was measured in {MIN_CELLS} cells of {MIN_WORKLOADS} "
+                         "workloads: run python -m bench --only policies")
+    return {"setup": eligible[0]["setup"], "table": rows, "cells": len(evidence),
+            "rule": f"worst hit-rate change against {CONTROL} over the cells measured (at least "
+                    f"{MIN_CELLS} cells of {MIN_WORKLOADS} workloads), ties by the mean"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kvtriton.setups import DEFAULT_SETUP
+
+    got = choose(cells())
+    print(f"{'setup':28s} {'cells':>5s} {'worst':>7s} {'mean':>7s}")
+    for r in got["table"]:
+        flag = "" if r["eligible"] else "  (too few cells)"
+        print(f"{r['setup']:28s} {r['cells']:5d} {r['worst_points']:+7.2f} "
+              f"{r['mean_points']:+7.2f}{flag}")
+    same = got["setup"] == DEFAULT_SETUP
+    print(f"rule: {got['rule']}; chosen {got['setup']!r}; kvtriton.setups.DEFAULT_SETUP is "
+          f"{DEFAULT_SETUP!r}" + ("" if same else ": they differ"))
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

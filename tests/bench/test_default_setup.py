@@ -1,0 +1,65 @@
+"""The rule that picks the connector's default setup (``bench/default_setup.py``)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import default_setup
+from bench.default_setup import candidate, cells, choose
+from kvtriton.setups import DEFAULT_SETUP
+
+
+def _cell(workload: str, gains: dict[str, float]) -> dict:
+    return {"file": f"policies_{workload}.json", "workload": workload, "cpu_ratio": 1,
+            "gain_points": {"eager": 0.0, **gains}}
+
+
+def test_only_setups_needing_nothing_from_client_or_scheduler_are_candidates():
+    assert candidate("eager+arc") and candidate("lazy") and candidate("eager+restore:0.5")
+    for name in ("eager+hints", "lazy+hints", "lazy+hinted", "eager+waiting", "eager+nextuse",
+                 "eager+inf", "none"):
+        assert not candidate(name), name
+
+
+def test_the_best_worst_case_wins_and_the_mean_breaks_ties():
+    ev = [_cell("a", {"eager+arc": 1.0, "lazy": 9.0, "eager+tail": 0.5}),
+          _cell("a", {"eager+arc": 0.2, "lazy": -2.0, "eager+tail": 0.2}),
+          _cell("b", {"eager+arc": 0.3, "lazy": 5.0, "eager+tail": 0.2}),
+          _cell("b", {"eager+arc": 0.2, "lazy": 1.0, "eager+tail": 0.4})]
+    got = choose(ev)
+    assert got["setup"] == "eager+arc"  # worst 0.2 as eager+tail, mean higher
+    assert [r["setup"] for r in got["table"]][:3] == ["eager+arc", "eager+tail", "eager"]
+    ev[1]["gain_points"]["eager+arc"] = -0.1  # one loss anywhere and the control is safer
+    assert choose(ev)["setup"] == "eager+tail"
+
+
+def test_too_little_evidence_is_not_eligible():
+    ev = [_cell("a", {"eager+arc": 5.0}), _cell("a", {"eager+arc": 5.0})]
+    with pytest.raises(ValueError, match="no candidate was measured in 4 cells of 2 workloads"):
+        choose(ev)
+    ev += [_cell("b", {}), _cell("b", {})]
+    got = choose(ev)
+    assert got["setup"] == "eager"
+    assert not next(r for r in got["table"] if r["setup"] == "eager+arc")["eligible"]
+
+
+def test_cells_read_the_policy_json(tmp_path):
+    rows = [{"composition": "eager", "token_hit_rate": 0.5},
+            {"composition": "eager+arc", "token_hit_rate": 0.52}]
+    doc = {"workload": "agent (quick)", "runs": [{"cpu_ratio": 4, "rows": rows}]}
+    (tmp_path / "policies_agent.json").write_text(json.dumps(doc))
+    got = cells(tmp_path)
+    assert len(got) == 1 and got[0]["gain_points"]["eager+arc"] == pytest.approx(2.0)
+    doc["runs"][0]["rows"] = rows[1:]
+    (tmp_path / "policies_agent.json").write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="has no 'eager' row"):
+        cells(tmp_path)
+
+
+def test_the_committed_results_choose_the_default(capsys):
+    """What ``paper/build.py`` checks: the shipped results still pick ``DEFAULT_SETUP``."""
+    assert choose(cells())["setup"] == DEFAULT_SETUP
+    assert default_setup.main([]) == 0
+    assert f"chosen {DEFAULT_SETUP!r}" in capsys.readouterr().out
