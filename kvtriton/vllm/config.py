@@ -1,147 +1,297 @@
 """``kv_connector_extra_config`` of ``KVTritonConnector``: every key, its unit, default and check.
 
 The connector is configured the way vLLM configures any KV connector, through
-``KVTransferConfig.kv_connector_extra_config`` (the ``--kv-transfer-config`` JSON). Parsing is
-strict: an unknown key or a value outside its allowed set is one ``ValueError`` at start-up that
-names the key and what it accepts, before any request is served. This module imports nothing of
-vLLM, so the checks run (and are tested) without it.
+``KVTransferConfig.kv_connector_extra_config`` (the ``--kv-transfer-config`` JSON). The CPU
+tier's policy is one key, ``setup``: a composition in the vocabulary of ``kvtriton.setups``,
+the string ``kvtriton simulate --policies`` takes, parsed by the same code. The other keys say
+what a setup does not: the tier's size, the scan and the re-store caps.
+
+The per-axis keys of earlier versions (``offload``, ``restore``, ``restore_share``,
+``cpu_free_order``, ``cpu_eviction``) are still read, as another spelling of the setup's axes:
+without ``setup`` they compose a setup with their own defaults for the axes left out (re-store
+on, tail first, LRU, eager: the setup they always meant); beside ``setup`` a key that says
+something else than the setup is an error.
+
+Parsing is strict: an unknown key, a value outside its allowed set, keys that contradict each
+other or a setup axis the connector cannot honour in vLLM is one ``ValueError`` at start-up that
+names the key, before any request is served. This module imports nothing of vLLM, so the checks
+run (and are tested) without it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
 from kvtriton.eviction import EVICTION_QUEUES
 from kvtriton.planner import PlannerConfig
-from kvtriton.setups import TierPolicy
+from kvtriton.setups import DEFAULT_SETUP, ORACLE_EVICTIONS, TierPolicy, tier_policy
 from kvtriton.validation import is_int
 
-__all__ = ["DEFAULT_CPU_BYTES_PER_RANK", "ConnectorConfig", "extra_config_for",
-           "parse_extra_config"]
+__all__ = ["DEFAULT_CPU_BYTES_PER_RANK", "DEFAULT_SETUP", "ConnectorConfig", "check_host_memory",
+           "extra_config_for", "host_memory_bytes", "parse_extra_config"]
 
 DEFAULT_CPU_BYTES_PER_RANK = 8 << 30  # 8 GiB, vLLM SimpleCPUOffloadConnector's default size
+
+_PREFIX = "KVTritonConnector: kv_connector_extra_config"
 
 
 @dataclass(frozen=True, slots=True)
 class ConnectorConfig:
     """The connector's settings, one field per ``kv_connector_extra_config`` key.
 
-    - ``cpu_bytes_per_rank``: bytes of pinned host memory for the CPU tier on each rank
-      (default 8 GiB). Every rank holds the same CPU blocks, so the tier stores
-      ``cpu_bytes_per_rank`` of each rank's share of the KV; blocks are sized as vLLM's own
-      offload connector sizes them (GPU blocks x bytes / GPU KV bytes).
-    - ``restore``: re-store CPU-evicted blocks of running requests (default true; eager mode
-      only, lazy mode stores from the GPU free queue).
-    - ``cpu_free_order``: ``"tail_first"`` (default: a chain's head is evicted last) or
-      ``"head_first"`` (vLLM SimpleCPUOffloadConnector's order).
-    - ``cpu_eviction``: the CPU tier's eviction policy, ``"lru"`` (default), ``"arc"`` or
-      ``"s3fifo"``.
-    - ``restore_share``: re-stores stop while running requests' blocks hold this share of the
-      CPU tier, a number in [0, 1], or null for no bound (default null).
-    - ``max_restores_per_step``: cap on re-stores per scheduler step, blocks (default null).
+    - ``setup``: the CPU tier's policy, a composition of ``kvtriton.setups`` axes (or a preset
+      name), stored in its canonical spelling (default ``kvtriton.setups.DEFAULT_SETUP``).
+    - ``cpu_bytes_per_rank``: bytes of host memory for the CPU tier on each rank (default
+      8 GiB). Every rank holds the same CPU blocks, so the tier stores ``cpu_bytes_per_rank``
+      of each rank's share of the KV; blocks are sized as vLLM's own offload connector sizes
+      them (GPU blocks x bytes / GPU KV bytes).
+    - ``max_restores_per_step``: cap on re-stores per scheduler step, blocks (default null;
+      setups with re-store only).
     - ``max_restores_per_key``: a block re-stored this many times is not re-stored again
-      (default null).
-    - ``offload``: ``"eager"`` (default: store each block once it is computed) or ``"lazy"``
-      (store a GPU block as it nears eviction from the GPU prefix cache).
-    - ``lazy_target_blocks``: lazy mode's GPU blocks kept offloaded ahead of eviction (default
-      null: two steps' worth of ``max_num_batched_tokens``).
+      (default null; setups with re-store only).
+    - ``lazy_target_blocks``: lazy setups' GPU blocks kept offloaded ahead of eviction, > 0
+      (default null: two steps' worth of ``max_num_batched_tokens``).
     - ``scan``: ``"fused"`` (default) or ``"loop"`` (the per-block reference; same selection).
     - ``scan_idle``: also scan running requests with no tokens this step (default false).
     """
 
+    setup: str = DEFAULT_SETUP
     cpu_bytes_per_rank: int = DEFAULT_CPU_BYTES_PER_RANK
-    restore: bool = True
-    cpu_free_order: str = "tail_first"
-    cpu_eviction: str = "lru"
-    restore_share: float | None = None
     max_restores_per_step: int | None = None
     max_restores_per_key: int | None = None
-    offload: str = "eager"
     lazy_target_blocks: int | None = None
     scan: str = "fused"
     scan_idle: bool = False
 
+    @property
+    def policy(self) -> TierPolicy:
+        """The setup, parsed (``kvtriton.setups.TierPolicy``)."""
+        return tier_policy(self.setup)
+
+    # The setup's axes under the names of the per-axis keys, which the adapters read.
+
+    @property
+    def cpu_eviction(self) -> str:
+        return self.policy.cpu_eviction
+
+    @property
+    def offload(self) -> str:
+        return "lazy" if self.policy.planner.lazy else "eager"
+
+    @property
+    def restore(self) -> bool:
+        return self.policy.planner.restore
+
+    @property
+    def cpu_free_order(self) -> str:
+        return self.policy.planner.cpu_free_order
+
+    @property
+    def restore_share(self) -> float | None:
+        return self.policy.planner.restore_share
+
     def planner_config(self, *, world_size: int, max_num_batched_tokens: int) -> PlannerConfig:
         """The planner's switches for this connector on ``world_size`` workers."""
+        p = self.policy.planner
         return PlannerConfig(
-            restore=self.restore,
+            restore=p.restore,
             scan=self.scan,
-            cpu_free_order=self.cpu_free_order,
+            cpu_free_order=p.cpu_free_order,
             max_restores_per_step=self.max_restores_per_step,
             max_restores_per_key=self.max_restores_per_key,
-            restore_share=self.restore_share,
+            restore_share=p.restore_share,
             scan_idle=self.scan_idle,
-            lazy=self.offload == "lazy",
+            lazy=p.lazy,
             lazy_target_blocks=self.lazy_target_blocks,
             max_num_batched_tokens=max_num_batched_tokens,
             world_size=world_size,
+            admission=p.admission,
+            refresh_on_gpu_hit=p.refresh_on_gpu_hit,
         )
 
     def describe(self) -> str:
-        """One line for the start-up log."""
-        bound = [f"{k}={getattr(self, k)}" for k in
-                 ("restore_share", "max_restores_per_step", "max_restores_per_key")
+        """One line for the start-up log: the setup by name and in words, then the rest."""
+        extra = [f"{k}={getattr(self, k)}" for k in
+                 ("max_restores_per_step", "max_restores_per_key", "lazy_target_blocks")
                  if getattr(self, k) is not None]
-        return (f"CPU {self.cpu_bytes_per_rank / 2**30:.2f} GiB/rank, {self.offload}, "
-                f"re-store {'on' if self.restore else 'off'}"
-                + (f" ({', '.join(bound)})" if bound else "")
-                + f", free {self.cpu_free_order}, eviction {self.cpu_eviction}, "
-                f"scan {self.scan}")
-
-
-# Keys whose value is the planner's field of the same name.
-_PLANNER_KEYS = ("restore", "cpu_free_order", "restore_share", "max_restores_per_step",
-                 "max_restores_per_key", "scan", "scan_idle", "lazy_target_blocks")
+        return (f"setup {self.setup} ({self.policy.description}), "
+                f"CPU {self.cpu_bytes_per_rank / 2**30:.2f} GiB/rank, scan {self.scan}"
+                + (" (idle too)" if self.scan_idle else "")
+                + (f", {', '.join(extra)}" if extra else ""))
 
 
 def extra_config_for(policy: TierPolicy) -> dict[str, Any]:
     """The ``kv_connector_extra_config`` that runs ``policy`` (a ``kvtriton.setups`` setup) in
-    the connector: the inverse of ``ConnectorConfig.planner_config``. ``ValueError`` for a setup
-    with no CPU tier or with an axis the connector has no key for."""
-    p = policy.planner
-    if p is None:
+    the connector: ``{"setup": <its composition>}``. ``ValueError`` for a setup with no CPU tier
+    or with an axis the connector cannot honour in vLLM (``refusal``)."""
+    if policy.planner is None:
         raise ValueError(f"setup {policy.name!r} has no CPU tier: run vLLM without the connector")
-    if (policy.oracle or policy.hints or policy.lookahead or p.admission != "all"
-            or p.refresh_on_gpu_hit):
-        raise ValueError(f"setup {policy.name!r} uses an axis the connector does not take "
-                         "(next-use oracle, unbounded tier, hints, waiting-queue lookahead, "
-                         "second-sight or hinted admission, refresh)")
-    return {**{k: getattr(p, k) for k in _PLANNER_KEYS},
-            "cpu_eviction": policy.cpu_eviction, "offload": "lazy" if p.lazy else "eager"}
+    why = refusal(policy)
+    if why is not None:
+        raise ValueError(f"setup {policy.name!r}: {why}")
+    return {"setup": policy.composition}
 
 
-_CHOICES: dict[str, tuple[str, ...]] = {
+def refusal(policy: TierPolicy) -> str | None:
+    """Why the connector cannot run ``policy`` in vLLM (None: it can). Every axis a server can
+    see is honoured: hints arrive in a request's ``kv_transfer_params``, the waiting queue
+    through ``on_new_request``; only the bounds that need the workload's future are not."""
+    if policy.cpu_eviction in ORACLE_EVICTIONS:
+        return (f"the eviction {policy.cpu_eviction!r} is an oracle: it evicts by each block's "
+                "next use in the trace's future, which a server never sees; use lru, arc or "
+                "s3fifo")
+    if policy.infinite_cpu:
+        return ("the capacity 'inf' is a bound (a tier that holds every distinct block of a "
+                "trace); a server's tier holds cpu_bytes_per_rank")
+    return None
+
+
+# The per-axis keys of earlier versions: the values each accepts.
+_AXIS_CHOICES: dict[str, tuple[Any, ...]] = {
+    "offload": ("eager", "lazy"),
+    "restore": (True, False),
     "cpu_free_order": ("tail_first", "head_first"),
     "cpu_eviction": tuple(EVICTION_QUEUES),
-    "offload": ("eager", "lazy"),
-    "scan": ("fused", "loop"),
 }
-_BOOLS = ("restore", "scan_idle")
-_OPTIONAL_COUNTS = ("max_restores_per_step", "max_restores_per_key", "lazy_target_blocks")
+_AXIS_KEYS = (*_AXIS_CHOICES, "restore_share")
+# What the per-axis keys meant when they were the only spelling (restore true, tail first, LRU,
+# eager): a config written in them keeps the setup it always had.
+_PER_AXIS_DEFAULTS = "eager+restore+tail"
+_CHOICES: dict[str, tuple[str, ...]] = {"scan": ("fused", "loop")}
+_OPTIONAL_COUNTS = ("max_restores_per_step", "max_restores_per_key")
 _KEYS = tuple(f.name for f in fields(ConnectorConfig))
 
 
 def _bad(key: str, value: Any, allowed: str) -> ValueError:
-    return ValueError(f"KVTritonConnector: kv_connector_extra_config[{key!r}] = {value!r} is "
-                      f"not allowed; expected {allowed}")
+    return ValueError(f"{_PREFIX}[{key!r}] = {value!r} is not allowed; expected {allowed}")
+
+
+def _axis_value(policy: TierPolicy, key: str) -> Any:
+    """What ``policy`` says for the per-axis key ``key``."""
+    p = policy.planner
+    return {"offload": "lazy" if p.lazy else "eager", "restore": p.restore,
+            "cpu_free_order": p.cpu_free_order, "cpu_eviction": policy.cpu_eviction,
+            "restore_share": p.restore_share}[key]
+
+
+def _composition(policy: TierPolicy, axes: Mapping[str, Any]) -> str:
+    """``policy``'s composition with the axes the per-axis keys ``axes`` set replaced. A lazy
+    store drops the default's re-store unless ``restore`` asks for it (then the grammar refuses
+    the pair); ``restore_share`` alone turns re-store on."""
+    store = axes.get("offload", _axis_value(policy, "offload"))
+    share = axes.get("restore_share", policy.planner.restore_share)
+    if "restore" in axes:
+        restore = axes["restore"]
+    elif "offload" in axes and store == "lazy":
+        restore = "restore_share" in axes and share is not None
+    else:
+        restore = policy.planner.restore or share is not None
+    parts = [store]
+    if restore:
+        # Digits and a point only, as the grammar writes a share (repr may use an exponent).
+        parts.append("restore" if share is None
+                     else "restore:" + f"{float(share):.17f}".rstrip("0").rstrip("."))
+    if axes.get("cpu_free_order", policy.planner.cpu_free_order) == "tail_first":
+        parts.append("tail")
+    parts.append(axes.get("cpu_eviction", policy.cpu_eviction))
+    rest = policy.composition.split("+")
+    parts += [t for t in rest if t.split(":")[0] in ("second", "hinted", "refresh", "hints",
+                                                     "waiting")]
+    return "+".join(parts)
+
+
+def _check_axis_key(key: str, value: Any) -> None:
+    if key == "restore_share":
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
+                                  or not math.isfinite(value) or not 0 <= value <= 1):
+            raise _bad(key, value, "null or a number in [0, 1]")
+        return
+    allowed = _AXIS_CHOICES[key]
+    if key == "restore":
+        if not isinstance(value, bool):
+            raise _bad(key, value, "true or false")
+    elif value not in allowed:
+        raise _bad(key, value, "one of " + ", ".join(map(repr, allowed)))
+
+
+def _parse_setup(value: Any) -> TierPolicy:
+    if not isinstance(value, str):
+        raise _bad("setup", value, "a setup string such as 'eager+restore+tail' or 'lazy+hints'")
+    try:
+        policy = tier_policy(value)
+    except ValueError as e:
+        raise ValueError(f"{_PREFIX}['setup'] = {value!r}: {e}") from None
+    if policy.planner is None:
+        raise ValueError(f"{_PREFIX}['setup'] = {value!r} has no CPU tier: run vLLM without "
+                         "the connector")
+    why = refusal(policy)
+    if why is not None:
+        raise ValueError(f"{_PREFIX}['setup'] = {value!r}: {why}")
+    return policy
+
+
+def _resolve_setup(extra: Mapping[str, Any]) -> TierPolicy:
+    """The setup ``extra`` names: its ``setup`` key checked against any per-axis key, or the
+    default's composition changed by the per-axis keys."""
+    axes = {k: extra[k] for k in _AXIS_KEYS if k in extra}
+    for key, value in axes.items():
+        _check_axis_key(key, value)
+    if "setup" in extra:
+        policy = _parse_setup(extra["setup"])
+        for key, value in axes.items():
+            if value != _axis_value(policy, key):
+                raise ValueError(
+                    f"{_PREFIX}[{key!r}] = {json.dumps(value)} contradicts setup "
+                    f"{policy.composition!r} ({key} {json.dumps(_axis_value(policy, key))}); "
+                    "say it once, in 'setup'")
+        return policy
+    if not axes:
+        return tier_policy(DEFAULT_SETUP)
+    base = tier_policy(_PER_AXIS_DEFAULTS)
+    spec = _composition(base, axes)
+    keys = ", ".join(f"{k!r} = {json.dumps(v)}" for k, v in axes.items())
+    try:
+        policy = tier_policy(spec)
+    except ValueError as e:
+        reason = str(e).split(": ", 1)[-1]
+        raise ValueError(f"{_PREFIX}[{keys}]: {reason}") from None
+    if "restore_share" in axes and axes["restore_share"] is not None \
+            and not policy.planner.restore:
+        raise ValueError(f"{_PREFIX}['restore_share'] = {axes['restore_share']!r} with "
+                         "re-store off: the share bounds re-stores, which this setup never "
+                         "makes")
+    return policy
 
 
 def parse_extra_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:
     """Check ``kv_connector_extra_config`` and return the settings; ``ValueError`` names the
-    first unknown key (with the known ones) or bad value (with what it accepts)."""
+    first unknown key (with the known ones), bad value (with what it accepts) or key that
+    contradicts the setup."""
+    if extra is not None and not isinstance(extra, Mapping):
+        looks = ""
+        if isinstance(extra, str | bytes):
+            with contextlib.suppress(ValueError):
+                looks = (": it is JSON text; pass the object itself"
+                         if isinstance(json.loads(extra), dict) else "")
+        raise ValueError(f"{_PREFIX} must be a JSON object of settings (key: value), got a "
+                         f"{type(extra).__name__} {extra!r:.80}{looks}")
     extra = dict(extra or {})
-    unknown = sorted(set(extra) - set(_KEYS))
+    unknown = sorted(set(extra) - set(_KEYS) - set(_AXIS_KEYS))
     if unknown:
         raise ValueError(f"KVTritonConnector: unknown kv_connector_extra_config key "
-                         f"{unknown[0]!r}; known keys: {', '.join(_KEYS)}")
+                         f"{unknown[0]!r}; known keys: {', '.join(_KEYS)} (and, as another "
+                         f"spelling of the setup's axes, {', '.join(_AXIS_KEYS)})")
     for key, value in extra.items():
         if key == "cpu_bytes_per_rank":
             if not is_int(value) or value <= 0:
                 raise _bad(key, value, "a positive int (bytes)")
-        elif key in _BOOLS:
+        elif key == "scan_idle":
             if not isinstance(value, bool):
                 raise _bad(key, value, "true or false")
         elif key in _CHOICES:
@@ -150,8 +300,42 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:
         elif key in _OPTIONAL_COUNTS:
             if value is not None and (not is_int(value) or value < 0):
                 raise _bad(key, value, "null or a non-negative int")
-        elif key == "restore_share" and value is not None and (
-                isinstance(value, bool) or not isinstance(value, int | float)
-                or not math.isfinite(value) or not 0 <= value <= 1):
-            raise _bad(key, value, "null or a number in [0, 1]")
-    return ConnectorConfig(**extra)
+        elif key == "lazy_target_blocks" and value is not None and (
+                not is_int(value) or value <= 0):
+            raise _bad(key, value, "null or a positive int (0 would keep nothing offloaded: "
+                                   "the lazy tier would store nothing)")
+    policy = _resolve_setup(extra)
+    p = policy.planner
+    if not p.lazy and extra.get("lazy_target_blocks") is not None:
+        raise ValueError(f"{_PREFIX}['lazy_target_blocks'] = {extra['lazy_target_blocks']!r} "
+                         f"with the eager setup {policy.composition!r}: it sizes a lazy tier's "
+                         "offload target; use a lazy setup or drop the key")
+    if not p.restore:
+        for key in _OPTIONAL_COUNTS:
+            if extra.get(key) is not None:
+                raise ValueError(f"{_PREFIX}[{key!r}] = {extra[key]!r} with the setup "
+                                 f"{policy.composition!r}, which never re-stores: the cap "
+                                 "bounds re-stores; add 'restore' to the setup or drop the key")
+    values = {k: v for k, v in extra.items() if k in _KEYS}
+    values["setup"] = policy.composition
+    return ConnectorConfig(**values)
+
+
+def host_memory_bytes() -> int:
+    """This machine's physical memory, bytes."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_host_memory(config: ConnectorConfig, ranks_on_host: int = 1,
+                      total_bytes: int | None = None) -> None:
+    """``ValueError`` naming ``cpu_bytes_per_rank`` when the CPU tiers of ``ranks_on_host``
+    ranks would not fit in the machine's memory (``total_bytes``: the machine's, by default).
+    Checked at start-up, before anything is allocated: past it the allocation fails deep down
+    (``OverflowError`` from ``mmap``, or a bare ``ENOMEM``) or the machine swaps."""
+    total = host_memory_bytes() if total_bytes is None else total_bytes
+    need = config.cpu_bytes_per_rank * ranks_on_host
+    if need > total:
+        ranks = f" x {ranks_on_host} ranks on this host" if ranks_on_host > 1 else ""
+        raise ValueError(f"{_PREFIX}['cpu_bytes_per_rank'] = {config.cpu_bytes_per_rank} "
+                         f"({config.cpu_bytes_per_rank / 2**30:.4g} GiB){ranks} exceeds this "
+                         f"machine's memory ({total / 2**30:.1f} GiB); give less")

@@ -174,7 +174,7 @@ def test_lru_eviction_order_and_head_first_freeing(model_dir):
 
 
 def test_tail_first_freeing_keeps_the_chain_head(model_dir):
-    s, side, drv = build(model_dir, cpu_blocks=6)  # tail_first is the default
+    s, side, drv = build(model_dir, cpu_blocks=6, extra_config={"setup": "eager+restore+tail"})
     pa = tokens(10, 4 * BS)
     drv.add(vllm_request("a", [*pa, 1], 1, BS))
     run(drv)
