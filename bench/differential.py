@@ -141,6 +141,7 @@ def _tee_classes():
             self.kvt_hits: dict[str, int] = {}  # rid -> kvtriton's last lookup hit
             self.kvt_cursor: dict[str, int] = {}  # rid -> kvtriton's cursor after last step
             self.ev_pairs: list[tuple[int, int]] = []  # store events in flight, by issuing step
+            self.collided: set[int] = set()  # GPU blocks at key-collision positions (this step)
             self.kvt_finished_loads: set[str] | None = None  # set by the driver when apart
 
         # ---- what the tiers hold --------------------------------------------------------------
@@ -187,6 +188,17 @@ def _tee_classes():
             sel = stores._selector
             return {rid: (sel.table(st.row, 0), sel.cursor(st.row, 0))
                     for rid, st in stores._states.items() if st.admitted and not st.finished}
+
+        def _collided(self, rid: str, table: list[int]) -> set[int]:
+            """GPU blocks of ``rid``'s table at positions whose key kvtriton reserved and could
+            not bind: another request made the hash first (``kvtriton.vllm.keys``), so kvtriton
+            never stores that position for this request."""
+            m = self.kvt._mirrors.get(rid)
+            if m is None or not m.unbound:
+                return set()
+            unbound = set(m.unbound)
+            keys = m.req.keys[0][:len(table)].tolist()
+            return {table[p] for p, k in enumerate(keys) if k in unbound}
 
         def _ref_cursors(self) -> dict[str, tuple[list[int], int]]:
             return {rid: (st.block_ids[0], st.num_stored_blocks[0])
@@ -345,7 +357,9 @@ def _tee_classes():
             holds no hash to store; a cursor moves back only when its row starts over."""
             restarted = self._restarted(so)
             cursors = {}
+            self.collided = set()
             for rid, (table, cur) in rows.items():
+                self.collided |= self._collided(rid, table)
                 before = 0 if rid in restarted else self.kvt_cursor.get(rid, 0)
                 if cur < before:
                     raise Diverged(f"step {self.step}: {rid}'s cursor moved back "
@@ -353,7 +367,8 @@ def _tee_classes():
                 for p in range(before, cur):
                     b = table[p]
                     h = self._gpu_hash(b)
-                    if h is None or h in kvt_before or h in stored or h in in_flight:
+                    if h is None or h in kvt_before or h in stored or h in in_flight \
+                            or b in self.collided:
                         continue
                     raise Diverged(f"step {self.step}: {rid}'s cursor passed position {p} "
                                    f"(GPU block {b}), neither cached, in flight nor stored")
@@ -391,20 +406,13 @@ def _tee_classes():
                                        "order")
                     self._recognise({"per_request_allocation"})
                     return
-                where = {self._gpu_hash(b): b for b in ref.store_gpu_blocks}
+                kvt_blocks = set(kvt.store.gpu_blocks)
                 classes = set()
-                for h in extra:
-                    b = where[h]
-                    if h in evicted and self._kvt_passed(b, rows):
-                        classes.add("per_request_allocation")
-                    elif any(o != b for o in by_hash.get(h, ())) or any(
-                            o != b and self._gpu_hash(o) == h for o in kvt.store.gpu_blocks):
-                        classes.add("in_flight_duplicate")
-                    elif self._at_lagged_position(b):
-                        classes.add("per_request_allocation")
-                    else:
-                        raise Diverged(f"step {self.step}: vLLM stored GPU block {b}, "
-                                       "kvtriton did not, and no recognised cause explains it")
+                for h, n in extra.items():
+                    # vLLM's copies of h that kvtriton did not make (two GPU blocks may hold h).
+                    for b in [b for b in ref.store_gpu_blocks
+                              if self._gpu_hash(b) == h and b not in kvt_blocks][:n]:
+                        classes.add(self._why_only_vllm(b, h, evicted, rows, by_hash, kvt))
                 if missing:
                     kwhere = {self._gpu_hash(b): b for b in kvt.store.gpu_blocks}
                     deferred = all(self._ref_deferred(kwhere[h], ref_rows) for h in missing)
@@ -427,6 +435,21 @@ def _tee_classes():
                           sorted(kvt.load_event_to_reqs.get(kvt.load.event, [])))
             self._check_cpu("build_connector_meta")
             self._check_cursors(evicted, ref_spent, ref_rows, rows)
+
+        def _why_only_vllm(self, b, h, evicted, rows, by_hash, kvt) -> str:
+            """The recognised difference behind vLLM storing GPU block ``b`` (hash ``h``) where
+            kvtriton did not, from its evidence; ``Diverged`` if none is found."""
+            if h in evicted and self._kvt_passed(b, rows):
+                return "per_request_allocation"
+            if any(o != b for o in by_hash.get(h, ())) or any(
+                    o != b and self._gpu_hash(o) == h for o in kvt.store.gpu_blocks):
+                return "in_flight_duplicate"
+            if self._at_lagged_position(b):
+                return "per_request_allocation"
+            if b in self.collided:
+                return "key_collision"
+            raise Diverged(f"step {self.step}: vLLM stored GPU block {b}, kvtriton did not, "
+                           "and no recognised cause explains it")
 
         def _kvt_passed(self, gpu_block: int, rows) -> bool:
             """Whether a kvtriton cursor is past ``gpu_block`` in its request's table."""
@@ -524,7 +547,8 @@ def _tee_classes():
                          for b in t.gpu_block_ids]
 
             def finish():
-                n_kvt = len(self.kvt.planner.queued_flush().gpu_blocks) if self.live else 0
+                n_kvt = len(self.kvt.planner.queued_flush().gpu_blocks)
+                self.collided = self._collided(rid, block_ids[0])
                 self.kvt.request_finished(request, block_ids)
                 kvt_flush = self.kvt.planner.queued_flush().gpu_blocks[n_kvt:]
                 if not self.in_step:
@@ -550,6 +574,8 @@ def _tee_classes():
                     classes.add("per_request_allocation")
                 elif any(o != b for o in by_hash.get(self._gpu_hash(b), ())):
                     classes.add("in_flight_duplicate")
+                elif b in self.collided:
+                    classes.add("key_collision")
                 else:
                     raise Diverged(f"step {self.step}: flush of {rid}: vLLM {ref_flush}, "
                                    f"kvtriton {kvt_flush}; GPU block {b} is neither in a "

@@ -102,11 +102,21 @@ class OffloadPlanner:
                                      max_restores_per_key=cfg.max_restores_per_key)
         self.stats = PlannerStats()
         self._requests: dict[str, Request] = {}
+        # Requests a step scheduled and none since reported preempted or finished: vLLM looks a
+        # request up only while it waits, so a lookup under one of these ids is a caller's bug.
+        self._running: set[str] = set()
         self._loads = Loads(layout, cfg, gpu_pool, cpu_pool, self.stats)
         self._stores = Stores(layout, cfg, gpu_pool, cpu_pool, self.selector, self.stats)
         self._lazy = LazyOffload(layout, cfg, gpu_pool, cpu_pool, self.selector, self.stats)
-        gpu_pool.add_listener(self.selector.on_gpu_insert, self.selector.on_gpu_evict)
-        cpu_pool.add_listener(self.selector.on_cpu_insert, self.selector.on_cpu_evict)
+        sel = self.selector
+        if sel.batch_listeners and callable(getattr(gpu_pool, "add_batch_listener", None)):
+            gpu_pool.add_batch_listener(sel.on_gpu_insert_many, sel.on_gpu_evict_many)
+        else:
+            gpu_pool.add_listener(sel.on_gpu_insert, sel.on_gpu_evict)
+        if sel.batch_listeners:
+            cpu_pool.add_batch_listener(sel.on_cpu_insert_many, sel.on_cpu_evict_many)
+        else:
+            cpu_pool.add_listener(sel.on_cpu_insert, sel.on_cpu_evict)
 
     def _request(self, req_id: str) -> Request:
         try:
@@ -117,6 +127,13 @@ class OffloadPlanner:
     def _check_request(self, req: Request, what: str) -> None:
         if not isinstance(req, Request):
             raise ValueError(f"{what}: expected a kvtriton Request, got {type(req).__name__}")
+        rid = req.request_id
+        if rid in self._running and (what == "get_num_new_matched_tokens"
+                                     or self._requests.get(rid) is not req):
+            # Replacing the record of a running request would stop its stores silently.
+            raise ValueError(f"{what}: request {rid!r} is running (scheduled, not preempted or "
+                             "finished since); a preempted request is looked up again once "
+                             "a step or preempted() reported it")
         if req.keys.shape[0] != self.layout.num_groups:
             raise ValueError(f"{what}: request {req.request_id!r} has keys for "
                              f"{req.keys.shape[0]} groups, the layout has "
@@ -130,7 +147,9 @@ class OffloadPlanner:
         asynchronous (always, when non-zero: the request waits a step for its load).
 
         ``ValueError``, changing nothing, for ``num_computed_tokens`` that is not an int in
-        ``[0, req.num_tokens]``, or while a load of ``req`` is not yet reported."""
+        ``[0, req.num_tokens]``, while a load of ``req`` is not yet reported, or while a request
+        of that id runs (a step scheduled it and none since reported it preempted or finished,
+        nor did ``preempted``)."""
         self._check_request(req, "get_num_new_matched_tokens")
         if not is_int(num_computed_tokens) or not 0 <= num_computed_tokens <= req.num_tokens:
             raise ValueError(f"request {req.request_id!r}: num_computed_tokens must be an int in "
@@ -149,7 +168,9 @@ class OffloadPlanner:
         list of GPU block ids per group, the null block or a free block where the load writes,
         too short for the load), a bad ``num_external_tokens`` (not a hash-block multiple within
         the hit), an allocation no pending hit can serve (no hit pending, or a shorter hybrid hit
-        the CPU lacks) or a second load while one of ``req`` is not yet reported leaves the
+        the CPU lacks), another ``Request`` under the id of a running one (as for a lookup; vLLM
+        allocates again the same request when it returns from waiting with its blocks) or a
+        second load while one of ``req`` is not yet reported leaves the
         planner and both pools as they were, any hit still pinned: the scheduler may call again
         with what can be served (0 external tokens releases the hit)."""
         self._check_request(req, "update_state_after_alloc")
@@ -176,6 +197,8 @@ class OffloadPlanner:
         A step whose new blocks or hand-offs are not GPU block ids of the layout's groups is
         refused with a ``ValueError`` before any of it is applied."""
         check_step(step, self.layout.num_groups, self.gpu_pool.num_blocks)
+        self._running -= set(step.preempted_req_ids) | set(step.finished_req_ids)
+        self._running.update(r for r in step.num_scheduled_tokens if r in self._requests)
         job = StoreJob()
         if self.config.lazy:
             self._lazy.select(job)
@@ -251,11 +274,18 @@ class OffloadPlanner:
             tables = [block_id_array(t, n_gpu, f"request {rid!r}: group {g} GPU table").tolist()
                       for g, t in enumerate(block_ids)]
         self._loads.drop(rid)
+        self._running.discard(rid)
         self._stores.finish(req, tables)
         if self.config.lazy:
             computed = req.keys[:, :req.num_computed_tokens // self.layout.hash_block_size]
             self._lazy.note_finished(computed, hint)
         self._requests.pop(rid, None)
+
+    def preempted(self, req_id: str) -> None:
+        """The scheduler preempted ``req_id`` and may look it up again before a step reports the
+        preemption (vLLM's ``reset_prefix_cache(reset_running_requests=True)`` preempts every
+        running request, whose next lookup comes before the step that names it)."""
+        self._running.discard(req_id)
 
     # ---- key ids ----------------------------------------------------------------------------
 
@@ -289,6 +319,7 @@ class OffloadPlanner:
         self._stores.reset()
         self._loads.reset()
         self._requests.clear()
+        self._running.clear()
         self._lazy.reset()
         if self._stores.has_abandoned() or self._loads.has_abandoned():
             return False

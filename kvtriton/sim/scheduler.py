@@ -265,6 +265,9 @@ class KVScheduler:
         seq.req.num_output_placeholders = 0
         seq.handoffs.clear()
         seq.resumed = True
+        if self.planner is not None:
+            # It may be scheduled again before the step that reports the preemption.
+            self.planner.preempted(seq.req.request_id)
 
     def finish(self, seq: SeqBlocks) -> None:
         """``seq`` finished or was aborted: the planner is told first, then its blocks are

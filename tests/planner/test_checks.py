@@ -105,3 +105,61 @@ def test_a_numpy_integer_event_id_that_was_issued_is_accepted(as_numpy):
     a, m = stored_prompt(h, "a", tokens_for(1, 161), complete=False)
     h.planner.update_connector_output(completed_stores={as_numpy(m.store.event): as_numpy(1)})
     assert not h.planner.has_pending_stores() and h.cpu_prefix_blocks(a) == 10
+
+
+def _running(h: PlannerDriver, rid: str, seed: int):
+    """A request admitted and scheduled for part of its prompt: running, with blocks to store."""
+    req = h.request(rid, tokens_for(seed, 161))
+    h.admit(req)
+    h.step({rid: 64})
+    return req
+
+
+@pytest.mark.parametrize("call", ["lookup", "allocation", "allocation-same-keys"])
+def test_a_lookup_or_allocation_under_a_running_id_is_refused_with_nothing_changed(call):
+    # Another record under a running request's id used to replace it: the running request's
+    # stores then stopped silently.
+    h = PlannerDriver()
+    a = _running(h, "a", 1)
+    other = h.request("a", tokens_for(1 if call.endswith("same-keys") else 2, 161))
+    before, cursor = snapshot(h), h.planner.cursor("a")
+    with pytest.raises(ValueError, match="request 'a' is running"):
+        if call == "lookup":
+            h.planner.get_num_new_matched_tokens(other, 0)
+        else:
+            h.planner.update_state_after_alloc(other, tuple(h.running["a"].tables), 0)
+    assert_unchanged(h, before)
+    assert h.planner.cursor("a") == cursor
+    stored = []
+    for m in (h.step(), h.step(decode=True)):  # the running request stores its whole prompt
+        stored += m.store.gpu_blocks
+        h.complete(m)
+    assert sorted(stored) == sorted(h.running["a"].tables[0][:10])
+    assert h.cpu_prefix_blocks(a) == 10
+    finish_and_drain(h)
+
+
+def test_a_running_request_is_looked_up_again_once_preempted_or_finished():
+    h = PlannerDriver()
+    _running(h, "a", 1)
+    # Preempted (the scheduler says so before a step does): looked up and allocated again.
+    h.preempt("a")
+    h.resume("a")
+    h.step()
+    h.check_invariants()
+    # Reported preempted by a step alone.
+    _running(h, "b", 2)
+    h.planner.build_meta(StepOutput(preempted_req_ids={"b"}))
+    h.planner.get_num_new_matched_tokens(h.request("b", tokens_for(2, 161)), 0)
+    # Finished: the id may name a new request.
+    h.finish("a")
+    h.planner.get_num_new_matched_tokens(h.request("a", tokens_for(3, 161)), 0)
+
+
+def test_the_same_running_request_may_be_allocated_again():
+    # vLLM calls update_state_after_alloc again for a request scheduled from the waiting queue
+    # with its blocks kept (a streaming session's next input): the record is the same one.
+    h = PlannerDriver()
+    a = _running(h, "a", 1)
+    h.planner.update_state_after_alloc(a, tuple(h.running["a"].tables), 0)
+    h.check_invariants()
