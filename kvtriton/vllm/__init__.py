@@ -9,7 +9,11 @@ vLLM loads the connector by path::
 
     --kv-transfer-config '{"kv_connector": "KVTritonConnector",
                            "kv_connector_module_path": "kvtriton.vllm", "kv_role": "kv_both",
-                           "kv_connector_extra_config": {"cpu_bytes_per_rank": 34359738368}}'
+                           "kv_connector_extra_config": {"setup": "lazy+hints",
+                                                         "cpu_bytes_per_rank": 34359738368}}'
+
+``setup`` takes the simulator's setup names (``kvtriton.setups``); settings:
+``kvtriton.vllm.config``; per-request hints: ``kvtriton.vllm.signals``.
 """
 
 from __future__ import annotations
