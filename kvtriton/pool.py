@@ -8,6 +8,13 @@ A block with ref count 0 sits in the free queue and keeps its hashes until it is
 again, so it can still be hit ("evictable cached"). Which free block is handed out next is the
 eviction queue's choice (``kvtriton.eviction``; LRU by default). Every operation costs O(1) per
 block named; bad input raises ``ValueError`` before anything is changed.
+
+Listeners come in two kinds. Per-key listeners (``add_listener``) are called once per key, right
+after that one block's map entry changed: the loop reference reads the pool in that state.
+Batch listeners (``add_batch_listener``) are called once per pool call that changed hashes (an
+allocation that evicted, ``cache_blocks``, a reset) with two int64 arrays, every (key, block)
+pair the call changed, once the whole call is applied: a step's allocation of n blocks is one
+call to them, not n.
 """
 
 from __future__ import annotations
@@ -17,6 +24,8 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
+
+import numpy as np
 
 from kvtriton.eviction import EvictionQueue, make_eviction_queue
 from kvtriton.validation import is_int
@@ -28,6 +37,8 @@ logger = logging.getLogger(__name__)
 NULL_BLOCK = 0
 
 KeyCallback = Callable[[int, int], None]
+#: ``(keys, block_ids)``: int64 arrays of the same length, pair i is one (key, block).
+BatchCallback = Callable[[np.ndarray, np.ndarray], None]
 
 
 class GpuPool(Protocol):
@@ -145,6 +156,8 @@ class BlockPool:
         self._events: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
         self._on_insert: list[KeyCallback] = []
         self._on_evict: list[KeyCallback] = []
+        self._on_insert_many: list[BatchCallback] = []
+        self._on_evict_many: list[BatchCallback] = []
 
     def _fill_free_queue(self) -> None:
         # Unhashed blocks enter at the head, so pushing in descending order hands out 1, 2, ...
@@ -160,6 +173,24 @@ class BlockPool:
             self._on_insert.append(on_insert)
         if on_evict is not None:
             self._on_evict.append(on_evict)
+
+    def add_batch_listener(self, on_insert_many: BatchCallback | None = None,
+                           on_evict_many: BatchCallback | None = None) -> None:
+        """Call ``on_insert_many(keys, block_ids)`` / ``on_evict_many(keys, block_ids)`` once per
+        pool call, after it, with every (key, block) pair it made hittable / dropped (int64
+        arrays; a key may repeat when several blocks held it)."""
+        if on_insert_many is not None:
+            self._on_insert_many.append(on_insert_many)
+        if on_evict_many is not None:
+            self._on_evict_many.append(on_evict_many)
+
+    def _notify_many(self, listeners: list[BatchCallback], keys: list[int],
+                     blocks: list[int]) -> None:
+        if listeners and keys:
+            k = np.array(keys, dtype=np.int64)
+            b = np.array(blocks, dtype=np.int64)
+            for cb in listeners:
+                cb(k, b)
 
     @property
     def eviction(self) -> EvictionQueue:
@@ -241,6 +272,13 @@ class BlockPool:
     # ---- validation ------------------------------------------------------------------------
 
     def _check_ids(self, block_ids: Sequence[int], what: str) -> None:
+        if type(block_ids) is np.ndarray:
+            # One vectorized range check for the arrays a planner batch passes.
+            if not len(block_ids) or (block_ids.dtype.kind in "iu" and block_ids.ndim == 1
+                                      and block_ids.min() >= 1
+                                      and block_ids.max() < self.num_blocks):
+                return
+            block_ids = block_ids.tolist()
         if not block_ids:
             return
         # Fast path: plain ints within [1, n). The loop below finds the culprit for the message.
@@ -268,10 +306,13 @@ class BlockPool:
             raise ValueError(f"get_new_blocks: asked for {n} blocks, {len(self._eviction)} free")
         out = self._eviction.pop_many(n)
         primary, ref = self._primary, self.ref_cnt
+        victims = []
         for b in out:
             if primary[b] is not None:
-                self._evict(b)
+                victims.append(b)
             ref[b] = 1
+        if victims:
+            self._evict_many(victims)
         return out
 
     def touch(self, block_ids: Sequence[int], user: object = None) -> None:
@@ -283,6 +324,8 @@ class BlockPool:
         ``None``: every touch of a free block counts as reuse."""
         self._check_ids(block_ids, "touch")
         queue, ref, last = self._eviction, self.ref_cnt, self._last_user
+        if type(block_ids) is np.ndarray:
+            block_ids = block_ids.tolist()
         for b in block_ids:
             if ref[b] == 0:
                 queue.remove(b, reuse=user is None or last[b] != user)
@@ -348,6 +391,16 @@ class BlockPool:
         if group_idx is not None and (not is_int(group_idx) or group_idx < 0):
             raise ValueError(f"cache_block: group_idx {group_idx!r} of block {block_id} is not "
                              "a non-negative int")
+        self._register(block_id, key, aliases, group_idx)
+        if self._on_insert_many:
+            self._notify_many(self._on_insert_many, [key, *aliases],
+                              [block_id] * (1 + len(aliases)))
+        if self.enable_events:
+            self._events.append(BlockStored([key, *aliases], parent_key, list(token_ids),
+                                            block_size, lora_id, self.medium, None, group_idx))
+
+    def _register(self, block_id: int, key: int, aliases: tuple[int, ...],
+                  group_idx: int | None) -> None:
         self._primary[block_id] = key
         self._group[block_id] = None if group_idx is None else int(group_idx)
         self._aliases[block_id] = aliases
@@ -355,9 +408,51 @@ class BlockPool:
             self._map_add(k, block_id)
             for cb in self._on_insert:
                 cb(k, block_id)
-        if self.enable_events:
-            self._events.append(BlockStored([key, *aliases], parent_key, list(token_ids),
-                                            block_size, lora_id, self.medium, None, group_idx))
+
+    def cache_blocks(self, block_ids: Sequence[int], keys: Sequence[Sequence[int]],
+                     group_idx: Sequence[int | None] | None = None) -> None:
+        """``cache_block`` for each block in order, ``keys[i]`` its primary key then aliases; the
+        batch listeners are called once, after all of them. Every block is checked first: a bad
+        one raises ``ValueError`` and none is cached."""
+        n = len(block_ids)
+        if len(keys) != n or (group_idx is not None and len(group_idx) != n):
+            raise ValueError(f"cache_blocks: {n} blocks, {len(keys)} key lists, "
+                             f"{n if group_idx is None else len(group_idx)} groups")
+        self._check_ids(list(block_ids), "cache_blocks")
+        groups = [None] * n if group_idx is None else list(group_idx)
+        primary, ref = self._primary, self.ref_cnt
+        todo = []
+        for b, ks, g in zip(block_ids, keys, groups, strict=True):
+            if not ks:
+                raise ValueError(f"cache_blocks: block {b} has no key")
+            if primary[b] is not None:
+                raise ValueError(f"cache_blocks: block {b} is already cached under "
+                                 f"{primary[b]:#x}")
+            if ref[b] == 0:
+                raise ValueError(f"cache_blocks: block {b} is free; cache it while referenced")
+            for k in ks:
+                if type(k) is not int and not is_int(k):
+                    raise ValueError(f"cache_blocks: key {k!r} of block {b} is not an int")
+            if g is not None and (not is_int(g) or g < 0):
+                raise ValueError(f"cache_blocks: group_idx {g!r} of block {b} is not a "
+                                 "non-negative int")
+            key = ks[0]
+            aliases = tuple(a for a in dict.fromkeys(ks[1:]) if a != key) if len(ks) > 1 else ()
+            todo.append((b, key, aliases, g))
+        if len({t[0] for t in todo}) != n:
+            raise ValueError("cache_blocks: a block is named twice")
+        all_keys, all_blocks = [], []
+        for b, key, aliases, g in todo:
+            self._register(b, key, aliases, g)
+            all_keys.append(key)
+            all_blocks.append(b)
+            if aliases:
+                all_keys += aliases
+                all_blocks += [b] * len(aliases)
+            if self.enable_events:
+                self._events.append(BlockStored([key, *aliases], None, [], 0, None, self.medium,
+                                                None, g))
+        self._notify_many(self._on_insert_many, all_keys, all_blocks)
 
     def _map_add(self, key: int, b: int) -> None:
         entry = self._map.get(key)
@@ -377,7 +472,9 @@ class BlockPool:
         if len(entry) == 1:
             self._map[key] = next(iter(entry))
 
-    def _evict(self, b: int) -> None:
+    def _evict(self, b: int) -> tuple[int, ...]:
+        """Drop the hashes of ``b``; per-key listeners are called, batch listeners are the
+        caller's (``_evict_many``). Returns the keys dropped."""
         keys = self.block_keys(b)
         self._eviction.on_evicted(b, keys[0])
         self._primary[b] = None
@@ -390,6 +487,20 @@ class BlockPool:
                 cb(k, b)
         if self.enable_events:
             self._events.append(BlockRemoved(list(keys), self.medium))
+        return keys
+
+    def _evict_many(self, blocks: list[int]) -> None:
+        """Drop the hashes of ``blocks`` in order, then tell the batch listeners once."""
+        if not self._on_evict_many:
+            for b in blocks:
+                self._evict(b)
+            return
+        all_keys, all_blocks = [], []
+        for b in blocks:
+            keys = self._evict(b)
+            all_keys += keys
+            all_blocks += [b] * len(keys) if len(keys) > 1 else (b,)
+        self._notify_many(self._on_evict_many, all_keys, all_blocks)
 
     def evict_cached(self, block_id: int) -> bool:
         """Drop the hashes of a free cached block now (it stays free, first to be reused).
@@ -401,7 +512,7 @@ class BlockPool:
         if self.ref_cnt[block_id] or self._primary[block_id] is None:
             return False
         self._eviction.remove(block_id)
-        self._evict(block_id)
+        self._evict_many([block_id])
         self._eviction.push(block_id, None)
         return True
 
@@ -422,6 +533,7 @@ class BlockPool:
         for k, b in dropped:
             for cb in self._on_evict:
                 cb(k, b)
+        self._notify_many(self._on_evict_many, [k for k, _ in dropped], [b for _, b in dropped])
         if self.enable_events:
             self._events.append(AllBlocksCleared(self.medium))
         return True

@@ -143,10 +143,10 @@ class LinkedQueue:
         if n > self._len:
             raise IndexError(f"pop of {n} from a queue of {self._len}")
         s, nxt, prv, inq = self._n, self._next, self._prev, self._in
-        out = []
+        out = [0] * n
         b = nxt[s]
-        for _ in range(n):
-            out.append(b)
+        for i in range(n):
+            out[i] = b
             inq[b] = 0
             b = nxt[b]
         nxt[s] = b

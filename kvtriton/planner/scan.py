@@ -22,7 +22,9 @@ tensors, and this pass is a few dozen such ops.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 
@@ -106,6 +108,8 @@ class FusedSelector(StoreSelector):
         self._wanted_buf_len = 0
         self.running_evictions = 0
         self.running_present = 0
+        # Seconds spent in the batch listeners (``bench_vs_vllm`` reports it per step).
+        self.listen_s = 0.0
 
     # ---- capacity -------------------------------------------------------------------------
 
@@ -196,6 +200,21 @@ class FusedSelector(StoreSelector):
         self._block_table[group, row, n0:n1] = block_ids
         self._num_blocks[group, row] = n1
 
+    def append_blocks_many(self, group, rows, block_ids):
+        counts = np.fromiter(map(len, block_ids), dtype=np.int64, count=len(block_ids))
+        if not counts.any():
+            return
+        rows = np.asarray(rows, dtype=np.int64)
+        flat = np.fromiter(chain.from_iterable(block_ids), dtype=np.int64,
+                           count=int(counts.sum()))
+        n0 = self._num_blocks[group, rows]
+        n1 = n0 + counts
+        self._ensure_cols(int(n1.max()))
+        which, pos = _ragged_ranges(n0, n1)
+        self._block_table[group, rows[which], pos] = flat
+        # Rows are distinct (one entry per request), so a plain assignment is exact.
+        self._num_blocks[group, rows] = n1
+
     def table(self, row, group):
         return self._block_table[group, row, :self._num_blocks[group, row]].tolist()
 
@@ -241,9 +260,77 @@ class FusedSelector(StoreSelector):
             other = self._gpu_pool.get_cached_block(key)
             self._gpu_block_of_key[key] = -1 if other is None else other
 
+    batch_listeners = True
+
+    def on_cpu_insert_many(self, keys, blocks):
+        t0 = time.perf_counter()
+        self._on_cpu_insert_many(keys, blocks)
+        self.listen_s += time.perf_counter() - t0
+
+    def _on_cpu_insert_many(self, keys, blocks):
+        self._ensure_keys(int(keys.max()) + 1)
+        u = keys[self._first_occurrence(keys)]
+        self.running_present += int((~self._in_cpu[u] & (self._num_owners[u] > 0)).sum())
+        self._in_cpu[u] = True
+        self._wanted[u] = False
+
+    def on_cpu_evict_many(self, keys, blocks):
+        t0 = time.perf_counter()
+        self._on_cpu_evict_many(keys, blocks)
+        self.listen_s += time.perf_counter() - t0
+
+    def _on_cpu_evict_many(self, keys, blocks):
+        self._ensure_keys(int(keys.max()) + 1)
+        u = keys[self._first_occurrence(keys)]
+        # Called after the whole pool call: a key some other CPU block still holds stays.
+        held = np.fromiter(map(self._cpu_pool.__contains__, u.tolist()), dtype=bool,
+                           count=len(u))
+        gone = u[~held]
+        owned = gone[self._num_owners[gone] > 0]
+        self.running_present -= int(self._in_cpu[owned].sum())
+        self.running_evictions += len(owned)
+        self._in_cpu[gone] = False
+        if self._restore and len(owned):
+            self._wanted[owned] = True
+            self._push_wanted_many(owned)
+
+    def on_gpu_insert_many(self, keys, blocks):
+        t0 = time.perf_counter()
+        self._on_gpu_insert_many(keys, blocks)
+        self.listen_s += time.perf_counter() - t0
+
+    def _on_gpu_insert_many(self, keys, blocks):
+        self._ensure_keys(int(keys.max()) + 1)
+        block_hash = self._gpu_pool.block_hash
+        primary = np.fromiter((block_hash(b) == k for k, b in zip(keys.tolist(), blocks.tolist(),
+                                                                   strict=True)),
+                              dtype=bool, count=len(keys))
+        self._gpu_block_key[blocks[primary]] = keys[primary]
+        # The first block inserted under a key the selector had no block for is the one.
+        none = self._gpu_block_of_key[keys] < 0
+        k, b = keys[none], blocks[none]
+        first = self._first_occurrence(k)
+        self._gpu_block_of_key[k[first]] = b[first]
+
+    def on_gpu_evict_many(self, keys, blocks):
+        t0 = time.perf_counter()
+        self._on_gpu_evict_many(keys, blocks)
+        self.listen_s += time.perf_counter() - t0
+
+    def _on_gpu_evict_many(self, keys, blocks):
+        mine = self._gpu_block_key[blocks] == keys
+        self._gpu_block_key[blocks[mine]] = -1
+        inside = keys < len(self._gpu_block_of_key)
+        k, b = keys[inside], blocks[inside]
+        lost = k[self._gpu_block_of_key[k] == b]
+        get = self._gpu_pool.get_cached_block
+        for key in np.unique(lost).tolist():
+            other = get(key)
+            self._gpu_block_of_key[key] = -1 if other is None else other
+
     def set_in_flight(self, gpu_blocks, keys, value):
-        if keys:
-            self._ensure_keys(max(keys) + 1)
+        if len(keys):
+            self._ensure_keys((int(keys.max()) if type(keys) is np.ndarray else max(keys)) + 1)
         self._in_flight_block[gpu_blocks] = value
         self._in_flight_key[keys] = value
 
@@ -298,6 +385,12 @@ class FusedSelector(StoreSelector):
             self._wanted_buf = _grow(self._wanted_buf, 0, 2 * self._wanted_buf_len, 0)
         self._wanted_buf[self._wanted_buf_len] = key
         self._wanted_buf_len += 1
+
+    def _push_wanted_many(self, keys: np.ndarray) -> None:
+        n = self._wanted_buf_len + len(keys)
+        self._wanted_buf = _grow(self._wanted_buf, 0, n, 0)
+        self._wanted_buf[self._wanted_buf_len:n] = keys
+        self._wanted_buf_len = n
 
     def _compact_wanted(self) -> np.ndarray:
         """The keys still wanted, once each; the buffer is rewritten to hold just them."""
@@ -360,16 +453,23 @@ class FusedSelector(StoreSelector):
             groups.append(r_group[keep])
             positions.append(r_pos[keep])
             is_restore.append(np.ones(int(keep.sum()), dtype=bool))
-        rank = np.concatenate(ranks)
-        grp = np.concatenate(groups)
-        pos = np.concatenate(positions)
-        isr = np.concatenate(is_restore)
         self._scan_rank[rows] = -1
-        if len(rank) == 0:
-            return None
         _, n_rows, n_cols = self._block_table.shape
-        order = np.argsort((rank * G + grp) * n_cols + pos)  # keys are distinct
-        rank, grp, pos, isr = rank[order], grp[order], pos[order], isr[order]
+        if len(ranks) == 1:
+            # One group's new positions only: the ragged ranges are in candidate order already.
+            rank, grp, pos, isr = ranks[0], groups[0], positions[0], is_restore[0]
+            if len(rank) == 0:
+                return None
+        else:
+            rank = np.concatenate(ranks)
+            grp = np.concatenate(groups)
+            pos = np.concatenate(positions)
+            isr = np.concatenate(is_restore)
+            if len(rank) == 0:
+                return None
+            # Keys are distinct; the stable sort runs fast over the presorted pieces.
+            order = np.argsort((rank * G + grp) * n_cols + pos, kind="stable")
+            rank, grp, pos, isr = rank[order], grp[order], pos[order], isr[order]
         row = rows[rank]
         flat = (grp * n_rows + row) * n_cols + pos
         src = self._block_table.ravel()[flat]
@@ -472,12 +572,16 @@ class FusedSelector(StoreSelector):
         self._wanted[c.key[chosen]] = False
         if self._wanted_buf_len:
             self._compact_wanted()
-        sel.rows = c.row[chosen].tolist()
-        sel.groups = c.group[chosen].tolist()
-        sel.positions = c.position[chosen].tolist()
-        sel.gpu_blocks = c.src[chosen].tolist()
-        sel.keys = c.key[chosen].tolist()
-        sel.restore = r_chosen.tolist()
+        # The planner reads ids as lists (transfers, batches) and the rest as arrays: each
+        # column is converted once, only where it is read.
+        gpu, keys = c.src[chosen], c.key[chosen]
+        sel.rows = c.row[chosen]
+        sel.groups = [0] * len(chosen) if self._num_groups == 1 else c.group[chosen].tolist()
+        sel.positions = c.position[chosen]
+        sel.gpu_blocks = gpu.tolist()
+        sel.keys = keys.tolist()
+        sel.restore = r_chosen
+        sel.arrays = (gpu, keys)
 
     # ---- checks for tests and fuzzing ------------------------------------------------------
 

@@ -44,16 +44,20 @@ __all__ = ["Selection", "StoreSelector"]
 
 @dataclass(slots=True)
 class Selection:
-    """The blocks one scan selected, in (scan rank, group, position) order."""
+    """The blocks one scan selected, in (scan rank, group, position) order. ``rows``,
+    ``positions`` and ``restore`` may be arrays (the fused scan leaves them so)."""
 
-    rows: list[int] = field(default_factory=list)
+    rows: list[int] | np.ndarray = field(default_factory=list)
     groups: list[int] = field(default_factory=list)
-    positions: list[int] = field(default_factory=list)
+    positions: list[int] | np.ndarray = field(default_factory=list)
     gpu_blocks: list[int] = field(default_factory=list)
     keys: list[int] = field(default_factory=list)
-    restore: list[bool] = field(default_factory=list)
+    restore: list[bool] | np.ndarray = field(default_factory=list)
     outcomes: ScanOutcomes = field(default_factory=ScanOutcomes)
     thrash: int = 0
+    #: ``gpu_blocks`` and ``keys`` as int64 arrays too, when the selector had them (the fused
+    #: scan): the planner pins and flags the batch from them without converting back.
+    arrays: tuple[np.ndarray, np.ndarray] | None = None
 
     def __len__(self) -> int:
         return len(self.gpu_blocks)
@@ -62,7 +66,9 @@ class Selection:
         """Keep only the selected blocks at ``indices``, in that order (outcomes unchanged)."""
         for name in ("rows", "groups", "positions", "gpu_blocks", "keys", "restore"):
             col = getattr(self, name)
-            setattr(self, name, [col[i] for i in indices])
+            setattr(self, name, col[np.asarray(indices, dtype=np.int64)]
+                    if isinstance(col, np.ndarray) else [col[i] for i in indices])
+        self.arrays = None
 
 
 class StoreSelector(ABC):
@@ -109,6 +115,33 @@ class StoreSelector(ABC):
     @abstractmethod
     def on_gpu_evict(self, key: int, block: int) -> None:
         ...
+
+    #: Whether the pools should call the ``*_many`` listeners below (once per pool call, after
+    #: it) instead of the per-key ones (once per key, as each block changes). The loop
+    #: reference keeps the per-key ones: it is what the batched path is checked against.
+    batch_listeners = False
+
+    def on_cpu_insert_many(self, keys: np.ndarray, blocks: np.ndarray) -> None:
+        """Every (key, block) a CPU pool call made hittable, after the call."""
+        raise NotImplementedError
+
+    def on_cpu_evict_many(self, keys: np.ndarray, blocks: np.ndarray) -> None:
+        """Every (key, block) a CPU pool call dropped, after the call."""
+        raise NotImplementedError
+
+    def on_gpu_insert_many(self, keys: np.ndarray, blocks: np.ndarray) -> None:
+        """Every (key, block) a GPU pool call made hittable, after the call."""
+        raise NotImplementedError
+
+    def on_gpu_evict_many(self, keys: np.ndarray, blocks: np.ndarray) -> None:
+        """Every (key, block) a GPU pool call dropped, after the call."""
+        raise NotImplementedError
+
+    def append_blocks_many(self, group: int, rows: list[int], block_ids: list[list[int]]
+                           ) -> None:
+        """``append_blocks(rows[i], group, block_ids[i])`` for every i (one step's new blocks)."""
+        for row, ids in zip(rows, block_ids, strict=True):
+            self.append_blocks(row, group, ids)
 
     @abstractmethod
     def set_in_flight(self, gpu_blocks: list[int], keys: list[int], value: bool) -> None:

@@ -39,8 +39,8 @@ class PlannerStats:
     """Cumulative planner figures. Blocks are CPU blocks; tokens are prompt tokens.
 
     ``select_calls`` counts the selector's passes and ``select_s`` is their measured time
-    (``time.perf_counter`` around each pass inside ``build_meta``), the one figure that differs
-    from run to run; every other figure is a count.
+    (``time.perf_counter`` around each pass inside ``build_meta``); it and the other ``*_s``
+    parts are the figures that differ from run to run; every other figure is a count.
     """
 
     flush_stored: int = 0
@@ -65,6 +65,13 @@ class PlannerStats:
     abandoned_stores: int = 0
     select_calls: int = 0
     select_s: float = 0.0
+    # The rest of a step's build, by part (``bench_vs_vllm`` reports them): the new blocks
+    # joining the tables, the CPU blocks allocated (evictions included), the batch listeners
+    # those evictions called, the GPU sources pinned and flagged in flight.
+    tables_s: float = 0.0
+    alloc_s: float = 0.0
+    listen_s: float = 0.0
+    pin_s: float = 0.0
     scan: ScanOutcomes = field(default_factory=ScanOutcomes)
 
     def as_dict(self, measured: bool = True) -> dict:
@@ -75,4 +82,4 @@ class PlannerStats:
         return out
 
 
-_MEASURED = ("select_s",)
+_MEASURED = ("select_s", "tables_s", "alloc_s", "listen_s", "pin_s")

@@ -60,11 +60,10 @@ class StoreJob:
 
 @dataclass(slots=True)
 class _StoreState:
-    """One request's store state: its selector row, table lengths per group (``num_blocks``),
-    the store events carrying its blocks, and whether it finished or holds a row now."""
+    """One request's store state: its selector row (its table lengths are ``Stores``'s, by
+    row), the store events carrying its blocks, and whether it finished or holds a row now."""
 
     row: int
-    num_blocks: list[int] = field(default_factory=list)
     events: set[int] = field(default_factory=set)
     finished: bool = False
     admitted: bool = False
@@ -89,6 +88,10 @@ class Stores:
         self._row_req: dict[int, str] = {}
         self._free_rows: list[int] = []
         self._next_row = 0
+        # Per row: table length per group, keys per group; arrays, so that a step reads all its
+        # rows' at once (grown by doubling, like the selector's).
+        self._table_len = np.zeros((layout.num_groups, 64), dtype=np.int64)
+        self._row_keys = np.zeros(64, dtype=np.int64)
         self._jobs: dict[int, StoreJob] = {}
         self._abandoned: dict[int, StoreJob] = {}
         self._flush = StoreJob()
@@ -110,7 +113,16 @@ class Stores:
 
     def _admit_row(self, req: Request, st: _StoreState) -> None:
         self._selector.admit(st.row, self._primary_keys(req))
-        st.num_blocks = [0] * self._layout.num_groups
+        row = st.row
+        if row >= len(self._row_keys):
+            n = 2 * row + 1
+            self._row_keys = np.concatenate([self._row_keys, np.zeros(n - len(self._row_keys),
+                                                                      dtype=np.int64)])
+            self._table_len = np.concatenate(
+                [self._table_len, np.zeros((self._layout.num_groups, n - self._table_len.shape[1]),
+                                           dtype=np.int64)], axis=1)
+        self._table_len[:, row] = 0
+        self._row_keys[row] = req.keys.shape[1]
         st.admitted = True
 
     def _release_row(self, st: _StoreState) -> None:
@@ -146,22 +158,33 @@ class Stores:
     def track_step(self, step: StepOutput, requests: Mapping[str, Request]) -> None:
         """Preempted requests lose their rows; new GPU blocks join the tables (a resumed or
         preempted request is admitted again, with a table that starts over)."""
+        t0 = time.perf_counter()
         for rid in step.preempted_req_ids:
             if (st := self._states.get(rid)) is not None and not st.finished:
                 # Its GPU blocks are gone: table and cursors start over when it resumes.
                 self._release_row(st)
+        # One append per group for the whole step: the rows and new ids of every request.
+        rows, news = [], []
+        states, resumed = self._states, step.resumed_req_ids
         for rid, new_ids in step.new_block_ids.items():
-            st = self._states.get(rid)
+            st = states.get(rid)
             if st is None or st.finished:
                 continue
-            if rid in step.resumed_req_ids and st.admitted:
+            if st.admitted and rid in resumed:
                 self._release_row(st)
             if not st.admitted:
                 self._admit_row(requests[rid], st)
-            for g, ids in enumerate(new_ids):
-                if ids and self._positional[g]:
-                    self._selector.append_blocks(st.row, g, list(ids))
-                    st.num_blocks[g] += len(ids)
+            rows.append(st.row)
+            news.append(new_ids)
+        if rows:
+            for g, positional in enumerate(self._positional):
+                if positional:
+                    ids = [new[g] for new in news]
+                    self._selector.append_blocks_many(g, rows, ids)
+                    # Rows are distinct (one per request): a plain add is exact.
+                    self._table_len[g, rows] += np.fromiter(map(len, ids), dtype=np.int64,
+                                                            count=len(ids))
+        self._stats.tables_s += time.perf_counter() - t0
 
     # ---- one step's batch -------------------------------------------------------------------
 
@@ -198,21 +221,19 @@ class Stores:
         if config.scan_idle:
             seen = set(order)
             order = order + [r for r in self._states if r not in seen]
-        rows, ready = [], []
-        G = self._layout.num_groups
+        rows, tokens = [], []
+        states, scheduled, idle = self._states, step.num_scheduled_tokens, config.scan_idle
         for rid in order:
-            st = self._states.get(rid)
-            if st is None or st.finished or not st.admitted:
-                continue
-            if not config.scan_idle and not step.num_scheduled_tokens.get(rid, 0):
+            st = states.get(rid)
+            # A finished request holds no row (check_invariants), so `admitted` covers both.
+            if st is None or not st.admitted or not (idle or scheduled.get(rid, 0)):
                 continue
             req = requests[rid]
             rows.append(st.row)
-            ready.append([min(self._confirmed_positions(req, g), st.num_blocks[g])
-                          if self._positional[g] else 0 for g in range(G)])
+            tokens.append(req.num_computed_tokens - req.num_output_placeholders)
         if not rows:
             return
-        ready_arr = np.asarray(ready, dtype=np.int64).reshape(len(rows), G)
+        ready_arr = self._ready(rows, tokens)
         # Handoffs of this step already took their CPU blocks, so what is free is the budget.
         budget, restore_budget = self._cpu_pool.num_free_blocks, self._restore_budget()
         t0 = time.perf_counter()
@@ -230,11 +251,29 @@ class Stores:
         job.groups += sel.groups
         job.keys += sel.keys
         seen = set(job.req_ids)
-        for row in dict.fromkeys(sel.rows):
-            rid = self._row_req[row]
+        row_req = self._row_req
+        rows = sel.rows
+        for row in (dict.fromkeys(rows) if not isinstance(rows, np.ndarray)
+                    else rows[np.flatnonzero(np.diff(rows, prepend=-1))].tolist()):
+            rid = row_req[row]
             if rid not in seen:
                 job.req_ids.append(rid)
-        self.allocate(job, start)
+        self.allocate(job, start, sel.arrays)
+
+    def _ready(self, rows: list[int], tokens: list[int]) -> np.ndarray:
+        """``ready[i, g]``: ``_confirmed_positions`` capped by the table length, for every
+        scanned row at once (0 for groups that are not positional); ``tokens[i]``: the
+        confirmed tokens of ``rows[i]``'s request."""
+        rows_arr = np.asarray(rows, dtype=np.int64)
+        aligned = np.asarray(tokens, dtype=np.int64) // self._align * self._align
+        keys = self._row_keys[rows_arr]
+        ready = np.zeros((len(rows), self._layout.num_groups), dtype=np.int64)
+        for g, spec in enumerate(self._layout.groups):
+            if self._positional[g]:
+                ready[:, g] = np.minimum(np.minimum(aligned // spec.block_size,
+                                                    keys // self._ratio[g]),
+                                         self._table_len[g, rows_arr])
+        return ready
 
     def _restore_budget(self) -> int | None:
         """This step's re-store cap: the per-step bound, and the room running requests' blocks
@@ -246,14 +285,28 @@ class Stores:
             cap = max(0, room) if cap is None else min(cap, max(0, room))
         return cap
 
-    def allocate(self, job: StoreJob, start: int = 0) -> None:
-        """CPU blocks for ``job``'s pairs from ``start`` on; pin their GPU sources."""
+    def allocate(self, job: StoreJob, start: int = 0,
+                 arrays: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+        """CPU blocks for ``job``'s pairs from ``start`` on; pin their GPU sources.
+        ``arrays``: those pairs' GPU blocks and keys as int64 arrays, when the caller has them
+        (pinned and flagged in one vectorized call each)."""
         n = len(job.gpu) - start
         if n <= 0:
             return
+        selector = self._selector
+        listened = getattr(selector, "listen_s", 0.0)
+        t0 = time.perf_counter()
         job.cpu += self._cpu_pool.get_new_blocks(n)
-        self._gpu_pool.touch(job.gpu[start:])
-        self._selector.set_in_flight(job.gpu[start:], job.keys[start:], True)
+        t1 = time.perf_counter()
+        gpu, keys = arrays if arrays is not None else (job.gpu[start:], job.keys[start:])
+        self._gpu_pool.touch(gpu)
+        selector.set_in_flight(gpu, keys, True)
+        stats = self._stats
+        # The evictions' listeners run inside the allocation; they are counted apart.
+        listen = getattr(selector, "listen_s", 0.0) - listened
+        stats.alloc_s += t1 - t0 - listen
+        stats.listen_s += listen
+        stats.pin_s += time.perf_counter() - t1
 
     def issue(self, job: StoreJob) -> Transfer:
         """The step's store transfer: ``job`` plus the queued finish flush, under one new event
@@ -313,10 +366,11 @@ class Stores:
             if not abandoned:
                 self._selector.want(job.keys)
         elif not abandoned:
-            gpu_pool, cpu_pool = self._gpu_pool, self._cpu_pool
-            for i in order:
-                keys = gpu_pool.block_keys(job.gpu[i])
-                cpu_pool.cache_block(job.cpu[i], keys[0], keys[1:], group_idx=job.groups[i])
+            block_keys = self._gpu_pool.block_keys
+            gpu, cpu, groups = job.gpu, job.cpu, job.groups
+            self._cpu_pool.cache_blocks([cpu[i] for i in order],
+                                        [block_keys(gpu[i]) for i in order],
+                                        [groups[i] for i in order])
             self._stats.stores_completed += 1
             self._stats.blocks_stored += len(job.gpu)
         self._cpu_pool.free_blocks([job.cpu[i] for i in order])
@@ -346,9 +400,10 @@ class Stores:
         if st.admitted:
             if tables is not None:
                 for g, table in enumerate(tables):
-                    if self._positional[g] and len(table) > st.num_blocks[g]:
-                        self._selector.append_blocks(st.row, g, table[st.num_blocks[g]:])
-                        st.num_blocks[g] = len(table)
+                    have = int(self._table_len[g, st.row])
+                    if self._positional[g] and len(table) > have:
+                        self._selector.append_blocks(st.row, g, table[have:])
+                        self._table_len[g, st.row] = len(table)
             self._queue_flush(rid, req, st)
         st.finished = True
         self._release_row(st)
@@ -499,8 +554,8 @@ class Stores:
             assert not (st.finished and st.admitted), f"{rid}: finished but holds a row"
             if st.admitted:
                 assert rid in requests, f"{rid}: holds a row, the request is unknown"
-                assert len(st.num_blocks) == self._layout.num_groups
-                for g, n in enumerate(st.num_blocks):
+                assert self._row_keys[st.row] == requests[rid].keys.shape[1]
+                for g, n in enumerate(self._table_len[:, st.row].tolist()):
                     assert len(self._selector.table(st.row, g)) == n, (
                         f"{rid}: group {g} table length out of step")
         # In-flight flags are exactly the live batches' and the queued flush's blocks and keys.

@@ -16,6 +16,14 @@ every hash change goes through: ``_insert_block_hash`` (an insert), ``_remove_ca
 adapter can bind them to that request's reserved ids first (``keys``). These are the same
 private entry points vLLM's own SimpleCPUOffloadScheduler calls on its CPU pool; ``bind``
 refuses a pool without them, naming the vLLM version.
+
+vLLM hands those changes over one block at a time. Per-key listeners (``add_listener``) hear
+each at once. For batch listeners (``add_batch_listener``) the view also wraps vLLM's calls
+that change many blocks at a time (``get_new_blocks``, ``evict_blocks``, ``cache_full_blocks``,
+``cache_partial_block``, ``move_block_hashes``, ``reset_prefix_cache``): inside one, the
+per-block changes are kept in order and handed over at its end, hashes turned into ids in one
+pass, as one (keys, block ids) pair of arrays per run of inserts or evictions. A change outside
+those calls is handed over at once, as a batch of one.
 """
 
 from __future__ import annotations
@@ -23,14 +31,21 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import numpy as np
+
 from kvtriton.vllm.keys import KeyIds
 
 __all__ = ["VllmGpuPool"]
 
 KeyCallback = Callable[[int, int], None]
+BatchCallback = Callable[[np.ndarray, np.ndarray], None]
 
 _HOOKED = ("_insert_block_hash", "_remove_cached_block_hashes", "reset_prefix_cache",
            "cache_full_blocks", "cache_partial_block")
+# vLLM's calls that change many blocks' hashes at once: batch listeners hear them at their end.
+_BATCHED = ("get_new_blocks", "evict_blocks", "cache_full_blocks", "cache_partial_block",
+            "move_block_hashes", "reset_prefix_cache")
+_INSERT, _EVICT = 0, 1
 
 
 class _RefCounts:
@@ -75,9 +90,16 @@ class VllmGpuPool:
         self._before_cache = before_cache
         self._on_insert: list[KeyCallback] = []
         self._on_evict: list[KeyCallback] = []
+        self._on_insert_many: list[BatchCallback] = []
+        self._on_evict_many: list[BatchCallback] = []
+        # Changes of the vLLM call in progress (kind, hash, block id), for the batch listeners;
+        # ``_depth``: how many wrapped calls are in progress (they nest: promotion in caching).
+        self._pending: list[tuple[int, bytes, int]] = []
+        self._depth = 0
         self.num_blocks: int = pool.num_gpu_blocks
         self.ref_cnt = _RefCounts(self._blocks)
         self._hook()
+        self._hook_batches()
 
     # ---- the hooks on vLLM's pool instance -----------------------------------------------------
 
@@ -98,6 +120,8 @@ class VllmGpuPool:
                 kid = keys.id_of(block_hash)
                 for cb in on_insert:
                     cb(kid, block.block_id)
+            if new and self._on_insert_many:
+                self._note(_INSERT, [block_hash], block.block_id)
 
         def remove_cached_block_hashes(block):
             removed = remove(block)
@@ -106,6 +130,8 @@ class VllmGpuPool:
                     kid = keys.id_of(h)
                     for cb in on_evict:
                         cb(kid, block.block_id)
+            if removed and self._on_evict_many:
+                self._note(_EVICT, removed, block.block_id)
             return removed
 
         def reset_prefix_cache():
@@ -117,6 +143,10 @@ class VllmGpuPool:
                     kid = keys.id_of(h)
                     for cb in on_evict:
                         cb(kid, bid)
+            if ok and self._on_evict_many:
+                self._pending += [(_EVICT, h, bid) for h, bid in held]
+                if not self._depth:
+                    self._flush()
             return ok
 
         def cache_full_blocks(request, *args, **kwargs):
@@ -137,6 +167,45 @@ class VllmGpuPool:
         pool.cache_full_blocks = cache_full_blocks
         pool.cache_partial_block = cache_partial_block
 
+    def _hook_batches(self) -> None:
+        pool = self._pool
+
+        def batched(call):
+            def run(*args, **kwargs):
+                self._depth += 1
+                try:
+                    return call(*args, **kwargs)
+                finally:
+                    self._depth -= 1
+                    if not self._depth and self._pending:
+                        self._flush()
+            return run
+
+        for name in _BATCHED:
+            if callable(getattr(pool, name, None)):
+                setattr(pool, name, batched(getattr(pool, name)))
+
+    def _note(self, kind: int, hashes: Sequence[bytes], block_id: int) -> None:
+        self._pending += [(kind, h, block_id) for h in hashes]
+        if not self._depth:
+            self._flush()
+
+    def _flush(self) -> None:
+        """Hand the pending changes to the batch listeners: one call per run of one kind, in
+        the order vLLM made them."""
+        pending, self._pending = self._pending, []
+        id_of = self._keys.id_of
+        start = 0
+        for i in range(1, len(pending) + 1):
+            if i < len(pending) and pending[i][0] == pending[start][0]:
+                continue
+            run = pending[start:i]
+            kids = np.fromiter((id_of(h) for _, h, _ in run), dtype=np.int64, count=len(run))
+            bids = np.fromiter((b for _, _, b in run), dtype=np.int64, count=len(run))
+            for cb in (self._on_insert_many if run[0][0] == _INSERT else self._on_evict_many):
+                cb(kids, bids)
+            start = i
+
     def _block_hashes(self, block) -> list[bytes]:
         h = block.block_hash
         if h is None:
@@ -155,6 +224,15 @@ class VllmGpuPool:
             self._on_insert.append(on_insert)
         if on_evict is not None:
             self._on_evict.append(on_evict)
+
+    def add_batch_listener(self, on_insert_many: BatchCallback | None = None,
+                           on_evict_many: BatchCallback | None = None) -> None:
+        """As ``kvtriton.pool.BlockPool.add_batch_listener``: every (key id, block id) pair a
+        vLLM call made hittable / dropped, as int64 arrays at the end of that call."""
+        if on_insert_many is not None:
+            self._on_insert_many.append(on_insert_many)
+        if on_evict_many is not None:
+            self._on_evict_many.append(on_evict_many)
 
     def block_hash(self, block_id: int) -> int | None:
         """The primary key id of ``block_id``, or None if vLLM has not hashed it."""
@@ -191,11 +269,12 @@ class VllmGpuPool:
         ids = [get(h) for h in self._pool.cached_block_hash_to_block._cache]
         return [k for k in ids if k is not None]
 
-    def touch(self, block_ids: Sequence[int]) -> None:
+    def touch(self, block_ids: Sequence[int] | np.ndarray) -> None:
         """One more reference on each block (vLLM's ``touch``: a free block leaves its queue)."""
-        if block_ids:
-            blocks = self._blocks
-            self._pool.touch([blocks[b] for b in block_ids])
+        if len(block_ids):
+            if type(block_ids) is np.ndarray:
+                block_ids = block_ids.tolist()
+            self._pool.touch(list(map(self._blocks.__getitem__, block_ids)))
 
     def free_blocks(self, block_ids: Sequence[int]) -> None:
         """Drop one reference on each, in order (vLLM's ``free_blocks``: first in, first

@@ -282,3 +282,60 @@ def test_lazy_mode_fused_matches_loop_on_hybrid_layouts(data, layout, gpu_blocks
     for c in range(1, h.cpu.num_blocks):
         if (k := h.cpu.block_hash(c)) is not None:
             assert h.cpu.block_group(c) == key_group[k]
+
+
+@pytest.mark.parametrize("restore", [False, True], ids=["control", "restore"])
+@settings(deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["cpu_alloc", "cpu_cache", "cpu_free", "cpu_drop",
+                                               "gpu_alloc", "gpu_cache", "gpu_free"]),
+                              st.integers(0, 30)), min_size=1, max_size=50))
+def test_batch_listeners_match_per_key_listeners(restore, ops):
+    """Two fused selectors on the same pools, one told of every hash change key by key as it
+    happens, the other by the batch listeners once per pool call: their books stay equal.
+    Keys are shared by rows (a common prefix) and by blocks (aliases, one key in two blocks)."""
+    import numpy as np
+
+    from helpers.planner_state import deep_state
+    from kvtriton.planner.scan import FusedSelector
+    from kvtriton.pool import BlockPool
+
+    gpu, cpu = BlockPool(16), BlockPool(12, medium="CPU")
+    per_key = FusedSelector(LLAMA_TINY, gpu, cpu, restore=restore)
+    batched = FusedSelector(LLAMA_TINY, gpu, cpu, restore=restore)
+    gpu.add_listener(per_key.on_gpu_insert, per_key.on_gpu_evict)
+    cpu.add_listener(per_key.on_cpu_insert, per_key.on_cpu_evict)
+    gpu.add_batch_listener(batched.on_gpu_insert_many, batched.on_gpu_evict_many)
+    cpu.add_batch_listener(batched.on_cpu_insert_many, batched.on_cpu_evict_many)
+    for sel in (per_key, batched):
+        sel.admit(0, [np.arange(10, 18)])
+        sel.admit(1, [np.r_[10:14, 40:44]])
+    held = {"cpu": [], "gpu": []}
+    for op, a in ops:
+        side, what = op.split("_")
+        pool = cpu if side == "cpu" else gpu
+        mine = held[side]
+        if what == "alloc":
+            mine += pool.get_new_blocks(min(a % 6, pool.num_free_blocks))
+        elif what == "cache":
+            bare = [b for b in mine if pool.block_hash(b) is None][:1 + a % 3]
+            owned = [*range(10, 18), *range(40, 44), 50]
+            pool.cache_blocks(bare, [[owned[(a + i) % len(owned)],
+                                      *([owned[a % 5]] if a % 4 == 0 else [])]
+                                     for i, _ in enumerate(bare)])
+        elif what == "free" and mine:
+            pool.free_blocks([mine.pop(a % len(mine))])
+        elif what == "drop":
+            free_cached = [b for b in pool.iter_free() if pool.block_hash(b) is not None]
+            if free_cached:
+                pool.evict_cached(free_cached[a % len(free_cached)])
+        state = [{k: deep_state(v) for k, v in vars_of(sel).items()}
+                 for sel in (per_key, batched)]
+        assert [k for k in state[0] if state[0][k] != state[1][k]] == []
+        batched.check_invariants()
+
+
+def vars_of(sel) -> dict:
+    """A selector's books, less its timer and its per-pass scratch (which holds garbage)."""
+    return {name: getattr(sel, name) for name in dir(sel)
+            if not name.startswith("__") and not callable(getattr(sel, name))
+            and name not in ("key_slots", "listen_s", "_first_scratch")}
