@@ -19,15 +19,31 @@ first (vLLM's order) in every variant. Variants, each with its own pools and req
 Per step, the variants run one after another (interleaved), so machine noise falls on all; only
 the build call is timed, not the evictions, new blocks or completions between steps. Reported:
 per-step median and quartiles, blocks stored per step, each variant's ratio to ``vllm_control``
-and to ``vllm_rescan_restore``, and for re-store rows the cost per stored block. The targets at
-R = 128 (``targets``) are checked and written with the figures to ``bench/results/vs_vllm.json``.
+and to ``vllm_rescan_restore``, and for re-store rows the cost per stored block.
 
-Run: ``python -m bench.bench_vs_vllm [--quick]`` (needs vLLM).
+Where the time goes, per variant (medians over the same steps, in ms; ``PARTS``): ``lookup``
+(none here: no request waits), ``tables`` (the step's new blocks joining the request tables),
+``selection`` (deciding what to store), ``cpu_alloc`` (CPU blocks allocated, evictions
+included, listeners not), ``listeners`` (the planner's presence arrays told of CPU and GPU hash
+changes), ``pin`` (GPU sources pinned, in-flight marks), ``adapter`` (the connector's
+translation of vLLM's scheduler output and its bookkeeping around the planner) and ``meta``
+(the rest: the batch, its event, the metadata object). kvtriton's parts come from the
+planner's own counters (``PlannerStats``) of the timed steps. vLLM's manager keeps none, so its
+parts are measured on as many extra steps after the timed ones, with its selection, CPU
+allocation and GPU pin methods wrapped by timers (the wrappers' cost lands in those parts);
+what vLLM does between them (its table extends, the batch) is ``meta``.
+
+The targets at R = 128 and 256 for each block count (``targets``) are judged in the same run and
+written with the figures and their verdicts to ``bench/results/vs_vllm.json``; the paper's
+planner section is generated from that file.
+
+Run: ``python -m bench.bench_vs_vllm [--quick]`` (needs vLLM). The full run is R = 16 ... 1024
+at 2,048 and 8,192 blocks per request (128K-token contexts); ``--sizes`` and ``--blocks`` pick
+some.
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
 import os
 import statistics
@@ -36,7 +52,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.common import write_result
+from bench.common import OneLineParser, write_result
 from bench.scenarios import BLOCK, LAYOUT, Scenario, evict_cpu_blocks
 from kvtriton.planner import PlannerConfig
 
@@ -52,7 +68,11 @@ CONNECTOR_CONFIGS = {
     "kvt_connector_fused_restore": {"restore": True, "cpu_free_order": "head_first"},
 }
 # The running requests the targets are judged at.
-TARGET_R = 128
+TARGET_RS = (128, 256)
+SIZES = (16, 64, 128, 256, 512, 1024)
+BLOCKS = (2048, 8192)
+QUICK_SIZES = (16, 128)
+PARTS = ("lookup", "tables", "selection", "cpu_alloc", "listeners", "pin", "adapter", "meta")
 
 
 def _hash(i: int) -> bytes:
@@ -208,6 +228,20 @@ class VllmScenario:
             self.side = None
             build = self.manager.build_connector_meta
         self._build = build
+        self.planner = self.side.planner if self.side is not None else None
+        if self.planner is not None:
+            self._planner_s = 0.0
+            planner_build = self.planner.build_meta
+
+            def timed_build(step):
+                t0 = time.perf_counter()
+                try:
+                    return planner_build(step)
+                finally:
+                    self._planner_s += time.perf_counter() - t0
+
+            self.planner.build_meta = timed_build
+        self._parts: dict[str, float] | None = None
         self._next_hash = 0
         self.reqs: list[_VllmRequest] = []
         self.tables: list[list[int]] = []
@@ -270,8 +304,29 @@ class VllmScenario:
         for b in cached[:int(len(cached) * self.evict_fraction)]:
             pool._maybe_evict_cached_block(b)
 
-    def step(self) -> tuple[float, int]:
-        """One step; returns (build seconds, blocks stored)."""
+    def time_parts(self) -> None:
+        """Time vLLM's selection, CPU allocation and GPU pin from now on (the extra steps after
+        the timed ones: the wrappers cost a little each call)."""
+        m = self.manager
+        parts = self._parts = dict.fromkeys(PARTS, 0.0)
+
+        def timer(obj, name, part):
+            call = getattr(obj, name)
+
+            def run(*args, **kwargs):
+                t0 = time.perf_counter()
+                try:
+                    return call(*args, **kwargs)
+                finally:
+                    parts[part] += time.perf_counter() - t0
+            setattr(obj, name, run)
+
+        timer(m, "_select_eager_blocks_to_store", "selection")
+        timer(m.cpu_block_pool, "get_new_blocks", "cpu_alloc")
+        timer(self.gpu, "touch", "pin")
+
+    def step(self) -> tuple[float, int, dict[str, float]]:
+        """One step; returns (build seconds, blocks stored, seconds by part)."""
         self._evict()
         new_ids = {}
         for req, table in zip(self.reqs, self.tables, strict=True):
@@ -280,15 +335,29 @@ class VllmScenario:
             self._cache(req, table, 1)
             new_ids[req.request_id] = ([b.block_id],)
         so = self._output(new_ids)
+        if self.planner is not None:
+            before = _planner_parts(self.planner)
+            self._planner_s = 0.0
+        elif self._parts is not None:
+            for k in PARTS:
+                self._parts[k] = 0.0
         t0 = time.perf_counter()
         meta = self._build(so)
         dt = time.perf_counter() - t0
+        if self.planner is not None:
+            parts = _parts_since(self.planner, before, self._planner_s)
+            parts["adapter"] = dt - self._planner_s
+        elif self._parts is not None:
+            parts = dict(self._parts)
+            parts["meta"] = dt - sum(parts.values())
+        else:
+            parts = {}
         for req in self.reqs:
             req.num_computed_tokens += BLOCK
             req.num_tokens += BLOCK
         stored = len(meta.store) if self.side is not None else len(meta.store_gpu_blocks)
         self._complete(meta)
-        return dt, stored
+        return dt, stored, parts
 
 
 # ---- kvtriton's side -----------------------------------------------------------------------------
@@ -305,10 +374,29 @@ class KvtScenario(Scenario):
         super().__init__(KVT_CONFIGS[variant], num_requests, blocks, steps, evict_fraction,
                          seed=0, eviction="lru")
 
-    def step(self) -> tuple[float, int]:
-        """One step; returns (build seconds, blocks stored)."""
+    def time_parts(self) -> None:
+        """Nothing to set up: the planner counts its parts in every step."""
+
+    def step(self) -> tuple[float, int, dict[str, float]]:
+        """One step; returns (build seconds, blocks stored, seconds by part)."""
+        before = _planner_parts(self.planner)
         r = self.advance()
-        return r.build_s, r.planned
+        return r.build_s, r.planned, _parts_since(self.planner, before, r.build_s)
+
+
+def _planner_parts(planner) -> tuple[float, ...]:
+    st = planner.stats
+    return st.tables_s, st.select_s, st.alloc_s, st.pin_s, st.listen_s
+
+
+def _parts_since(planner, before: tuple[float, ...], build_s: float) -> dict[str, float]:
+    """The planner's parts of one ``build_meta`` of ``build_s`` seconds (``meta``: the rest)."""
+    tables, select, alloc, pin, listen = (a - b for a, b in
+                                          zip(_planner_parts(planner), before, strict=True))
+    parts = dict.fromkeys(PARTS, 0.0)
+    parts.update(tables=tables, selection=select, cpu_alloc=alloc, listeners=listen, pin=pin)
+    parts["meta"] = build_s - tables - select - alloc - listen - pin
+    return parts
 
 
 # ---- the run -------------------------------------------------------------------------------------
@@ -322,23 +410,34 @@ def _scenario(variant: str, r: int, blocks: int, steps: int, evict: float, model
 
 def run_size(r: int, blocks: int, steps: int, warmup: int, evict: float, variants: list[str],
              model_dir: str) -> list[dict]:
-    """Every variant at R = ``r``, stepped interleaved; one row per variant."""
+    """Every variant at R = ``r``, stepped interleaved; one row per variant. vLLM's parts come
+    from ``steps`` more steps with timers on (``VllmScenario.time_parts``)."""
     scen, setup = {}, {}
     for v in variants:
         gc.collect()
         t0 = time.perf_counter()
-        scen[v] = _scenario(v, r, blocks, steps + warmup, evict, model_dir)
+        scen[v] = _scenario(v, r, blocks, 2 * steps + warmup, evict, model_dir)
         setup[v] = time.perf_counter() - t0
     times: dict[str, list[float]] = {v: [] for v in variants}
     stored: dict[str, list[int]] = {v: [] for v in variants}
+    parts: dict[str, dict[str, list[float]]] = {v: {k: [] for k in PARTS} for v in variants}
     gc.disable()  # a collection inside one variant's timed call would charge it alone
     try:
-        for i in range(steps + warmup):
+        for i in range(2 * steps + warmup):
+            if i == steps + warmup:
+                for v in variants:
+                    if v.startswith("vllm"):
+                        scen[v].time_parts()
             for v in variants:
-                dt, n = scen[v].step()
-                if i >= warmup:
+                if i >= steps + warmup and not v.startswith("vllm"):
+                    continue
+                dt, n, p = scen[v].step()
+                if warmup <= i < steps + warmup:
                     times[v].append(dt * 1e3)
                     stored[v].append(n)
+                if (i >= warmup) and (i >= steps + warmup) == v.startswith("vllm"):
+                    for k, x in p.items():
+                        parts[v][k].append(x * 1e3)
             gc.collect()
     finally:
         gc.enable()
@@ -351,6 +450,10 @@ def run_size(r: int, blocks: int, steps: int, warmup: int, evict: float, variant
                      "evict_fraction": evict, "median_ms": med, "p25_ms": q[0], "p75_ms": q[2],
                      "stored_per_step": per_step,
                      "us_per_stored_block": 1e3 * med / per_step if per_step else None,
+                     "parts_ms": {k: statistics.median(x) if x else 0.0
+                                  for k, x in parts[v].items()},
+                     "parts_from": ("extra steps, timers on" if v.startswith("vllm")
+                                    else "the timed steps (planner counters)"),
                      "setup_s": setup[v]})
     del scen
     gc.collect()
@@ -362,56 +465,98 @@ def run_size(r: int, blocks: int, steps: int, warmup: int, evict: float, variant
     return rows
 
 
-def targets(rows: list[dict]) -> dict:
-    """The three targets at R = 128, each with its figure and whether it was met."""
-    at = {row["variant"]: row for row in rows if row["requests"] == TARGET_R}
-    out = {}
-    need = ("vllm_control", "vllm_rescan_restore", "kvt_fused_control", "kvt_fused_restore")
-    if not all(v in at for v in need):
-        return out
-    for prefix in ("kvt", "kvt_connector"):
-        c, rs = at.get(f"{prefix}_fused_control"), at.get(f"{prefix}_fused_restore")
-        if c is None or rs is None:
-            continue
-        speedup = at["vllm_rescan_restore"]["median_ms"] / rs["median_ms"]
-        slowdown = c["median_ms"] / at["vllm_control"]["median_ms"]
-        per_block = rs["us_per_stored_block"] / at["vllm_control"]["us_per_stored_block"]
-        out[prefix] = {
-            "fused_restore_x_cheaper_than_rescan": {"value": speedup, "target": ">= 50",
-                                                    "met": speedup >= 50},
-            "fused_control_time_over_vllm_control": {"value": slowdown, "target": "<= 1",
-                                                     "met": slowdown <= 1},
-            "restore_cost_per_block_over_vllm_control": {"value": per_block,
-                                                         "target": "<= 0.1",
-                                                         "met": per_block <= 0.1},
-        }
+def _target(name: str, r: int, blocks: int | str, value: float, target: str, ok: bool,
+            measure: str) -> dict:
+    return {"name": name, "requests": r, "blocks_per_request": blocks, "value": value,
+            "target": target, "met": ok, "measure": measure}
+
+
+def targets(rows: list[dict]) -> list[dict]:
+    """The targets at R = 128 and 256, for every block count run, each with its figure and
+    verdict. Ratios are of per-step medians of the same run."""
+    at = {(row["variant"], row["requests"], row["blocks_per_request"]): row for row in rows}
+    out = []
+    counts = sorted({row["blocks_per_request"] for row in rows})
+
+    def ms(v, r, b):
+        row = at.get((v, r, b))
+        return None if row is None else row["median_ms"]
+
+    for b in counts:
+        for r in TARGET_RS:
+            ctl, rescan = ms("vllm_control", r, b), ms("vllm_rescan_restore", r, b)
+            fc, fr = ms("kvt_fused_control", r, b), ms("kvt_fused_restore", r, b)
+            if ctl is not None and fr is not None:
+                out.append(_target("fused_restore_over_vllm_control", r, b, fr / ctl, "<= 1",
+                                   fr <= ctl, "per-step time, kvt_fused_restore / vllm_control"))
+            if ctl is not None and fc is not None:
+                out.append(_target("fused_control_over_vllm_control", r, b, fc / ctl, "<= 0.6",
+                                   fc <= 0.6 * ctl,
+                                   "per-step time, kvt_fused_control / vllm_control"))
+            if rescan is not None and fr is not None:
+                out.append(_target("rescan_over_fused_restore", r, b, rescan / fr, ">= 100",
+                                   rescan >= 100 * fr,
+                                   "per-step time, vllm_rescan_restore / kvt_fused_restore"))
+            for mode in ("control", "restore"):
+                conn, alone = ms(f"kvt_connector_fused_{mode}", r, b), ms(f"kvt_fused_{mode}", r, b)
+                if conn is not None and alone is not None:
+                    out.append(_target(f"connector_over_planner_{mode}", r, b, conn / alone,
+                                       "<= 1.10", conn <= 1.10 * alone,
+                                       f"per-step time, kvt_connector_fused_{mode} / "
+                                       f"kvt_fused_{mode}"))
+    if len(counts) >= 2:
+        lo, hi = counts[0], counts[-1]
+        for r in TARGET_RS:
+            for v in ("kvt_fused_control", "kvt_connector_fused_control"):
+                a, z = ms(v, r, lo), ms(v, r, hi)
+                if a is not None and z is not None:
+                    out.append(_target(f"blocks_{lo}_to_{hi}_{v}", r, f"{lo}->{hi}", z / a,
+                                       "within 0.8-1.2", 0.8 < z / a < 1.2,
+                                       "per-step time, same new blocks per step"))
+            for v in ("kvt_fused_restore", "kvt_connector_fused_restore"):
+                a, z = at.get((v, r, lo)), at.get((v, r, hi))
+                if a is not None and z is not None and a["us_per_stored_block"] \
+                        and z["us_per_stored_block"]:
+                    ratio = z["us_per_stored_block"] / a["us_per_stored_block"]
+                    out.append(_target(
+                        f"blocks_{lo}_to_{hi}_{v}", r, f"{lo}->{hi}", ratio, "within 0.8-1.2",
+                        0.8 < ratio < 1.2,
+                        "time per stored block: evicting 1% of the cached blocks stores "
+                        f"{z['stored_per_step'] / a['stored_per_step']:.1f}x the blocks per "
+                        f"step at {hi} (per-step time {z['median_ms'] / a['median_ms']:.2f}x)"))
     return out
 
 
 def _print(rows: list[dict]) -> None:
-    print(f"{'variant':30s} {'R':>4s} {'median ms':>10s} {'p25-p75 ms':>17s} {'stored/step':>11s}"
-          f" {'us/block':>9s} {'x vs ctl':>8s} {'x vs rescan':>11s}")
+    print(f"{'variant':28s} {'R':>4s} {'blocks':>6s} {'median ms':>9s} {'p25-p75 ms':>15s} "
+          f"{'stored':>7s} {'us/blk':>6s} {'x ctl':>5s} {'x rescan':>8s}  "
+          + " ".join(f"{p[:8]:>8s}" for p in PARTS))
     for row in rows:
         per = row["us_per_stored_block"]
-        print(f"{row['variant']:30s} {row['requests']:4d} {row['median_ms']:10.3f} "
-              f"{row['p25_ms']:8.3f}-{row['p75_ms']:<8.3f} {row['stored_per_step']:11.1f} "
-              f"{per if per is not None else float('nan'):9.3f} "
-              f"{row.get('x_vs_vllm_control', float('nan')):8.2f} "
-              f"{row.get('x_vs_vllm_rescan_restore', float('nan')):11.1f}", flush=True)
+        print(f"{row['variant']:28s} {row['requests']:4d} {row['blocks_per_request']:6d} "
+              f"{row['median_ms']:9.3f} {row['p25_ms']:7.3f}-{row['p75_ms']:<7.3f} "
+              f"{row['stored_per_step']:7.0f} {per if per is not None else float('nan'):6.3f} "
+              f"{row.get('x_vs_vllm_control', float('nan')):5.2f} "
+              f"{row.get('x_vs_vllm_rescan_restore', float('nan')):8.1f}  "
+              + " ".join(f"{row['parts_ms'][p]:8.3f}" for p in PARTS), flush=True)
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="R = 16, 64, 128; fewer steps")
+    ap = OneLineParser(prog="python -m bench.bench_vs_vllm",
+                       description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true",
+                    help=f"R = {', '.join(map(str, QUICK_SIZES))} at 2,048 blocks; 5 steps")
     ap.add_argument("--sizes", type=int, nargs="+", default=None)
-    ap.add_argument("--blocks", type=int, default=2048)
+    ap.add_argument("--blocks", type=int, nargs="+", default=None,
+                    help="blocks per request (default: 2,048 and 8,192)")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--evict", type=float, default=0.01)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     args = ap.parse_args(argv)
-    sizes = args.sizes or ([16, 64, 128] if args.quick else [16, 64, 128, 256])
-    steps = args.steps or (10 if args.quick else 20)
+    sizes = args.sizes or list(QUICK_SIZES if args.quick else SIZES)
+    block_counts = args.blocks or ([2048] if args.quick else list(BLOCKS))
+    steps = args.steps or (5 if args.quick else 20)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import vllm
 
@@ -420,22 +565,24 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-vs-vllm-") as tmp:
         model_dir = str(tiny_model_dir(tmp, 65536))
-        for r in sizes:
-            print(f"\nR = {r}: {args.blocks} blocks per request, {steps} timed steps", flush=True)
-            size_rows = run_size(r, args.blocks, steps, args.warmup, args.evict, args.variants,
-                                 model_dir)
-            _print(size_rows)
-            rows += size_rows
+        for blocks in block_counts:
+            for r in sizes:
+                print(f"\nR = {r}: {blocks} blocks per request, {steps} timed steps",
+                      flush=True)
+                size_rows = run_size(r, blocks, steps, args.warmup, args.evict, args.variants,
+                                     model_dir)
+                _print(size_rows)
+                rows += size_rows
     met = targets(rows)
-    for prefix, checks in met.items():
-        print(f"\ntargets at R = {TARGET_R} ({prefix}):")
-        for name, t in checks.items():
-            print(f"  {name}: {t['value']:.3f} (target {t['target']}): "
-                  f"{'met' if t['met'] else 'MISSED'}")
-    payload = {"settings": {"sizes": sizes, "blocks_per_request": args.blocks, "steps": steps,
+    print()
+    for t in met:
+        print(f"target {t['name']} at R = {t['requests']}, {t['blocks_per_request']} blocks: "
+              f"{t['value']:.3f} (target {t['target']}): {'met' if t['met'] else 'MISSED'}")
+    payload = {"settings": {"sizes": sizes, "blocks_per_request": block_counts, "steps": steps,
                             "warmup": args.warmup, "evict_fraction": args.evict,
                             "eviction_order": "lru", "cpu_free_order": "head_first",
-                            "block_tokens": BLOCK, "vllm": vllm.__version__},
+                            "block_tokens": BLOCK, "parts": list(PARTS),
+                            "vllm": vllm.__version__},
                "rows": rows, "targets": met}
     path = write_result("vs_vllm", payload)
     print(f"wrote {path}")

@@ -120,9 +120,13 @@ def test_vs_vllm_kvt_side_is_the_planner_scenario_with_lru():
     ref = Scenario(bench_vs_vllm.KVT_CONFIGS["kvt_fused_restore"], 2, 8, steps=4,
                    evict_fraction=0.25, seed=0, eviction="lru")
     for _ in range(4):
-        dt, stored = sc.step()
+        dt, stored, parts = sc.step()
         r = ref.advance()
         assert dt >= 0 and stored == r.planned == r.stored + r.restored
+        # The parts split the timed build and nothing else: they add up to it.
+        assert set(parts) == set(bench_vs_vllm.PARTS) and parts["adapter"] == 0
+        assert sum(parts.values()) == pytest.approx(dt)
+        assert all(parts[p] >= 0 for p in ("tables", "selection", "cpu_alloc", "pin"))
     assert list(sc.cpu.iter_free()) == list(ref.cpu.iter_free())
 
 
@@ -130,13 +134,26 @@ def test_vs_vllm_short_run(results, capsys):
     pytest.importorskip("vllm")
     from bench import bench_vs_vllm
 
-    payload = bench_vs_vllm.main(["--sizes", "2", "--blocks", "8", "--steps", "3",
+    payload = bench_vs_vllm.main(["--sizes", "2", "128", "--blocks", "8", "16", "--steps", "3",
                                   "--evict", "0.25", "--variants", "vllm_control",
                                   "kvt_fused_restore", "kvt_connector_fused_restore"])
     assert payload["settings"]["eviction_order"] == "lru"
-    rows = {r["variant"]: r for r in payload["rows"]}
-    assert set(rows) == {"vllm_control", "kvt_fused_restore", "kvt_connector_fused_restore"}
+    assert payload["settings"]["blocks_per_request"] == [8, 16]
+    rows = {(r["variant"], r["requests"], r["blocks_per_request"]): r for r in payload["rows"]}
+    assert {v for v, _, _ in rows} == {"vllm_control", "kvt_fused_restore",
+                                      "kvt_connector_fused_restore"}
     # With LRU eviction and re-store, the planner and the connector re-store the same blocks.
-    assert rows["kvt_fused_restore"]["stored_per_step"] == \
-        rows["kvt_connector_fused_restore"]["stored_per_step"] > 2
+    assert rows["kvt_fused_restore", 2, 8]["stored_per_step"] == \
+        rows["kvt_connector_fused_restore", 2, 8]["stored_per_step"] > 2
+    for row in rows.values():
+        assert set(row["parts_ms"]) == set(bench_vs_vllm.PARTS)
+    assert rows["kvt_connector_fused_restore", 2, 8]["parts_ms"]["adapter"] > 0
+    assert rows["vllm_control", 2, 8]["parts_ms"]["selection"] > 0
+    # Targets at R = 128 only (not 256: not run), for both block counts, and the block scaling.
+    names = {(t["name"], t["requests"], t["blocks_per_request"]) for t in payload["targets"]}
+    assert ("fused_restore_over_vllm_control", 128, 8) in names
+    assert ("connector_over_planner_restore", 128, 16) in names
+    assert ("blocks_8_to_16_kvt_fused_restore", 128, "8->16") in names
+    assert not {n for n in names if n[1] != 128}
+    assert all(isinstance(t["met"], bool) for t in payload["targets"])
     assert (results / "vs_vllm.json").exists()
