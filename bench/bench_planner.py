@@ -1,6 +1,7 @@
 """Per-step store-planning cost: loop control, loop re-store and the fused scan.
 
-The setting in which vLLM's own scheduler was measured (``VLLM_ANCHOR_MS``): one full-attention
+The setting in which ``bench_vs_vllm`` measures vLLM's own scheduler beside kvtriton's planner,
+in one process (its results are the comparison with vLLM; none is kept here): one full-attention
 group, 16-token blocks, R running requests of 2,048 stored blocks each, one new block per request
 per step, and about 1% of the stored blocks evicted from the CPU before each step (also run with
 no eviction, where there is nothing to re-store and only the cost of looking remains).
@@ -32,16 +33,6 @@ import time
 
 from bench.common import OneLineParser, write_result
 from bench.scenarios import BLOCK, EVICTIONS, VARIANTS, Scenario
-
-# vLLM 0.33.0's SimpleCPUOffloadScheduler measured beside kvtriton's planner in one process on a
-# 2-vCPU machine of this class (an earlier run, not this one: ``bench.bench_vs_vllm`` measures
-# both in the same run).
-VLLM_ANCHOR_MS = {
-    16: {"control": 0.079, "restore_loop": 5.9},
-    64: {"control": 0.29, "restore_loop": 43},
-    128: {"control": 0.64, "restore_loop": 82},
-    256: {"control": 1.41, "restore_loop": 191},
-}
 
 
 def run(sizes: list[int], blocks: int, steps: int, warmup: int, evict_fractions: list[float],
@@ -143,8 +134,6 @@ def main(argv: list[str] | None = None) -> dict:
         "targets": {**targets(rows, args.evict),
                     **{f"{k}_no_eviction": v for k, v in targets(rows, 0.0).items()
                        if k == "fused_restore_over_loop_control_at_128"}},
-        "vllm_anchor_ms": {"source": "an earlier same-process run beside vLLM 0.33.0, 2 vCPU",
-                           "by_requests": VLLM_ANCHOR_MS},
     }
     path = write_result(args.out, payload)
     for k, v in payload["targets"].items():

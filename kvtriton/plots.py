@@ -130,9 +130,10 @@ def plot_hole(doc: dict, path: str | Path) -> Path:
     return _save(fig, path, dpi=140)
 
 
-def plot_planner(doc: dict, path: str | Path) -> Path:
-    """Selection time per step versus running requests, one line per planner variant, with
-    vLLM's measured control and re-scan for scale (``bench/results/planner.json``)."""
+def plot_planner(doc: dict, path: str | Path, vs_vllm: dict | None = None) -> Path:
+    """Selection time per step versus running requests, one line per planner variant
+    (``bench/results/planner.json``); with ``vs_vllm`` (``bench/results/vs_vllm.json``), vLLM's
+    control and re-scan whole steps measured beside kvtriton, at the same blocks per request."""
     plt = _pyplot()
     c = doc["conditions"]
     rows = [r for r in doc["rows"] if r["evict_fraction"] == c["evict_fraction"]]
@@ -143,13 +144,13 @@ def plot_planner(doc: dict, path: str | Path) -> Path:
         pts = [(n, by[(k, n)]["select_median_ms"]) for n in sizes if (k, n) in by]
         if pts:
             ax.plot(*zip(*pts, strict=True), marker="o", label=label)
-    anchor = doc.get("vllm_anchor_ms", {}).get("by_requests", {})
-    if anchor:
-        xs = sorted(int(n) for n in anchor)
-        ax.plot(xs, [anchor[str(n)]["control"] for n in xs], ls=":", color="gray",
-                label="vLLM control (measured)")
-        ax.plot(xs, [anchor[str(n)]["restore_loop"] for n in xs], ls="--", color="gray",
-                label="vLLM re-scan re-store (measured)")
+    for variant, ls, label in (("vllm_control", ":", "vLLM control (whole step)"),
+                               ("vllm_rescan_restore", "--", "vLLM re-scan re-store (whole step)")):
+        pts = sorted((r["requests"], r["median_ms"]) for r in (vs_vllm or {}).get("rows", ())
+                     if r["variant"] == variant
+                     and r["blocks_per_request"] == c["blocks_per_request"])
+        if pts:
+            ax.plot(*zip(*pts, strict=True), ls=ls, color="gray", label=label)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel(f"running requests ({c['blocks_per_request']:,} blocks each)")

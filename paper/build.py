@@ -40,7 +40,7 @@ from kvtriton.plots import (  # noqa: E402
 WORKLOADS = (("agent", "agent generator"), ("cc_agentic", "coding-agent traces"),
              ("mooncake", "Mooncake trace"))
 # Every results file the paper reads, by name (``bench/results/<name>.json``).
-INPUTS = ("hole_demo", "planner",
+INPUTS = ("hole_demo", "planner", "vs_vllm",
           *(f"policies_{key}" for tag, _ in WORKLOADS for key in (tag, f"{tag}_full")),
           *(f"restore_map_{tag}" for tag, _ in WORKLOADS),
           "replay_mooncake", "replay_agent", "replay_cc_agentic", "kernel_check", "bench_kernels",
@@ -148,7 +148,6 @@ def planner_section(v: dict) -> None:
         f"{c['blocks_per_request']:,} blocks per request, {c['evict_fraction']:.0%} of the "
         f"CPU-cached blocks evicted before each step ({_machine(doc)}):\n\n"
         + _table(header, table_rows))
-    anchor = doc.get("vllm_anchor_ms", {}).get("by_requests", {})
     t = doc["targets"]
     lines = [f"Machine: {_machine(doc)}. Conditions: {c['blocks_per_request']:,} blocks of "
              f"{c['block_tokens']} tokens per request, {c['evict_fraction']:.0%} of the "
@@ -162,12 +161,6 @@ def planner_section(v: dict) -> None:
                      f"looking), the fused re-store scan selects in "
                      f"{calm['fused_restore']['select_median_ms']:.3f} ms at 128 requests, the "
                      f"loop control in {calm['loop_control']['select_median_ms']:.3f} ms.")
-    if "128" in anchor:
-        a = anchor["128"]
-        lines.append(f"For scale, vLLM 0.33.0's scheduler, measured on the same machine class, "
-                     f"takes {a['control']} ms per step at 128 requests with its cursor-only "
-                     f"control and {a['restore_loop']} ms with the re-scan re-store design "
-                     f"(source: {doc['vllm_anchor_ms']['source']}).")
     bullets = []
     for key, label in (("fused_vs_loop_restore_speedup_at_128",
                         "fused re-store versus loop re-store at 128 requests"),
@@ -189,8 +182,76 @@ def planner_section(v: dict) -> None:
                                  "for the same semantics as a per-block loop")
     else:
         v["abstract_planner"] = "see Section 3.2"
-    plot_planner(doc, FIGURES / "planner.png")
+    plot_planner(doc, FIGURES / "planner.png", _load("vs_vllm"))
     v["fig_planner"] = "![planner cost per step](figures/planner.png)"
+
+
+# The variants of ``bench_vs_vllm`` in the paper's words.
+VS_VLLM_VARIANTS = {
+    "vllm_control": "vLLM control (cursor scan)",
+    "vllm_rescan_restore": "vLLM re-scan re-store",
+    "kvt_loop_control": "kvtriton loop control",
+    "kvt_fused_control": "kvtriton fused control",
+    "kvt_fused_restore": "kvtriton fused re-store",
+    "kvt_connector_fused_control": "connector, fused control",
+    "kvt_connector_fused_restore": "connector, fused re-store",
+}
+VS_VLLM_TARGETS = {
+    "fused_restore_over_vllm_control": "fused re-store over vLLM's control",
+    "fused_control_over_vllm_control": "fused control over vLLM's control",
+    "rescan_over_fused_restore": "vLLM's re-scan re-store over fused re-store",
+    "connector_over_planner_control": "through the connector over the planner alone (control)",
+    "connector_over_planner_restore": "through the connector over the planner alone "
+                                      "(re-store)",
+}
+
+
+def vs_vllm_section(v: dict) -> None:
+    """Section 3.1's comparison with vLLM's own scheduler, measured in the same process
+    (``bench_vs_vllm``): per-step time by part at the targets' sizes, and each target's
+    verdict, all from ``vs_vllm.json``."""
+    doc = _load("vs_vllm")
+    if doc is None:
+        v["vs_vllm_text"] = ("*Pending: `python -m bench.bench_vs_vllm` (needs vLLM) has not "
+                             "been run.*")
+        v["vs_vllm_table"] = ""
+        return
+    s = doc["settings"]
+    parts = s["parts"]
+    sizes = sorted({t["requests"] for t in doc["targets"]}) or sorted(
+        {r["requests"] for r in doc["rows"]})
+    header = ["variant", "R", "blocks", "ms per step", "x vLLM control"] + \
+        [f"{p} (ms)" for p in parts]
+    rows = []
+    for r in doc["rows"]:
+        if r["requests"] not in sizes:
+            continue
+        rows.append([VS_VLLM_VARIANTS.get(r["variant"], r["variant"]), str(r["requests"]),
+                     f"{r['blocks_per_request']:,}", f"{r['median_ms']:.3f}",
+                     f"{1 / r['x_vs_vllm_control']:.2f}" if r.get("x_vs_vllm_control")
+                     else "-"]
+                    + [f"{r['parts_ms'][p]:.3f}" for p in parts])
+    m = doc["machine"]
+    lines = [f"Beside vLLM {s['vllm']}'s own scheduler, in one process "
+             f"(`python -m bench.bench_vs_vllm`): {_machine(doc)}. Every variant runs the same "
+             f"scenario, interleaved step by step: R running requests of "
+             f"{' or '.join(f'{b:,}' for b in s['blocks_per_request'])} blocks of "
+             f"{s['block_tokens']} tokens, one new block each per step, "
+             f"{s['evict_fraction']:.0%} of the CPU's cached blocks evicted before each step "
+             f"(its LRU victims); median of {s['steps']} timed steps. The parts are the "
+             "planner's own counters for kvtriton and timed extra steps for vLLM, whose "
+             "manager's table updates and batch fall under *meta*."]
+    if m.get("vllm") and m["vllm"] != s["vllm"]:
+        lines.append(f"(vLLM imported: {m['vllm']}.)")
+    bullets = []
+    for t in doc["targets"]:
+        label = VS_VLLM_TARGETS.get(t["name"], t["name"].replace("_", " "))
+        bullets.append(f"- Target {label}, R = {t['requests']}, {t['blocks_per_request']} "
+                       f"blocks: {t['value']:.3g} (target {t['target']}), "
+                       f"{'met' if t['met'] else '**missed**'}; {t['measure']}.")
+    v["vs_vllm_text"] = "\n\n".join(lines) + "\n\n" + "\n".join(bullets)
+    v["vs_vllm_table"] = (f"Per-step time and its parts at R = "
+                          f"{', '.join(map(str, sizes))}:\n\n" + _table(header, rows))
 
 
 def _gap(x) -> str:
@@ -669,6 +730,7 @@ def build() -> None:
     inputs_section(v)
     hole_section(v)
     planner_section(v)
+    vs_vllm_section(v)
     policies_section(v)
     restore_map_section(v)
     replay_section(v)

@@ -95,3 +95,31 @@ def test_the_engine_section_states_each_target(build, monkeypatch):
     text = v["engine_text"]
     assert "**missed** (worst 2.0)" in text and "same order met" in text
     assert "100 ms per 1,000 prefill tokens" in text and "| `eager` | 50.0% | 50.0% |" in text
+
+
+def test_the_vs_vllm_section_reports_the_same_process_run(build, monkeypatch):
+    """Section 3.1's comparison with vLLM: vLLM's version, the machine and commit, the rows at
+    the targets' sizes and every verdict come from ``vs_vllm.json``; none is typed."""
+    parts = ["lookup", "tables", "selection", "cpu_alloc", "listeners", "pin", "adapter", "meta"]
+    rows = [{"variant": v, "requests": r, "blocks_per_request": 2048, "median_ms": ms,
+             "x_vs_vllm_control": 1.3 / ms, "parts_ms": dict.fromkeys(parts, 0.125)}
+            for r in (16, 128) for v, ms in (("vllm_control", 1.3), ("kvt_fused_restore", 2.6))]
+    doc = {"machine": {"cpu": "x", "cpu_cores": 2, "gpu": None, "git_sha": "abc123",
+                       "torch": "2", "triton": "3", "date_utc": "today", "vllm": "0.32.0"},
+           "settings": {"vllm": "0.32.0", "blocks_per_request": [2048], "block_tokens": 16,
+                        "evict_fraction": 0.01, "steps": 20, "parts": parts},
+           "rows": rows,
+           "targets": [{"name": "fused_restore_over_vllm_control", "requests": 128,
+                        "blocks_per_request": 2048, "value": 2.0, "target": "<= 1",
+                        "met": False, "measure": "per-step time"}]}
+    monkeypatch.setattr(build, "_load", lambda name: doc)
+    v: dict[str, str] = {}
+    build.vs_vllm_section(v)
+    assert "vLLM 0.32.0" in v["vs_vllm_text"] and "commit abc123" in v["vs_vllm_text"]
+    assert "R = 128, 2048 blocks: 2 (target <= 1), **missed**" in v["vs_vllm_text"]
+    table = v["vs_vllm_table"]
+    assert "| kvtriton fused re-store | 128 | 2,048 | 2.600 | 2.00 |" in table
+    assert "| 16 |" not in table  # only the targets' sizes
+    monkeypatch.setattr(build, "_load", lambda name: None)
+    build.vs_vllm_section(v)
+    assert "has not been run" in v["vs_vllm_text"] and v["vs_vllm_table"] == ""

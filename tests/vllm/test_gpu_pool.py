@@ -65,7 +65,7 @@ def test_one_batch_per_vllm_call_same_pairs_in_order(pools):
 
 
 def test_a_change_outside_the_wrapped_calls_comes_at_once(pools):
-    pool, view, per_key, batches = pools
+    pool, _view, per_key, batches = pools
     a = _cache(pool, 0, 2)
     pool.free_blocks(a)
     pool._maybe_evict_cached_block(a[0])  # vLLM's private path, outside any wrapped call
