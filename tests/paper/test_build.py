@@ -118,7 +118,7 @@ def test_the_vs_vllm_section_reports_the_same_process_run(build, monkeypatch):
     assert "vLLM 0.32.0" in v["vs_vllm_text"] and "commit abc123" in v["vs_vllm_text"]
     assert "R = 128, 2048 blocks: 2 (target <= 1), **missed**" in v["vs_vllm_text"]
     table = v["vs_vllm_table"]
-    assert "| kvtriton fused re-store | 128 | 2,048 | 2.600 | 2.00 |" in table
+    assert "| kvtriton fused re-store | 128 | 2,048 | 2.600 | - | 2.00 |" in table
     assert "| 16 |" not in table  # only the targets' sizes
     monkeypatch.setattr(build, "_load", lambda name: None)
     build.vs_vllm_section(v)
