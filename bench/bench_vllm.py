@@ -188,6 +188,7 @@ def replay(engine: Any, recorder: StepRecorder, wl, tokens: dict[str, list[int]]
     due_at: dict[str, float] = {}
     ttft: dict[str, float] = {}
     steps: list[tuple[list[tuple[int, int, int]], float]] = []
+    empty: list[float] = []
     out_tokens = 0
     waiting = sorted(wl, key=lambda r: r.arrival_s)
     t0 = time.perf_counter()
@@ -218,6 +219,8 @@ def replay(engine: Any, recorder: StepRecorder, wl, tokens: dict[str, list[int]]
         chunks = recorder.take()
         if chunks:
             steps.append((chunks, t - t_step))
+        else:  # a step with only the connector's work (a load issued, stores reported)
+            empty.append(t - t_step)
         for o in outputs:
             if o.request_id not in ttft and o.outputs and o.outputs[0].token_ids:
                 ttft[o.request_id] = t - t0 - due_at[o.request_id]
@@ -227,7 +230,8 @@ def replay(engine: Any, recorder: StepRecorder, wl, tokens: dict[str, list[int]]
     wall = time.perf_counter() - t0
     return {"requests": len(done), "wall_s": wall, "output_tokens": out_tokens,
             "output_tokens_per_s": out_tokens / wall if wall else None, "ttft": ttft,
-            "steps": steps}
+            "steps": steps, "steps_without_tokens": len(empty),
+            "step_without_tokens_s_mean": float(np.mean(empty)) if empty else None}
 
 
 def connector_config(system: str, cpu_bytes: int) -> dict[str, Any] | None:
@@ -489,6 +493,8 @@ def main(argv: list[str] | None = None) -> int:
                     "Llama made at run time, for vLLM's CPU backend)")
     ap.add_argument("--time-scale", type=float, default=None,
                     help="multiply arrivals and think times by this (default: the size's)")
+    ap.add_argument("--cpu-ratio", type=float, default=None,
+                    help="CPU tier / GPU KV cache (default: the size's)")
     ap.add_argument("--threads", type=int, default=1,
                     help="CPU backend: the engine's compute threads (default 1: with one thread "
                          "per core, any other process on the machine stalls every step at "
@@ -497,8 +503,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.threads < 1:
         ap.error(f"--threads must be >= 1, got {args.threads}")
-    if args.time_scale is not None and not args.time_scale > 0:
-        ap.error(f"--time-scale must be > 0, got {args.time_scale}")
+    for name in ("time_scale", "cpu_ratio"):
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            ap.error(f"--{name.replace('_', '-')} must be > 0, got {value}")
     workloads = [w for w in args.workloads.split(",") if w]
     for w in workloads:
         if w not in WORKLOADS:
@@ -530,8 +538,9 @@ def main(argv: list[str] | None = None) -> int:
     args.resolved_model = _model_dir(args)
     size = FULL if args.full else SMOKE if args.smoke else QUICK
     label = "full" if args.full else "smoke" if args.smoke else "quick"
-    if args.time_scale is not None:
-        size = replace(size, time_scale=args.time_scale)
+    for name in ("time_scale", "cpu_ratio"):
+        if getattr(args, name) is not None:
+            size = replace(size, **{name: getattr(args, name)})
     print(f"bench_vllm: vLLM {vllm.__version__} on "
           f"{'CUDA ' + torch.cuda.get_device_name(0) if args.cuda else 'CPU'}, model "
           f"{args.resolved_model[0]}; systems {', '.join(systems)}", flush=True)
