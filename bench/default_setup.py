@@ -52,7 +52,9 @@ def cells(results_dir: Path = RESULTS_DIR) -> list[dict[str, Any]]:
             continue
         doc = json.loads(path.read_text())
         for run in doc["runs"]:
-            rows = {r["composition"]: r for r in run["rows"]}
+            # A row given oracle closes shares its composition with the causal one.
+            rows = {r["composition"]: r for r in run["rows"]
+                    if r.get("hint_source") != "oracle closes"}
             if CONTROL not in rows:
                 raise ValueError(f"{path}: CPU x{run['cpu_ratio']} has no {CONTROL!r} row")
             base = rows[CONTROL]["token_hit_rate"]

@@ -26,6 +26,7 @@ from kvtriton.sim.workload import (
     WorkloadRequest,
     agent_workload,
     mark_session_close,
+    without_closes,
 )
 
 __all__ = [
@@ -58,4 +59,5 @@ __all__ = [
     "simulate",
     "trace_stats",
     "transfer_s",
+    "without_closes",
 ]

@@ -51,6 +51,7 @@ class SetupRow(TypedDict, total=False):
     ttft_p50_s: float
     ttft_p90_s: float
     ttft_p99_s: float
+    ttft_mean_s: float
     makespan_s: float
     wall_s: float
     ttft_all_s: list[float]
@@ -130,6 +131,7 @@ class RunMetrics:
             "ttft_p50_s": _pct(self.ttft_s, 50),
             "ttft_p90_s": _pct(self.ttft_s, 90),
             "ttft_p99_s": _pct(self.ttft_s, 99),
+            "ttft_mean_s": sum(self.ttft_s) / len(self.ttft_s) if self.ttft_s else 0.0,
             "makespan_s": self.makespan_s,
             "wall_s": self.wall_s,
             "ttft_all_s": [round(t, 6) for t in self.ttft_s],

@@ -153,6 +153,15 @@ class Workload:
         return request.prompt_len // self.hash_block_size
 
 
+def without_closes(workload: Workload) -> Workload:
+    """A copy of ``workload`` with every ``"close"`` hint removed: the hints a server has from
+    the model's stop reasons alone (``"continue"`` after a tool call). A close is a client's
+    explicit signal; derived from a trace (``mark_session_close``, the generator's last turns)
+    it uses the future, and a study that gives it to a setup must say it is an oracle."""
+    requests = [replace(r, hint=None) if r.hint == "close" else r for r in workload.requests]
+    return Workload(requests, workload.hash_block_size, workload.name)
+
+
 def mark_session_close(workload: Workload) -> Workload:
     """A copy of ``workload`` in which the last request of each session has hint ``"close"``.
 

@@ -5,25 +5,31 @@ from __future__ import annotations
 import json
 
 from bench import bench_policies
-from kvtriton.sim import agent_workload, mark_session_close
+from kvtriton.sim import agent_workload, mark_session_close, without_closes
 
 
 def test_ablation_and_map_write_what_the_paper_reads(tmp_path):
-    wl = mark_session_close(agent_workload(num_conversations=4, min_turns=2, max_turns=3,
-                                           seed=5))
+    oracle = mark_session_close(agent_workload(num_conversations=4, min_turns=2, max_turns=3,
+                                               seed=5))
+    wl = without_closes(oracle)
     doc = bench_policies.ablation("agent", wl, 4096, ("eager", "lazy", "lazy+hints"), False,
-                                  results_dir=tmp_path)
+                                  results_dir=tmp_path, oracle_wl=oracle)
     saved = json.loads((tmp_path / "policies_agent.json").read_text())
     assert saved["targets"] == doc["targets"] and len(doc["runs"]) == len(bench_policies.RATIOS)
     for run in doc["runs"]:
         comps = [r["composition"] for r in run["rows"]]
-        assert comps == ["eager", "lazy", "lazy+hints", "eager+nextuse", "lazy+nextuse",
-                         "eager+inf"]
+        assert comps == ["eager", "lazy", "lazy+hints", "lazy+hints", "eager+nextuse",
+                         "lazy+nextuse", "eager+inf"]
+        # Every hinted setup twice: with the hints a server has, and given oracle closes.
+        hinted = {r["policy"]: r["hint_source"] for r in run["rows"] if "hint_source" in r}
+        assert hinted == {"lazy+hints": "causal", "lazy+hints [oracle closes]": "oracle closes"}
+        assert all(isinstance(r["ttft_no_worse"], bool) for r in run["rows"])
         control = run["rows"][0]
         assert control["gap_closed"] in (0.0, None)
         assert run["cache_only_bound"]["hit_rate"] >= 0
     for t in doc["targets"]:
         assert t["bound"] in ("eager+nextuse", "lazy+nextuse")
+        assert t["best"] != "lazy+hints [oracle closes]" and t["ttft_tolerance_s"] > 0
         if t["no_gap"]:
             assert t["met"] is None and t["bound_hit_rate"] <= t["control_hit_rate"] + 1e-9
         else:
@@ -55,3 +61,34 @@ def test_best_online_skips_oracles_and_slower_setups():
     tie = {"composition": "eager+restore", "oracle": False, "gap_closed": 0.0,
            "ttft_p50_s": 1.0, "ttft_p90_s": 2.0}
     assert bench_policies.best_online([rows[0], tie, rows[1]]) is None
+
+
+def test_oracle_closes_and_slower_than_tolerance_are_not_best():
+    control = {"composition": "eager", "oracle": False, "gap_closed": 0.0,
+               "ttft_p50_s": 1.0, "ttft_p90_s": 2.0}
+    oracle_close = {"composition": "lazy+hints", "oracle": False, "gap_closed": 0.9,
+                    "hint_source": "oracle closes", "ttft_p50_s": 0.5, "ttft_p90_s": 1.0}
+    causal = {"composition": "lazy+hints", "oracle": False, "gap_closed": 0.6,
+              "hint_source": "causal", "ttft_p50_s": 1.2, "ttft_p90_s": 1.5}
+    rows = [control, oracle_close, causal]
+    assert bench_policies.best_online(rows) is None  # p50 0.2 s above the control's
+    assert bench_policies.best_online(rows, tolerance_s=0.25) is causal
+    assert bench_policies.best_online(rows, tolerance_s=0.1) is None
+
+
+def test_ttft_tolerance_is_one_full_budget_step():
+    cond = {"model": "llama3-8b", "gpu": "H100", "token_budget": 8192,
+            "cost_model": {"mfu": 0.4, "hbm_efficiency": 0.8, "step_overhead_s": 0.002}}
+    from kvtriton.sim.cost import CostModel
+
+    cost = CostModel.named("llama3-8b", "H100")
+    assert bench_policies.ttft_tolerance_s(cond) == 0.002 + cost.prefill_s(8192, 0)
+    half = bench_policies.ttft_tolerance_s({**cond, "token_budget": 4096})
+    assert half < bench_policies.ttft_tolerance_s(cond) / 1.9
+
+
+def test_without_closes_keeps_the_causal_hints():
+    oracle = mark_session_close(agent_workload(num_conversations=3, min_turns=2, max_turns=3))
+    causal = without_closes(oracle)
+    assert "close" in [r.hint for r in oracle] and "close" not in [r.hint for r in causal]
+    assert [r.hint for r in causal] == [None if r.hint == "close" else r.hint for r in oracle]
