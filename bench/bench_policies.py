@@ -47,6 +47,9 @@ from kvtriton.sim.simulate import add_gap_closed, in_loop_bound
 from kvtriton.sim.workloads import first_turns, serving_workload
 
 RATIOS = (1, 4)
+# The smallest control-to-bound gap (points of token hit rate) whose shares are reported and
+# judged against a target.
+MATERIAL_GAP_POINTS = 2.0
 TARGETS = {"agent": 0.25, "cc_agentic": 0.25, "mooncake": 0.10}
 QUICK_CC_TURNS = 12
 # Without --full the coding-agent cut runs at CPU = GPU only: at 4x the tier holds every block
@@ -203,8 +206,10 @@ def ablation(tag: str, wl: Workload, gpu_tokens: int, policies: tuple[str, ...],
             r["ttft_no_worse_strict"] = _ttft_ok(r, control_row)
         target = TARGETS[tag]
         control_hit = next(r["token_hit_rate"] for r in rows if r["composition"] == "eager")
-        # No gap (the control already reaches the bound): nothing to close, no verdict.
-        no_gap = bound["token_hit_rate"] - control_hit <= 1e-9
+        # No material gap: a share of a gap under MATERIAL_GAP_POINTS magnifies noise (a loss of
+        # 1.5 points against a 0.4-point gap reads -360%), so no share is judged there.
+        gap_points = 100 * (bound["token_hit_rate"] - control_hit)
+        no_gap = gap_points < MATERIAL_GAP_POINTS
         targets.append({
             "cpu_ratio": ratio, "target": target,
             "best": best["policy"] if best else None,
@@ -213,7 +218,8 @@ def ablation(tag: str, wl: Workload, gpu_tokens: int, policies: tuple[str, ...],
             "best_strict": strict["policy"] if strict else None,
             "gap_closed_strict": strict["gap_closed"] if strict else None,
             "met": None if no_gap else bool(best and best["gap_closed"] >= target),
-            "no_gap": no_gap, "control_hit_rate": control_hit,
+            "no_gap": no_gap, "gap_points": gap_points,
+            "material_gap_points": MATERIAL_GAP_POINTS, "control_hit_rate": control_hit,
             "bound": bound["policy"], "bound_hit_rate": bound["token_hit_rate"]})
         runs.append({"cpu_ratio": ratio, "cpu_tokens": ratio * gpu_tokens,
                      "conditions": res["conditions"], "rows": rows,
@@ -221,7 +227,8 @@ def ablation(tag: str, wl: Workload, gpu_tokens: int, policies: tuple[str, ...],
         print(f"\n{tag}: GPU {gpu_tokens:,} tokens, CPU {ratio}x")
         print(format_table(rows))
         t = targets[-1]
-        verdict = "no gap to close" if t["no_gap"] else "met" if t["met"] else "missed"
+        verdict = (f"gap {t['gap_points']:.1f} points, under {MATERIAL_GAP_POINTS:g}: not judged"
+                   if t["no_gap"] else "met" if t["met"] else "missed")
         print(f"best online: {t['best']}: {t['gap_closed'] or 0:.0%} of the gap "
               f"(target {target:.0%}: {verdict})")
     payload = {"workload": wl.name, "requests": len(wl), "gpu_tokens": gpu_tokens,

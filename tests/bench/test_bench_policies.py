@@ -31,7 +31,7 @@ def test_ablation_and_map_write_what_the_paper_reads(tmp_path):
         assert t["bound"] in ("eager+nextuse", "lazy+nextuse")
         assert t["best"] != "lazy+hints [oracle closes]" and t["ttft_tolerance_s"] > 0
         if t["no_gap"]:
-            assert t["met"] is None and t["bound_hit_rate"] <= t["control_hit_rate"] + 1e-9
+            assert t["met"] is None and t["gap_points"] < bench_policies.MATERIAL_GAP_POINTS
         else:
             assert t["met"] == bool(t["gap_closed"] is not None and t["gap_closed"] >= 0.25)
 
