@@ -73,6 +73,24 @@ class EngineRun:
     layout: str = ""  # the connector's view of vLLM's KV cache groups
     startup_s: float = 0.0
     wall_s: float = 0.0
+    # In this process: steps run after the last batch while the scheduler had work, and then
+    # whether stores were pending, loads in flight and the GPU pool's free blocks.
+    drain_steps: int = 0
+    idle: dict[str, Any] = field(default_factory=dict)
+
+
+def _drain(core: Any, max_steps: int = 10_000) -> int:
+    """Step the engine core while its scheduler has work (vLLM's ``has_requests``: the
+    connector's pending stores count), as the engine-core process's loop does; ``LLM.generate``
+    in this process stops at its last output, leaving stores reported late unregistered.
+    Returns the steps run."""
+    n = 0
+    while core.scheduler.has_requests():
+        if n == max_steps:
+            raise RuntimeError(f"the engine still had work after {max_steps} idle steps")
+        core.step()
+        n += 1
+    return n
 
 
 def _llm_kwargs(model_dir: str | Path, connector: dict[str, Any] | None, *, block_size: int,
@@ -161,9 +179,15 @@ def _run(model_dir, turns, connector, max_tokens, multiprocess, engine_kw) -> En
                 run.stats_by_turn.append(dict(conn.scheduler_side.planner.stats.as_dict()))
         run.wall_s = time.perf_counter() - t1
         if core is not None:
-            run.kv_cache_blocks = core.scheduler.kv_cache_manager.block_pool.num_gpu_blocks
+            run.drain_steps = _drain(core)
+            pool = core.scheduler.kv_cache_manager.block_pool
+            run.kv_cache_blocks = pool.num_gpu_blocks
             if conn is not None:
-                conn.scheduler_side.planner.check_invariants()
+                side = conn.scheduler_side
+                run.idle = {"stores_pending": side.has_pending_stores(),
+                            "loads_in_flight": len(side.planner.loads_in_flight()),
+                            "gpu_free": pool.get_num_free_blocks()}
+                side.planner.check_invariants(idle=True)
                 run.connector_stats = conn.scheduler_side.planner.stats.as_dict()
                 run.layout = conn.scheduler_side.layout.describe()
                 from vllm.distributed.kv_transfer import get_kv_transfer_group

@@ -2,8 +2,11 @@
 
 ``inject("corrupt_loads")`` is the negative control: each CPU load's destination blocks get the
 wrong (valid) KV once the load landed, so outputs that depend on loaded KV must change.
-``inject("fail_loads")`` makes each load fail half-way, as a copy that dies would. Pass
-``patch=lambda: inject(fault)`` to ``bench.engine_run.run_turns``.
+``inject("fail_loads")`` makes each load fail half-way, as a copy that dies would.
+``inject("late_reports")`` reports each finished transfer ``LATE_POLLS`` polls after it finished,
+as a GPU's asynchronous copies are (on CPU a copy completes within its step, so no store would
+outlive a step otherwise). Pass ``patch=lambda: inject(fault)`` to
+``bench.engine_run.run_turns``.
 """
 
 from __future__ import annotations
@@ -11,7 +14,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-FAULTS = ("corrupt_loads", "fail_loads")
+FAULTS = ("corrupt_loads", "fail_loads", "late_reports")
+#: How many polls ``late_reports`` holds a finished transfer back.
+LATE_POLLS = 3
 
 
 def _scramble(engine: Any, gpu_blocks: Sequence[int], groups: Sequence[int]) -> None:
@@ -35,7 +40,21 @@ def inject(fault: str) -> Callable[[], None]:
 
     if fault not in FAULTS:
         raise ValueError(f"fault {fault!r}: expected one of {FAULTS}")
-    load, copy = TransferEngine.load, TransferEngine._copy
+    load, copy, poll = TransferEngine.load, TransferEngine._copy, TransferEngine.poll
+    held: list[list] = []  # [polls left, store events, load request ids]
+
+    def late(self):
+        stores, loads = poll(self)
+        if stores or loads:
+            held.append([LATE_POLLS, stores, loads])
+        out_stores, out_loads = [], []
+        for h in held:
+            h[0] -= 1
+            if h[0] < 0:
+                out_stores += h[1]
+                out_loads += h[2]
+        held[:] = [h for h in held if h[0] >= 0]
+        return out_stores, out_loads
 
     def corrupted(self, event, req_ids, gpu_blocks, cpu_blocks, groups, **kw):
         load(self, event, req_ids, gpu_blocks, cpu_blocks, groups, **kw)
@@ -49,10 +68,12 @@ def inject(fault: str) -> Callable[[], None]:
 
     if fault == "corrupt_loads":
         TransferEngine.load = corrupted
-    else:
+    elif fault == "fail_loads":
         TransferEngine._copy = failing
+    else:
+        TransferEngine.poll = late
 
     def undo() -> None:
-        TransferEngine.load, TransferEngine._copy = load, copy
+        TransferEngine.load, TransferEngine._copy, TransferEngine.poll = load, copy, poll
 
     return undo
