@@ -24,6 +24,9 @@ differences (``KVTritonConnector``'s docstring) are accepted only with their evi
   did not make and its cursor has not passed that block (vLLM defers it).
 - ``in_flight_duplicate``: vLLM copies a GPU block whose hash kvtriton has in flight, or stores
   this step, from *another* GPU block (vLLM dedups by GPU block id, kvtriton by hash too).
+- ``key_collision``: vLLM stores (or flushes) a block at a position whose key kvtriton reserved
+  and could not bind, another request having made the same hash first (``kvtriton.vllm.keys``:
+  that position is never stored for this request).
 
 Anything else is *unrecognised*, and fails the test. After a recognised difference the tiers
 hold different blocks: the pair is *apart*. kvtriton is then checked against its own tier with
