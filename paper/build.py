@@ -619,7 +619,7 @@ def default_section(v: dict) -> None:
         f"`{best['setup']}` loses nothing in any cell it ran in (worst "
         f"{best['worst_points']:+.2f} points, mean {best['mean_points']:+.2f}); the margin over "
         "the control is small, and a workload with hints does better with a hinted setup "
-        f"(Section {{{{sec_what}}}}).\n\n"
+        f"(the paper's Section {{{{sec_what}}}}).\n\n"
         + _table(["setup", "cells", "worst change (points)", "mean change (points)",
                   "eligible"], rows))
 
@@ -797,6 +797,7 @@ def build() -> None:
         v.get("mooncake_claim", ""),
         "**The connector's default.** " + v.get("default_text", ""),
         "Full write-up with figures and conditions: [paper/paper.md](paper/paper.md).") if x)
+    summary = re.sub(r"\{\{(sec_\w+)\}\}", lambda m: v[m.group(1)], summary)
     body = readme.read_text()
     new = re.sub(r"(<!-- results:begin[^>]*-->\n).*?(<!-- results:end -->)",
                  lambda m: m.group(1) + summary + "\n" + m.group(2), body, flags=re.S)
