@@ -80,3 +80,22 @@ def test_reset_of_running_requests_with_a_store_in_flight_raises_in_vllm(model_d
     assert s.connector.has_pending_push_work()
     with pytest.raises(RuntimeError, match="Failed to reset KV cache"):
         s.reset_prefix_cache(reset_running_requests=True, reset_connector=True)
+
+
+def test_requests_preempted_by_a_reset_are_looked_up_again(model_dir):
+    # reset_prefix_cache(reset_running_requests=True) preempts every running request and vLLM
+    # looks each up again before the step that reports the preemption: the connector tells the
+    # planner, which otherwise refuses a lookup under a running request's id.
+    s = make_scheduler(model_dir, [FULL], num_gpu_blocks=64, cpu_blocks=128,
+                       max_num_batched_tokens=256)
+    drv = Driver(s)
+    drv.add(vllm_request("a", tokens(41, 3 * 16 + 5), 60, 16))
+    for _ in range(4):
+        drv.step()
+    while s.connector.has_pending_push_work():
+        drv.step()
+    assert "a" in s.requests and s.reset_prefix_cache(reset_running_requests=True)
+    drv.run()
+    side = s.connector.scheduler_side
+    assert "a" not in s.requests and side.planner.stats.lookups >= 2
+    side.planner.check_invariants(idle=True)
