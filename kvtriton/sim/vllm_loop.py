@@ -28,11 +28,12 @@ import numpy as np
 
 from kvtriton.setups import TierPolicy
 from kvtriton.sim.clock import ServingClock
-from kvtriton.sim.cost import CostModel
+from kvtriton.sim.cost import ServingCost
 from kvtriton.sim.metrics import RunMetrics
 from kvtriton.sim.workload import Workload, WorkloadRequest
 from kvtriton.specs import KVLayout
 from kvtriton.vllm.config import extra_config_for
+from kvtriton.vllm.signals import HINT_KEY
 
 __all__ = ["VllmLoop"]
 
@@ -109,7 +110,7 @@ class VllmLoop(ServingClock):
     ``model_dir``: a model folder vLLM's configs read (``tiny_model_dir``); no model runs."""
 
     def __init__(self, workload: Workload, layout: KVLayout, policy: TierPolicy,
-                 cost: CostModel, *, gpu_blocks: int, cpu_blocks: int, token_budget: int,
+                 cost: ServingCost, *, gpu_blocks: int, cpu_blocks: int, token_budget: int,
                  max_running: int, model_dir: str, max_model_len: int,
                  progress: Any = None,
                  scheduler_overrides: dict[str, Any] | None = None) -> None:
@@ -145,9 +146,12 @@ class VllmLoop(ServingClock):
         for at, _, wr in self._due_arrivals():
             seq = self.tokens.sequence(wr)
             self._live[wr.request_id] = (wr, seq, at)
-            self.scheduler.add_request(vllm_request(
-                wr.request_id, seq[:wr.prompt_len], max(1, wr.output_len),
-                self.workload.hash_block_size, arrival_time=at))
+            req = vllm_request(wr.request_id, seq[:wr.prompt_len], max(1, wr.output_len),
+                               self.workload.hash_block_size, arrival_time=at)
+            if wr.hint is not None:
+                # As a server passes it: the request's kv_transfer_params (kvtriton.vllm.signals).
+                req.kv_transfer_params = {HINT_KEY: wr.hint}
+            self.scheduler.add_request(req)
 
     def _note_admissions(self, so: Any) -> None:
         """Hits of each request at its first admission (vLLM's own per-request prefill stats)."""

@@ -27,13 +27,13 @@ from typing import Any
 import numpy as np
 
 from kvtriton.planner import OffloadPlanner, StepOutput
-from kvtriton.pool import BlockPool
 from kvtriton.vllm.config import ConnectorConfig
 from kvtriton.vllm.gpu_pool import VllmGpuPool
 from kvtriton.vllm.keys import KeyIds, group_suffixes
 from kvtriton.vllm.layout import cpu_blocks_for_bytes, layout_from_vllm
 from kvtriton.vllm.metadata import KVTritonMetadata, KVTritonWorkerMetadata
 from kvtriton.vllm.requests import RequestMirror, lookup_request
+from kvtriton.vllm.signals import TierSignals
 from kvtriton.vllm.stats import GAUGES, KVTritonStats, counter_deltas
 
 __all__ = ["SchedulerSide"]
@@ -60,11 +60,12 @@ class SchedulerSide:
         self.planner_config = config.planner_config(
             world_size=self.world_size,
             max_num_batched_tokens=vllm_config.scheduler_config.max_num_batched_tokens)
-        # Block 0 is null here as in vLLM's pools: the tier holds num_cpu_blocks - 1 blocks.
-        self.cpu_pool = BlockPool(self.num_cpu_blocks, eviction=config.cpu_eviction,
-                                  medium="CPU", enable_events=self.events_enabled)
         self.keys = KeyIds()
         self._suffixes = group_suffixes(self.layout.num_groups)
+        self.signals = TierSignals(config.policy, self.keys, self._suffixes)
+        # Block 0 is null here as in vLLM's pools: the tier holds num_cpu_blocks - 1 blocks.
+        self.cpu_pool = self.signals.cpu_pool(self.num_cpu_blocks,
+                                              enable_events=self.events_enabled)
         self._events = None
         if self.events_enabled:
             from kvtriton.vllm.events import KVEventTranslator
@@ -117,6 +118,12 @@ class SchedulerSide:
         limit = vreq.num_prompt_tokens + getattr(vreq, "max_tokens", 0)
         return max(vreq.num_tokens, min(limit, self.max_model_len))
 
+    # ---- 0. arrival ----------------------------------------------------------------------------
+
+    def on_new_request(self, vreq: Any) -> None:
+        """``vreq`` joined the waiting queue (the lookahead protects its keys)."""
+        self.signals.arrived(vreq)
+
     # ---- 1. lookup -----------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, vreq: Any, num_computed_tokens: int
@@ -125,6 +132,9 @@ class SchedulerSide:
         if getattr(vreq, "skip_reading_prefix_cache", False):
             return 0, False
         rid = vreq.request_id
+        if rid in self._preemptions and self._preemptions[rid] != vreq.num_preemptions:
+            # Preempted before a step said so (a reset that preempts every running request).
+            planner.preempted(rid)
         cached = self._lookups.get(rid)
         n = len(vreq.block_hashes)
         if cached is not None and cached[0] == n:
@@ -159,6 +169,7 @@ class SchedulerSide:
         self._known.add(rid)
         planner.update_state_after_alloc(m.req, tuple(blocks.get_block_ids()),
                                          num_external_tokens)
+        self.signals.admitted(rid, m.req.keys[:, :m.bound])
 
     # ---- 3. per step ---------------------------------------------------------------------------
 
@@ -227,10 +238,13 @@ class SchedulerSide:
             live[m.req.keys.ravel()] = True
         for _, req in self._lookups.values():
             live[req.keys.ravel()] = True
+        for held in self.signals.referenced_keys():
+            live[held] = True
         bound = keys.bound_ids()
         dead = bound[~live[bound]]
         if len(dead):
             planner.forget_keys(dead)
+            self.signals.forget(dead)
             keys.recycle(dead)
         self.sweeps += 1
         self._sweep_at = max(2 * keys.num_bound, self._min_sweep)
@@ -298,16 +312,20 @@ class SchedulerSide:
         m = self._mirrors.pop(rid, None)
         lookup = self._lookups.pop(rid, None)
         self._preemptions.pop(rid, None)
+        req = None
+        if m is not None:
+            m.vreq = vreq
+            m.refresh()
+            req = m.req
+        elif lookup is not None:
+            req = lookup[1]
+        hint = self.signals.finished(vreq, None if req is None else (
+            req.keys[:, :m.bound] if m is not None else req.keys))
         if rid in self._known:
             self._known.discard(rid)
-            if m is not None:
-                m.vreq = vreq
-                m.refresh()
-                req = m.req
-            else:
-                req = lookup[1] if lookup is not None else lookup_request(
-                    vreq, self.keys, self._suffixes)
-            planner.request_finished(req, block_ids)
+            if req is None:
+                req = lookup_request(vreq, self.keys, self._suffixes)
+            planner.request_finished(req, block_ids, hint=hint)
             if self._events is not None and m is not None:
                 self._remember_payloads(planner.queued_flush().gpu_blocks, [m])
         if m is not None:
@@ -345,6 +363,8 @@ class SchedulerSide:
         now = dict(self.planner.stats.as_dict())
         now["key_collisions"] = self.keys.collisions
         now["key_ids_recycled"] = self.keys.recycled
+        now.update(self.signals.counters)
+        now["protect_overflow"] = self.signals.protect_overflow
         data = counter_deltas(now, self._stats_before)
         self._stats_before = now
         data[GAUGES[0]] = self.cpu_pool.num_used_blocks

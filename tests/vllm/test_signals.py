@@ -1,0 +1,208 @@
+"""Setups by name, continuation hints and the waiting-queue lookahead in vLLM's real ``Scheduler``
+(``KVTritonConnector``'s scheduler role; no model is run, ``helpers.vllm_driver`` steps it).
+
+Hints reach the connector in a request's ``kv_transfer_params``, as vLLM builds it from
+``SamplingParams.extra_args``; the lookahead sees the waiting queue through the connector API
+alone (``on_new_request``, admission, finish). Each effect is checked against the same schedule
+without the signal, where the tier's plain eviction order keeps the other blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+
+pytest.importorskip("vllm")
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+from helpers.vllm_driver import BS, assert_idle, build, cpu_hashes, run, tokens
+from kvtriton.setups import ABLATION, COMBINED, tier_policy
+from kvtriton.sim.vllm_scheduler import tiny_model_dir, vllm_request
+from kvtriton.vllm.signals import HINT_KEY
+
+PROMPT_BLOCKS = 4
+TIER_BLOCKS = 2 * PROMPT_BLOCKS  # holds two finished prompts, nothing more
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"), 8192)
+
+
+def request(rid, seed, n_blocks, max_tokens=2, hint=None):
+    r = vllm_request(rid, tokens(seed, n_blocks * BS), max_tokens, BS)
+    if hint is not None:
+        r.kv_transfer_params = {HINT_KEY: hint}  # what SamplingParams.extra_args gives
+    return r
+
+
+def serve(drv, side, req) -> set[bytes]:
+    """Serve ``req`` to the end; the hashes the CPU tier gained."""
+    before = cpu_hashes(side)
+    drv.add(req)
+    run(drv)
+    return cpu_hashes(side) - before
+
+
+# ---- every online setup of the study, by name ----------------------------------------------------
+
+
+@pytest.mark.parametrize("setup", sorted(set(ABLATION + COMBINED)))
+def test_every_online_setup_of_the_study_runs_by_name(model_dir, setup):
+    """The simulator's ablation and combinations, each turned on by its composition alone: the
+    connector runs the planner and eviction the setup parses to, and serves to an idle end."""
+    s, side, drv = build(model_dir, cpu_blocks=TIER_BLOCKS, extra_config={"setup": setup})
+    policy = tier_policy(setup)
+    assert side.config.setup == policy.composition
+    assert side.cpu_pool.eviction.name.split("+")[0] == policy.cpu_eviction
+    p = side.planner.config
+    assert (p.restore, p.cpu_free_order, p.restore_share, p.lazy, p.admission,
+            p.refresh_on_gpu_hit) == (
+        policy.planner.restore, policy.planner.cpu_free_order, policy.planner.restore_share,
+        policy.planner.lazy, policy.planner.admission, policy.planner.refresh_on_gpu_hit)
+    for i in range(3):
+        serve(drv, side, request(f"r{i}", i % 2, PROMPT_BLOCKS, hint="continue"))
+    assert_idle(s, side)
+
+
+# ---- hints ---------------------------------------------------------------------------------------
+
+
+# (hint of the older request, hint of the newer one, the one whose blocks the filler evicts)
+HINT_CASES = [
+    (None, None, "older"),  # the negative control: LRU evicts the older request's blocks
+    (None, "close", "newer"),  # a closed session's blocks go first
+    ("continue", None, "newer"),  # a turn hinted continue is protected
+    (None, "later", "older"),  # a malformed hint is no hint
+]
+
+
+@pytest.mark.parametrize(("old_hint", "new_hint", "evicted"), HINT_CASES,
+                         ids=[f"{a}-{b}" for a, b, _ in HINT_CASES])
+def test_hints_decide_which_blocks_the_tier_keeps(model_dir, caplog, old_hint, new_hint,
+                                                  evicted):
+    s, side, drv = build(model_dir, cpu_blocks=TIER_BLOCKS, extra_config={"setup": "eager+hints"})
+    older = serve(drv, side, request("older", 1, PROMPT_BLOCKS, hint=old_hint))
+    ours = logging.getLogger("kvtriton")
+    propagate, ours.propagate = ours.propagate, True  # vLLM's handlers may have taken it over
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvtriton"):
+            newer = serve(drv, side, request("newer", 2, PROMPT_BLOCKS, hint=new_hint))
+    finally:
+        ours.propagate = propagate
+    assert len(older) == len(newer) == PROMPT_BLOCKS
+    serve(drv, side, request("filler", 3, PROMPT_BLOCKS - 1))  # evicts 3 of the 8 blocks
+    held = cpu_hashes(side)
+    kept = {"older": len(older & held), "newer": len(newer & held)}
+    assert kept[evicted] == 1, kept
+    assert kept["older" if evicted == "newer" else "newer"] == PROMPT_BLOCKS, kept
+    stats = side.signals.counters  # cumulative (vLLM's stats path reads the deltas each step)
+    hints = [h for h in (old_hint, new_hint) if h is not None]
+    assert stats["hints_close"] == hints.count("close")
+    assert stats["hints_continue"] == hints.count("continue")
+    warned = [r.getMessage() for r in caplog.records if HINT_KEY in r.getMessage()]
+    if new_hint == "later":
+        assert stats["malformed_hints"] == 1
+        assert len(warned) == 1 and "request newer" in warned[0] and "'later'" in warned[0]
+    else:
+        assert stats["malformed_hints"] == 0 and not warned
+    assert_idle(s, side)
+
+
+def test_without_the_hints_axis_a_hint_changes_nothing(model_dir):
+    """Hints are counted but not applied by a setup without the axis: LRU as without them."""
+    _, side, drv = build(model_dir, cpu_blocks=TIER_BLOCKS, extra_config={"setup": "eager"})
+    older = serve(drv, side, request("older", 1, PROMPT_BLOCKS, hint="continue"))
+    newer = serve(drv, side, request("newer", 2, PROMPT_BLOCKS, hint="close"))
+    serve(drv, side, request("filler", 3, PROMPT_BLOCKS - 1))
+    held = cpu_hashes(side)
+    assert (len(older & held), len(newer & held)) == (1, PROMPT_BLOCKS)
+    assert side.signals.counters["hints_close"] == 1
+
+
+def test_close_spares_blocks_a_later_request_was_admitted_with(model_dir):
+    """A close covers the blocks its request held last: a prefix a request admitted after it
+    shares belongs to that request's future and keeps the plain order."""
+    _, side, drv = build(model_dir, cpu_blocks=3 * PROMPT_BLOCKS,
+                         extra_config={"setup": "eager+hints"})
+    shared = serve(drv, side, request("first", 1, PROMPT_BLOCKS))
+    # Same prompt, admitted after "first": it is the shared blocks' last holder.
+    drv.add(request("closing", 1, PROMPT_BLOCKS, max_tokens=40, hint="close"))
+    drv.step()
+    drv.add(request("reader", 1, PROMPT_BLOCKS))
+    run(drv)
+    keys = [side.keys.get(h) for h in shared]
+    queue = side.cpu_pool.eviction
+    assert {queue.level(k) for k in keys} == {0}  # NORMAL: "reader" holds them last
+
+
+# ---- waiting-queue lookahead ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("setup", ["eager+waiting", "eager"])
+def test_waiting_requests_keys_stay_in_the_tier(model_dir, setup):
+    """A request waits (one running slot, taken) for a prefix the CPU tier holds, while the
+    running request's stores fill the tier: with the lookahead its prefix stays; without it
+    (the negative control) LRU evicts it first. Admitted, its keys are plain again."""
+    s, side, drv = build(model_dir, cpu_blocks=TIER_BLOCKS, max_num_seqs=1,
+                         extra_config={"setup": setup})
+    prefix = serve(drv, side, request("p", 1, PROMPT_BLOCKS))
+    serve(drv, side, request("q", 2, PROMPT_BLOCKS))
+    drv.add(request("long", 3, PROMPT_BLOCKS - 1, max_tokens=30))
+    drv.add(vllm_request("w", tokens(1, PROMPT_BLOCKS * BS + 5), 2, BS))
+    for _ in range(10):  # long's prompt is computed and stored; w still waits
+        drv.step()
+    assert "w" not in s.running and s.requests["w"] in s.waiting
+    kept = len(prefix & cpu_hashes(side))
+    assert kept == (PROMPT_BLOCKS if setup == "eager+waiting" else 1)
+    run(drv)
+    assert side.signals.protected_blocks == 0
+    assert_idle(s, side)
+
+
+# ---- the simulator's vLLM engine feeds the workload's hints -------------------------------------
+
+
+def test_simulate_on_vllm_passes_each_requests_hint():
+    """``simulate(engine="vllm")`` hands every request its workload hint in
+    ``kv_transfer_params``, as a server would: under ``lazy+hinted`` the connector holds back
+    closed sessions' keys (``admission_skipped``); the same workload with its hints removed (the
+    negative control) holds back none."""
+    from dataclasses import replace
+
+    from kvtriton.sim import agent_workload, simulate
+    from kvtriton.sim.workload import Workload
+
+    wl = agent_workload(num_conversations=4, min_turns=2, max_turns=3, system_prompt_tokens=256,
+                        first_user_tokens=128, user_tokens=64, output_tokens=16, seed=5)
+    bare = Workload([replace(r, hint=None) for r in wl.requests], wl.hash_block_size, wl.name)
+    kw = {"gpu_tokens": 2048, "cpu_tokens": 4096, "policies": ["lazy+hinted"], "bound": False,
+          "engine": "vllm"}
+    hinted, control = simulate(wl, **kw).rows[0], simulate(bare, **kw).rows[0]
+    assert any(r.hint == "close" for r in wl.requests)
+    assert hinted["finished"] == control["finished"] == len(wl)
+    assert hinted["admission_skipped"] > 0 and control["admission_skipped"] == 0
+
+
+def test_recycled_key_ids_start_over_in_the_plain_order():
+    """A key id the sweep recycles will name another block: its hint level and last holder go
+    with the old one (a protected or closed level must not carry over)."""
+    import numpy as np
+
+    from kvtriton.eviction import CLOSED, NORMAL, PROTECTED
+    from kvtriton.vllm.keys import KeyIds, group_suffixes
+    from kvtriton.vllm.signals import TierSignals
+
+    keys = KeyIds()
+    ids = np.array([keys.id_of(bytes([i]) * 32) for i in range(4)], dtype=np.int64)
+    signals = TierSignals(tier_policy("eager+hints"), keys, group_suffixes(1))
+    queue = signals.cpu_pool(8, enable_events=False).eviction
+    signals.admitted("a", ids[None, :])
+    queue.hint(ids[:2], PROTECTED, lambda _k: None)
+    queue.hint(ids[2:], CLOSED, lambda _k: None)
+    signals.forget(ids[[0, 2]])
+    assert [queue.level(int(k)) for k in ids] == [NORMAL, PROTECTED, NORMAL, CLOSED]
+    assert signals._holder[ids[[0, 2]]].tolist() == [-1, -1]
+    assert signals._holder[ids[[1, 3]]].tolist() == [0, 0]
