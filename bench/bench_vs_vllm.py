@@ -189,7 +189,7 @@ class VllmScenario:
     """R requests on vLLM pools, driven step by step through vLLM's manager or the connector."""
 
     def __init__(self, variant: str, num_requests: int, blocks: int, steps: int,
-                 evict_fraction: float, model_dir: str) -> None:
+                 evict_fraction: float, model_dir: str, max_model_len: int = 65536) -> None:
         from vllm.v1.core.block_pool import BlockPool as VllmBlockPool
 
         from kvtriton.sim.vllm_scheduler import make_configs
@@ -201,7 +201,7 @@ class VllmScenario:
         vllm_config, kv_cache_config, cpu_bytes = make_configs(
             model_dir, list(LAYOUT.groups), num_gpu_blocks=total + 1, kv_connector=None,
             cpu_blocks=n_cpu, max_num_seqs=max(num_requests, 16),
-            max_num_batched_tokens=max(8192, num_requests * BLOCK), max_model_len=65536)
+            max_num_batched_tokens=max(8192, num_requests * BLOCK), max_model_len=max_model_len)
         self.gpu = VllmBlockPool(total + 1, enable_caching=True, hash_block_size=BLOCK)
         if variant in CONNECTOR_CONFIGS:
             from kvtriton.vllm.config import parse_extra_config
@@ -402,21 +402,28 @@ def _parts_since(planner, before: tuple[float, ...], build_s: float) -> dict[str
 # ---- the run -------------------------------------------------------------------------------------
 
 
-def _scenario(variant: str, r: int, blocks: int, steps: int, evict: float, model_dir: str):
+def _scenario(variant: str, r: int, blocks: int, steps: int, evict: float, model_dir: str,
+              max_model_len: int):
     if variant in KVT_CONFIGS:
         return KvtScenario(variant, r, blocks, steps, evict)
-    return VllmScenario(variant, r, blocks, steps, evict, model_dir)
+    return VllmScenario(variant, r, blocks, steps, evict, model_dir, max_model_len)
+
+
+def max_model_len(blocks: int, steps: int, warmup: int) -> int:
+    """A model length past every request's last token: the connector keys a request only up to
+    it (vLLM's own manager does not look)."""
+    return max(65536, (blocks + 2 * steps + warmup + 2) * BLOCK)
 
 
 def run_size(r: int, blocks: int, steps: int, warmup: int, evict: float, variants: list[str],
-             model_dir: str) -> list[dict]:
+             model_dir: str, model_len: int = 65536) -> list[dict]:
     """Every variant at R = ``r``, stepped interleaved; one row per variant. vLLM's parts come
     from ``steps`` more steps with timers on (``VllmScenario.time_parts``)."""
     scen, setup = {}, {}
     for v in variants:
         gc.collect()
         t0 = time.perf_counter()
-        scen[v] = _scenario(v, r, blocks, 2 * steps + warmup, evict, model_dir)
+        scen[v] = _scenario(v, r, blocks, 2 * steps + warmup, evict, model_dir, model_len)
         setup[v] = time.perf_counter() - t0
     times: dict[str, list[float]] = {v: [] for v in variants}
     stored: dict[str, list[int]] = {v: [] for v in variants}
@@ -580,13 +587,14 @@ def main(argv: list[str] | None = None) -> dict:
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-vs-vllm-") as tmp:
-        model_dir = str(tiny_model_dir(tmp, 65536))
+        model_len = max_model_len(max(block_counts), steps, args.warmup)
+        model_dir = str(tiny_model_dir(tmp, model_len))
         for blocks in block_counts:
             for r in sizes:
                 print(f"\nR = {r}: {blocks} blocks per request, {steps} timed steps",
                       flush=True)
                 size_rows = run_size(r, blocks, steps, args.warmup, args.evict, args.variants,
-                                     model_dir)
+                                     model_dir, model_len)
                 _print(size_rows)
                 rows += size_rows
     met = targets(rows)

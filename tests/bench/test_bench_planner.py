@@ -156,4 +156,6 @@ def test_vs_vllm_short_run(results, capsys):
     assert ("blocks_8_to_16_kvt_fused_restore", 128, "8->16") in names
     assert not {n for n in names if n[1] != 128}
     assert all(isinstance(t["met"], bool) for t in payload["targets"])
+    # Past 4,096 blocks of 16 tokens a request outgrows 64K tokens: the model length follows.
+    assert bench_vs_vllm.max_model_len(8192, 20, 3) >= (8192 + 43) * 16
     assert (results / "vs_vllm.json").exists()
