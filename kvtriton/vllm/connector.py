@@ -79,9 +79,9 @@ class KVTritonConnector(KVConnectorBase_V1, SupportsHMA):
     vLLM's cursor, stopped at it, may store it later. Keeping the cursor at such a block
     (``python -m bench.hole_rewind``, the simulator with and without it) moved the agent
     workload's hit rate by -0.96, -0.22 and +0.84 points (``eager``, ``eager+arc``,
-    ``eager+tail``) and left the first 200 requests of the coding-agent and Mooncake traces
-    unchanged: no consistent gain, so the cursor is not held back; ``restore`` stores such
-    blocks again where it matters.
+    ``eager+tail``) and left the first 800 requests of the coding-agent and Mooncake traces
+    unchanged (0.00 points each): no consistent gain, so the cursor is not held back;
+    ``restore`` stores such blocks again where it matters.
 
     Two deliberate differences: vLLM dedups stores by GPU block id only, so two GPU blocks that
     hold one hash (vLLM never merges them) are copied twice, into two CPU blocks; kvtriton dedups
