@@ -307,9 +307,17 @@ def run_system(system: str, model: str, wl, tokens: dict, *, gpu_blocks: int, cp
 
 # ---- the prediction --------------------------------------------------------------------------
 
-def fit_cost(rows: list[dict[str, Any]], block_bytes: int):
-    """``MeasuredCost`` from every timed step of ``rows``; transfer rates from the connector's
-    measured copy times, per block, scaled to the simulator's ``block_bytes``."""
+# On vLLM's CPU backend the worker copies inside the step that issued them (a torch copy, done
+# before the step's output): a transfer completes with its step and its time is part of the
+# step's measured time, which the fit already charges. The simulator then models it as a link
+# this fast: it completes within the step, as in the engine.
+SYNC_BYTES_PER_S = 1e15
+
+
+def fit_cost(rows: list[dict[str, Any]], block_bytes: int, *, synchronous: bool):
+    """``MeasuredCost`` from every timed step of ``rows``. Transfer rates: ``synchronous`` (the
+    CPU backend) at ``SYNC_BYTES_PER_S``; else the connector's measured copy times, per block,
+    scaled to the simulator's ``block_bytes``."""
     from kvtriton.sim.cost import MeasuredCost, step_features
 
     feats, secs = [], []
@@ -326,7 +334,8 @@ def fit_cost(rows: list[dict[str, Any]], block_bytes: int):
                 blocks += t["bytes"] / row["_block_bytes"]
                 seconds += t["seconds"]
         # No transfer measured: a nominal rate (the tier then moved nothing worth timing).
-        rates[key] = blocks * block_bytes / seconds if seconds else 10e9
+        rates[key] = (SYNC_BYTES_PER_S if synchronous else
+                      blocks * block_bytes / seconds if seconds else 10e9)
     return MeasuredCost.fit(feats, secs, h2d_bytes_per_s=rates["h2d"],
                             d2h_bytes_per_s=rates["d2h"])
 
@@ -442,7 +451,7 @@ def run_workload(name: str, systems: list[str], args: Any, size: Size) -> dict[s
               f"{row['output_tokens_per_s']:.1f} tok/s  stored {row['stored_blocks']:,} "
               f"loaded {row['loaded_blocks']:,}", flush=True)
     layout = preset("llama3-8b", block_size=BLOCK_TOKENS)
-    cost = fit_cost(measured, layout.cpu_block_bytes)
+    cost = fit_cost(measured, layout.cpu_block_bytes, synchronous=not args.cuda)
     cpu_blocks = next((r["cpu_blocks"] for r in measured if r["cpu_blocks"]),
                       int(size.cpu_ratio * size.gpu_blocks))
     sizes = dict(gpu_blocks=measured[0]["engine_gpu_blocks"], cpu_blocks=cpu_blocks, size=size)
