@@ -307,6 +307,25 @@ def run_system(system: str, model: str, wl, tokens: dict, *, gpu_blocks: int, cp
 
 # ---- the prediction --------------------------------------------------------------------------
 
+def combine_repeats(reps: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row from repeated runs of a system: the first run's fields, with the hit rate, CPU
+    hit tokens, TTFT p50/p90 and throughput as the mean over runs (and the hit rate's and TTFT
+    p50's range: the engine's own run-to-run spread), and every run's steps for the fit."""
+    if len(reps) == 1:
+        return reps[0]
+    row = dict(reps[0])
+    row["repeats"] = len(reps)
+    for key in ("token_hit_rate", "cpu_hit_tokens", "ttft_p50_s", "ttft_p90_s", "ttft_mean_s",
+                "output_tokens_per_s", "stored_blocks", "loaded_blocks"):
+        vals = [r[key] for r in reps if r.get(key) is not None]
+        row[key] = float(np.mean(vals)) if vals else None
+    for key in ("token_hit_rate", "ttft_p50_s"):
+        vals = [r[key] for r in reps]
+        row[f"{key}_range"] = [float(min(vals)), float(max(vals))]
+    row["_steps"] = [step for r in reps for step in r["_steps"]]
+    return row
+
+
 # On vLLM's CPU backend the worker copies inside the step that issued them (a torch copy, done
 # before the step's output): a transfer completes with its step and its time is part of the
 # step's measured time, which the fit already charges. The simulator then models it as a link
@@ -441,15 +460,17 @@ def run_workload(name: str, systems: list[str], args: Any, size: Size) -> dict[s
         if system == "simple" and not args.cuda:
             print(f"  {system:14s} skipped: SimpleCPUOffloadConnector needs CUDA", flush=True)
             continue
-        row = run_system(system, model, wl, tokens, gpu_blocks=size.gpu_blocks,
-                         cpu_bytes=cpu_bytes, kv_bytes_per_block=kv_block_bytes, size=size,
-                         max_model_len=max_model_len, dtype=dtype)
+        reps = [run_system(system, model, wl, tokens, gpu_blocks=size.gpu_blocks,
+                           cpu_bytes=cpu_bytes, kv_bytes_per_block=kv_block_bytes, size=size,
+                           max_model_len=max_model_len, dtype=dtype)
+                for _ in range(args.repeats)]
+        row = combine_repeats(reps)
         row["_block_bytes"] = kv_block_bytes
         measured.append(row)
-        print(f"  {system:14s} hit {row['token_hit_rate']:6.1%} (CPU {row['cpu_hit_tokens']:,} "
+        print(f"  {system:14s} hit {row['token_hit_rate']:6.1%} (CPU {row['cpu_hit_tokens']:,.0f} "
               f"tok)  TTFT p50/p90 {row['ttft_p50_s']:.3f}/{row['ttft_p90_s']:.3f} s  "
-              f"{row['output_tokens_per_s']:.1f} tok/s  stored {row['stored_blocks']:,} "
-              f"loaded {row['loaded_blocks']:,}", flush=True)
+              f"{row['output_tokens_per_s']:.1f} tok/s  stored {row['stored_blocks']:,.0f} "
+              f"loaded {row['loaded_blocks']:,.0f}", flush=True)
     layout = preset("llama3-8b", block_size=BLOCK_TOKENS)
     cost = fit_cost(measured, layout.cpu_block_bytes, synchronous=not args.cuda)
     cpu_blocks = next((r["cpu_blocks"] for r in measured if r["cpu_blocks"]),
@@ -504,6 +525,9 @@ def main(argv: list[str] | None = None) -> int:
                     "Llama made at run time, for vLLM's CPU backend)")
     ap.add_argument("--time-scale", type=float, default=None,
                     help="multiply arrivals and think times by this (default: the size's)")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="engine runs per system, their mean compared (default 1; 3 with "
+                         "--full): the range shows the engine's own run-to-run spread")
     ap.add_argument("--cpu-ratio", type=float, default=None,
                     help="CPU tier / GPU KV cache (default: the size's)")
     ap.add_argument("--threads", type=int, default=1,
@@ -514,6 +538,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.threads < 1:
         ap.error(f"--threads must be >= 1, got {args.threads}")
+    if args.repeats is None:
+        args.repeats = 3 if args.full else 1
+    if args.repeats < 1:
+        ap.error(f"--repeats must be >= 1, got {args.repeats}")
     for name in ("time_scale", "cpu_ratio"):
         value = getattr(args, name)
         if value is not None and not value > 0:
@@ -564,6 +592,7 @@ def main(argv: list[str] | None = None) -> int:
                           "model": args.model or {"random_llama": MODEL},
                           "backend": "cuda" if args.cuda else "cpu", "vllm": vllm.__version__,
                           "cpu_threads": None if args.cuda else args.threads,
+                          "repeats": args.repeats,
                           "simulator_layout": "llama3-8b preset (blocks given in blocks; "
                                               "transfer rates scaled per block)"},
            "targets": {"hit_rate_points": TARGET_HIT_POINTS, "ttft_p50_rel": TARGET_TTFT_REL},

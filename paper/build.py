@@ -658,6 +658,12 @@ def default_section(v: dict) -> None:
                   "eligible"], rows))
 
 
+def _range(row: dict, key: str, fmt) -> str:
+    """`` (lo-hi)`` over a row's repeated engine runs, or nothing for one run."""
+    r = row.get(f"{key}_range")
+    return "" if not r else f" ({fmt(r[0])}-{fmt(r[1])})"
+
+
 def _verdict(ok: bool) -> str:
     return "met" if ok else "**missed**"
 
@@ -684,7 +690,10 @@ def engine_section(v: dict) -> None:
         f"{c['max_output_tokens']} tokens (`python -m bench.bench_vllm`, "
         "`bench/bench_vllm.py` says how the traces are shrunk). The simulator then replays the "
         "same workload at the same sizes on a clock fitted to this engine's own steps "
-        "(`MeasuredCost`, least squares over every step of every system)."]
+        "(`MeasuredCost`, least squares over every step of every system)."
+        + (f" Each system ran {c['repeats']} times: the tables give the mean, and the range "
+           "over runs in brackets." if c.get("repeats", 1) > 1 else
+           " Each system ran once; repeated runs (`--repeats`) give the engine's own spread.")]
     targets = doc["targets"]
     for w, run in doc["runs"].items():
         fit = run["cost_fit"]
@@ -696,10 +705,12 @@ def engine_section(v: dict) -> None:
         parts.append(_table(
             ["system", "token hit rate", "CPU hit tokens", "TTFT p50 (s)", "TTFT p90 (s)",
              "output tok/s", "stored blocks", "loaded blocks"],
-            [[f"`{m['system']}`", _pct(m["token_hit_rate"]), f"{m['cpu_hit_tokens']:,}",
-              f"{m['ttft_p50_s']:.3f}", f"{m['ttft_p90_s']:.3f}",
-              f"{m['output_tokens_per_s']:.1f}", f"{m['stored_blocks']:,}",
-              f"{m['loaded_blocks']:,}"] for m in run["measured"]]))
+            [[f"`{m['system']}`", _pct(m["token_hit_rate"]) + _range(m, "token_hit_rate", _pct),
+              f"{m['cpu_hit_tokens']:,.0f}",
+              f"{m['ttft_p50_s']:.3f}" + _range(m, "ttft_p50_s", lambda x: f"{x:.3f}"),
+              f"{m['ttft_p90_s']:.3f}", f"{m['output_tokens_per_s']:.1f}",
+              f"{m['stored_blocks']:,.0f}", f"{m['loaded_blocks']:,.0f}"]
+             for m in run["measured"]]))
         parts.append(_table(
             ["system", "hit rate: engine", "simulator", "off (points)", "TTFT p50: engine (s)",
              "simulator (s)", "off"],

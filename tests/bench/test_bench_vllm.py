@@ -45,3 +45,15 @@ def test_bad_arguments_are_one_line(argv, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "error" in err
+
+
+def test_repeats_combine_into_a_mean_with_the_engines_range():
+    reps = [{"system": "eager", "token_hit_rate": h, "cpu_hit_tokens": c, "ttft_p50_s": t,
+             "ttft_p90_s": 2 * t, "ttft_mean_s": t, "output_tokens_per_s": 10.0,
+             "stored_blocks": 4, "loaded_blocks": 1, "_steps": [([(5, 0, 5)], t)]}
+            for h, c, t in ((0.4, 100, 0.2), (0.5, 300, 0.4))]
+    row = bench_vllm.combine_repeats(reps)
+    assert row["token_hit_rate"] == pytest.approx(0.45) and row["cpu_hit_tokens"] == 200
+    assert row["token_hit_rate_range"] == [0.4, 0.5] and row["ttft_p50_s_range"] == [0.2, 0.4]
+    assert row["repeats"] == 2 and len(row["_steps"]) == 2
+    assert bench_vllm.combine_repeats(reps[:1]) is reps[0]
