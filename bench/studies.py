@@ -56,6 +56,7 @@ _CROSSCHECK = ("--limit", "mooncake=500", "--limit", "cc_agentic=100", "--json",
                "{results}/crosscheck.json")
 _CC_WHOLE = ("--full", "--only", "ablation", "--workloads", "cc_agentic")
 _MOONCAKE_MAP = ("--only", "map", "--maps", "mooncake")
+_HOLE_REWIND = ("--limit", "800", "--json", "{results}/hole_rewind_800.json")
 _DIFFERENTIAL = ("--seeds", "3000", "--json", "{results}/differential.json")
 
 STUDIES: tuple[Study, ...] = (
@@ -90,13 +91,16 @@ STUDIES: tuple[Study, ...] = (
     Study("connector_soak", "bench.bench_connector_soak", "connector memory over a long run",
           ("--quick",), (), "vllm", _with_png("vllm_soak"), run_in=("full",)),
     Study("vllm", "bench.bench_vllm",
-          "vLLM with and without a CPU tier (a tiny model: a smoke test; --model DIR by hand)",
-          ("--quick",), ("--quick",), "vllm", ("vllm_agent.json",), run_in=("full",)),
+          "the setups in vLLM's real engine, and the simulator's prediction of them",
+          (), ("--full",), "vllm", ("vllm_engine.json",), ("vllm_engine_full.json",)),
     Study("crosscheck", "bench.crosscheck", "ServingLoop beside vLLM's scheduler", _CROSSCHECK,
           _CROSSCHECK, "vllm", ("crosscheck.json",), run_in=("full",), quiet=True),
     Study("differential", "bench.differential",
           "kvtriton's scheduler side beside vLLM's manager, step for step, over 3,000 seeds",
           _DIFFERENTIAL, _DIFFERENTIAL, "vllm", ("differential.json",), run_in=()),
+    Study("hole_rewind", "bench.hole_rewind",
+          "the allocation hole: hit rates with and without keeping the cursor at it",
+          _HOLE_REWIND, _HOLE_REWIND, "cpu", ("hole_rewind_800.json",), run_in=()),
     Study("integrity", "bench.bench_integrity", "what integrity mode costs over the plain run",
           (), (), "cpu", ("integrity.json",), run_in=()),
     # The longer runs behind the paper's optional sections (30 and 5 minutes on 2 cores).
