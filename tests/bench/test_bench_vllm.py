@@ -15,7 +15,7 @@ from bench import bench_vllm
 
 
 def test_smoke_run_measures_and_predicts(tmp_path):
-    systems = "none,eager,default"
+    systems = "eager,default"
     assert bench_vllm.main(["--smoke", "--workloads", "agent", "--systems", systems,
                             "--out", str(tmp_path)]) == 0
     doc = json.loads((tmp_path / "vllm_engine.json").read_text())
@@ -25,13 +25,12 @@ def test_smoke_run_measures_and_predicts(tmp_path):
     for r in rows.values():
         assert r["requests"] == run["requests"] > 0 and r["ttft_p50_s"] > 0
         assert 0 < r["token_hit_rate"] < 1 and r["output_tokens"] > 0
-    assert rows["none"]["stored_blocks"] == 0 and rows["none"]["cpu_blocks"] == 0
     for name in ("eager", "default"):
         assert rows[name]["stored_blocks"] > 0 and rows[name]["cpu_blocks"] > 0
     assert rows["default"]["setup"] == doc["conditions"].get("default_setup", "eager+arc")
     fit = run["cost_fit"]
     assert fit["kind"] == "measured" and fit["samples"] > 10 and fit["prefill_s_per_token"] > 0
-    assert set(run["predicted"]) == set(rows) and len(run["rows"]) == 3
+    assert set(run["predicted"]) == set(rows) and len(run["rows"]) == 2
     assert set(run["targets"]) == {"hit_rate_within_1_point", "ttft_p50_same_order",
                                    "ttft_p50_within_20pct"}
     assert "machine" in doc and doc["conditions"]["backend"] == "cpu"

@@ -22,7 +22,7 @@ from bench import crosscheck
     (["--max-running", "300", "--token-budget", "256"], "max_running 300 exceeds token_budget"),
     (["--vllm-scheduler", "nosuchfield=1"], "'nosuchfield' is not a vLLM SchedulerConfig field"),
     (["--vllm-scheduler", "scheduler_reserve_full_isl=\"maybe\""], "SchedulerConfig refuses"),
-    (["--policies", "lazy+hints"], "the connector does not take"),
+    (["--policies", "eager+nextuse"], "the eviction 'nextuse' is an oracle"),
 ])
 def test_bad_arguments_fail_before_any_run(monkeypatch, capsys, args, named):
     ran = []

@@ -19,7 +19,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 from bench.differential import MUTATIONS, first_caught, run_seed, summarise
 from kvtriton.sim.vllm_scheduler import tiny_model_dir
 
-SEEDS = int(os.environ.get("KVTRITON_DIFF_SEEDS", "200"))
+SEEDS = int(os.environ.get("KVTRITON_DIFF_SEEDS", "100"))
 #: Each mutation must be caught within this many seeds.
 MUTATION_SEEDS = 60
 

@@ -72,6 +72,9 @@ def multi_turn(model_dir):
     turns = conversations()
     return {"recompute": run_turns(model_dir, turns, connector=None),
             "tier": run_turns(model_dir, turns, connector=TIER),
+            # As on a GPU: every transfer reported LATE_POLLS polls after it finished.
+            "tier_late": run_turns(model_dir, turns, connector=TIER,
+                                   patch=lambda: inject("late_reports")),
             "corrupt": run_turns(model_dir, turns, connector=TIER,
                                  patch=lambda: inject("corrupt_loads")),
             "bigger_cache": run_turns(model_dir, turns, connector=None,
@@ -86,8 +89,9 @@ def test_scheduling_noise_is_below_the_tolerance(multi_turn):
     assert max_logprob_diff(a, b) <= LOGPROB_TOL / 10
 
 
-def test_cpu_tier_hits_give_the_recompute_outputs(multi_turn):
-    ref, run = multi_turn["recompute"], multi_turn["tier"]
+@pytest.mark.parametrize("tier", ["tier", "tier_late"])
+def test_cpu_tier_hits_give_the_recompute_outputs(multi_turn, tier):
+    ref, run = multi_turn["recompute"], multi_turn[tier]
     stats, worker = run.connector_stats, run.worker_stats
     # The workload must exercise the tier: GPU evictions, then CPU loads of real bytes.
     assert stats["blocks_loaded"] >= 50 and stats["cpu_hit_tokens"] >= 50 * BS
@@ -115,12 +119,14 @@ def restore_turns(seed: int = 1) -> list:
     return [[(a, 150), *[(f, 2) for f in fillers]], "reset_gpu", [(b, 4)]]
 
 
-@pytest.mark.parametrize("restore", [True, False])
-def test_restore_through_the_engine(model_dir, restore):
+@pytest.mark.parametrize("restore, late", [(True, False), (False, False), (True, True)])
+def test_restore_through_the_engine(model_dir, restore, late):
+    """``late``: every transfer reported late, as on a GPU (``inject("late_reports")``)."""
     turns = restore_turns()
     small = {"cpu_bytes_per_rank": 25 * BLOCK_BYTES, "restore": restore}
     ref = run_turns(model_dir, turns, connector=None)
-    run = run_turns(model_dir, turns, connector=small)
+    run = run_turns(model_dir, turns, connector=small,
+                    patch=(lambda: inject("late_reports")) if late else None)
     first, second = run.stats_by_turn
     b_hit = second["cpu_hit_tokens"] - first["cpu_hit_tokens"]
     assert first["running_evictions"] > 0  # A's blocks left the tier while A ran
