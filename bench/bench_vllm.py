@@ -436,6 +436,12 @@ def _model_dir(args: Any) -> tuple[str, int, int, str]:
     return str(path), m["vocab_size"], per_block, "float32"
 
 
+def _default_setup() -> str:
+    from kvtriton.setups import DEFAULT_SETUP
+
+    return DEFAULT_SETUP
+
+
 def prefill_ms_per_1k(cost) -> float:
     """Modeled ms to prefill 1,000 tokens in one step from an empty context."""
     return 1e3 * (cost.step_overhead_s + cost.prefill_s(1000, 0))
@@ -560,6 +566,9 @@ def main(argv: list[str] | None = None) -> int:
             parse_policy(s)
         except ValueError as e:
             ap.error(f"--systems: {e}")
+    if "default" in systems and _default_setup() in systems:
+        # The connector's default is a setup already listed: its run is that one.
+        systems.remove("default")
     if args.model is not None and not Path(args.model).is_dir():
         ap.error(f"--model {args.model!r}: not a folder (no download is attempted)")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -593,6 +602,7 @@ def main(argv: list[str] | None = None) -> int:
                           "backend": "cuda" if args.cuda else "cpu", "vllm": vllm.__version__,
                           "cpu_threads": None if args.cuda else args.threads,
                           "repeats": args.repeats,
+                          "default_setup": _default_setup(),
                           "simulator_layout": "llama3-8b preset (blocks given in blocks; "
                                               "transfer rates scaled per block)"},
            "targets": {"hit_rate_points": TARGET_HIT_POINTS, "ttft_p50_rel": TARGET_TTFT_REL},

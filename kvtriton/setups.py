@@ -342,4 +342,4 @@ def tier_policy(name: str) -> TierPolicy:
 #: The connector's setup when ``kv_connector_extra_config`` names none: the study's choice for a
 #: workload nobody characterised (``bench/default_setup.py`` states the rule and
 #: ``paper/build.py`` checks that the results still choose it).
-DEFAULT_SETUP = "eager+arc"
+DEFAULT_SETUP = "eager"

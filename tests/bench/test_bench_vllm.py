@@ -12,6 +12,7 @@ pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 
 from bench import bench_vllm
+from kvtriton.setups import DEFAULT_SETUP
 
 
 def test_smoke_run_measures_and_predicts(tmp_path):
@@ -27,7 +28,7 @@ def test_smoke_run_measures_and_predicts(tmp_path):
         assert 0 < r["token_hit_rate"] < 1 and r["output_tokens"] > 0
     for name in ("eager", "default"):
         assert rows[name]["stored_blocks"] > 0 and rows[name]["cpu_blocks"] > 0
-    assert rows["default"]["setup"] == doc["conditions"].get("default_setup", "eager+arc")
+    assert rows["default"]["setup"] == doc["conditions"]["default_setup"] == DEFAULT_SETUP
     fit = run["cost_fit"]
     assert fit["kind"] == "measured" and fit["samples"] > 10 and fit["prefill_s_per_token"] > 0
     assert set(run["predicted"]) == set(rows) and len(run["rows"]) == 2

@@ -35,9 +35,19 @@ def test_the_best_worst_case_wins_and_the_mean_breaks_ties():
     assert choose(ev)["setup"] == "eager+tail"
 
 
+def test_a_setup_not_measured_on_every_workload_is_not_eligible():
+    """The first rule asked for two workloads of evidence and chose a setup that lost on the
+    others when measured there: every workload is asked for."""
+    ev = [_cell(w, {"eager+arc": 1.0, "eager+tail": 0.1}) for w in ("a", "a", "b", "b")]
+    ev += [_cell("c", {"eager+tail": 0.1}), _cell("c", {"eager+tail": 0.2})]
+    got = choose(ev)
+    assert got["setup"] == "eager+tail" and got["workloads"] == ["a", "b", "c"]
+    assert not next(r for r in got["table"] if r["setup"] == "eager+arc")["eligible"]
+
+
 def test_too_little_evidence_is_not_eligible():
     ev = [_cell("a", {"eager+arc": 5.0}), _cell("a", {"eager+arc": 5.0})]
-    with pytest.raises(ValueError, match="no candidate was measured in 4 cells of 2 workloads"):
+    with pytest.raises(ValueError, match="no candidate was measured in 4 cells covering every"):
         choose(ev)
     ev += [_cell("b", {}), _cell("b", {})]
     got = choose(ev)
