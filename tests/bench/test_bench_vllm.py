@@ -16,7 +16,7 @@ from kvtriton.setups import DEFAULT_SETUP
 
 
 def test_smoke_run_measures_and_predicts(tmp_path):
-    systems = "eager,default"
+    systems = "none,default"
     assert bench_vllm.main(["--smoke", "--workloads", "agent", "--systems", systems,
                             "--out", str(tmp_path)]) == 0
     doc = json.loads((tmp_path / "vllm_engine.json").read_text())
@@ -26,8 +26,8 @@ def test_smoke_run_measures_and_predicts(tmp_path):
     for r in rows.values():
         assert r["requests"] == run["requests"] > 0 and r["ttft_p50_s"] > 0
         assert 0 < r["token_hit_rate"] < 1 and r["output_tokens"] > 0
-    for name in ("eager", "default"):
-        assert rows[name]["stored_blocks"] > 0 and rows[name]["cpu_blocks"] > 0
+    assert rows["none"]["stored_blocks"] == 0 and rows["none"]["cpu_blocks"] == 0
+    assert rows["default"]["stored_blocks"] > 0 and rows["default"]["cpu_blocks"] > 0
     assert rows["default"]["setup"] == doc["conditions"]["default_setup"] == DEFAULT_SETUP
     fit = run["cost_fit"]
     assert fit["kind"] == "measured" and fit["samples"] > 10 and fit["prefill_s_per_token"] > 0
