@@ -55,7 +55,7 @@ QUICK_CC_TURNS = 12
 # Without --full the coding-agent cut runs at CPU = GPU only: at 4x the tier holds every block
 # of the cut (no gap to close). Mooncake runs at both (about a minute per ratio on 2 cores).
 QUICK_RATIOS = {"agent": RATIOS, "cc_agentic": (1,), "mooncake": RATIOS}
-# Without --full the shipped traces run a subset, to stay within make bench's 10 minutes: the
+# Without --full the shipped traces run a subset, to keep make bench short: the
 # control, the bounded re-store and the signals of section 3.3; on Mooncake (no hints, and each
 # run a minute on 2 cores) only the admission, recency and waiting-queue signals. Both run the
 # connector's default (kvtriton.setups.DEFAULT_SETUP), so the rule that picks it

@@ -1,13 +1,14 @@
 """The harness's one table of studies: what ``python -m bench`` runs, in order, and what each
 writes to ``bench/results/``.
 
-A study is one module's ``main(argv)`` at one of two sizes: *quick* (``make bench`` on a machine
-without CUDA: under 10 minutes on 2 cores) or *full* (a GPU box: the whole traces, the long
-runs). ``run_in`` names the runs that include it: ``quick`` and ``full``, only ``full``, or
-none (a longer run made by name, ``--only``); a study named by ``--only`` runs at the chosen
-size whatever its ``run_in``. ``needs`` is what the machine must have beyond a CPU: ``cuda`` (a
-CUDA device) or ``vllm`` (vLLM importable: ``make test`` installs it into ``.venv``, ``make
-bench``'s set-up does not); a study whose need is missing is skipped with one line saying so.
+A study is one module's ``main(argv)`` at one of two sizes: *quick* (``make bench`` on a
+machine without CUDA; the run's time on 2 cores is in the commit that regenerates the results)
+or *full* (a GPU box: the whole traces, the long runs). ``run_in`` names the runs that include
+it: ``quick`` and ``full``, only ``full``, or none (a longer run made by name, ``--only``); a
+study named by ``--only`` runs at the chosen size whatever its ``run_in``. ``needs`` is what the
+machine must have beyond a CPU: ``cuda`` (a CUDA device) or ``vllm`` (vLLM importable: ``make
+test`` and ``make bench`` install it into ``.venv``); a study whose need is missing is skipped
+with one line saying so.
 ``writes`` are the files (JSON and figures) of the quick size, ``writes_full`` those of the full
 size where they differ. ``paper/build.py`` reads this table to tell a results file the quick run
 always writes (required) from one it may lack.
