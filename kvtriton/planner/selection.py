@@ -118,24 +118,29 @@ class StoreSelector(ABC):
 
     #: Whether the pools should call the ``*_many`` listeners below (once per pool call, after
     #: it) instead of the per-key ones (once per key, as each block changes). The loop
-    #: reference keeps the per-key ones: it is what the batched path is checked against.
+    #: reference keeps the per-key ones: it is what the batched path is checked against. The
+    #: ``*_many`` defaults replay a batch through the per-key listeners.
     batch_listeners = False
 
     def on_cpu_insert_many(self, keys: np.ndarray, blocks: np.ndarray) -> None:
         """Every (key, block) a CPU pool call made hittable, after the call."""
-        raise NotImplementedError
+        for key, block in zip(keys.tolist(), blocks.tolist(), strict=True):
+            self.on_cpu_insert(key, block)
 
     def on_cpu_evict_many(self, keys: np.ndarray, blocks: np.ndarray) -> None:
         """Every (key, block) a CPU pool call dropped, after the call."""
-        raise NotImplementedError
+        for key, block in zip(keys.tolist(), blocks.tolist(), strict=True):
+            self.on_cpu_evict(key, block)
 
     def on_gpu_insert_many(self, keys: np.ndarray, blocks: np.ndarray) -> None:
         """Every (key, block) a GPU pool call made hittable, after the call."""
-        raise NotImplementedError
+        for key, block in zip(keys.tolist(), blocks.tolist(), strict=True):
+            self.on_gpu_insert(key, block)
 
     def on_gpu_evict_many(self, keys: np.ndarray, blocks: np.ndarray) -> None:
         """Every (key, block) a GPU pool call dropped, after the call."""
-        raise NotImplementedError
+        for key, block in zip(keys.tolist(), blocks.tolist(), strict=True):
+            self.on_gpu_evict(key, block)
 
     def append_blocks_many(self, group: int, rows: list[int], block_ids: list[list[int]]
                            ) -> None:
