@@ -206,6 +206,7 @@ class ServingLoop(ServingClock):
         if seq.first_token_s is None:
             seq.first_token_s = self.now
             self.metrics.ttft_s.append(self.now - seq.arrival_s)
+            self.metrics.ttft_by_request[seq.req.request_id] = self.now - seq.arrival_s
         return seq.output_done >= max(1, seq.wr.output_len)
 
     # ---- one step -------------------------------------------------------------------------------
@@ -264,6 +265,7 @@ class ServingLoop(ServingClock):
         m, sched = self.metrics, self.sched
         m.prompt_tokens, m.prefill_tokens = sched.prompt_tokens, sched.prefill_tokens
         m.gpu_hit_tokens, m.cpu_hit_tokens = sched.gpu_hit_tokens, sched.cpu_hit_tokens
+        m.tokens_by_request = sched.first_admit_tokens
         m.recomputed_tokens, m.preemptions = sched.recomputed_tokens, sched.preemptions
         m.planner_s = sched.planner_s
         if self.planner is not None:

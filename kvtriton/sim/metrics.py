@@ -2,12 +2,28 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TypedDict
 
 import numpy as np
 
-__all__ = ["RunMetrics", "SetupRow", "format_table"]
+__all__ = ["PartRow", "RunMetrics", "SetupRow", "format_table"]
+
+
+class PartRow(TypedDict):
+    """One part's figures of a run (``SetupRow.parts``): the requests of that part only (a
+    train or test part of a split, ``kvtriton.sim.splits``). Tokens are prompt tokens of the
+    part's admitted requests; TTFTs are modeled seconds of its requests that produced a token."""
+
+    requests: int
+    prompt_tokens: int
+    gpu_hit_tokens: int
+    cpu_hit_tokens: int
+    token_hit_rate: float
+    ttft_p50_s: float
+    ttft_p90_s: float
+    ttft_mean_s: float
 
 
 class SetupRow(TypedDict, total=False):
@@ -58,6 +74,7 @@ class SetupRow(TypedDict, total=False):
     integrity_blocks_checked: int
     integrity_registrations_checked: int
     integrity_blocks_filled: int
+    parts: dict[str, PartRow]  # per part of the workload's split, when the run was given one
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -92,6 +109,31 @@ class RunMetrics:
     planner: dict = field(default_factory=dict)
     #: Finished requests per hint the CPU tier was given ("none": no hint), with hints on.
     hints: dict = field(default_factory=dict)
+    #: Per admitted request id: (prompt tokens, GPU hit, CPU hit tokens) at its first admission.
+    tokens_by_request: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    #: Per request id that produced a token: its modeled TTFT in seconds.
+    ttft_by_request: dict[str, float] = field(default_factory=dict)
+
+    def part_rows(self, parts: Mapping[str, str]) -> dict[str, PartRow]:
+        """The figures of each part of ``parts`` (request id -> part name), in order of first
+        appearance; a request without a part is in none."""
+        acc: dict[str, list] = {}
+        for rid, label in parts.items():
+            a = acc.setdefault(label, [0, 0, 0, 0, []])
+            tokens = self.tokens_by_request.get(rid)
+            if tokens is not None:
+                a[0] += 1
+                a[1] += tokens[0]
+                a[2] += tokens[1]
+                a[3] += tokens[2]
+            ttft = self.ttft_by_request.get(rid)
+            if ttft is not None:
+                a[4].append(ttft)
+        return {label: {"requests": n, "prompt_tokens": p, "gpu_hit_tokens": g,
+                        "cpu_hit_tokens": c, "token_hit_rate": (g + c) / p if p else 0.0,
+                        "ttft_p50_s": _pct(t, 50), "ttft_p90_s": _pct(t, 90),
+                        "ttft_mean_s": sum(t) / len(t) if t else float("nan")}
+                for label, (n, p, g, c, t) in acc.items()}
 
     def summary(self) -> SetupRow:
         """Flat figures for tables and JSON."""

@@ -389,6 +389,8 @@ class BatchScheduler(KVScheduler):
         self.prompt_tokens = 0
         self.gpu_hit_tokens = 0
         self.cpu_hit_tokens = 0
+        #: Per request id, at its first admission: (prompt tokens, GPU hit, CPU hit tokens).
+        self.first_admit_tokens: dict[str, tuple[int, int, int]] = {}
         self.prefill_tokens = 0
         self.preemptions = 0
         #: Called with a request the first time it is admitted (its lookup ran, it got blocks).
@@ -505,6 +507,7 @@ class BatchScheduler(KVScheduler):
             self.prompt_tokens += req.num_prompt_tokens
             self.gpu_hit_tokens += local
             self.cpu_hit_tokens += ext
+            self.first_admit_tokens[req.request_id] = (req.num_prompt_tokens, local, ext)
             if self.on_first_admit is not None:
                 self.on_first_admit(seq)
         if ext:

@@ -5,7 +5,7 @@ loop or vLLM's scheduler. Every argument is checked here once, for both engines,
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -153,13 +153,34 @@ def in_loop_bound(rows: list[dict]) -> dict | None:
 
 def add_gap_closed(rows: list[dict], bounds: list[dict]) -> None:
     """Set ``gap_closed`` on every row and bound from the control row and the in-loop Belady
-    bound (``composition`` names them); None where either is missing."""
+    bound (``composition`` names them); None where either is missing. Rows with ``parts`` get
+    it per part too, from the control's and the bound's figures on the same part."""
     every = rows + bounds
     control = next((r for r in every if r.get("composition") == CONTROL), None)
     bound = in_loop_bound(every)
     for r in every:
         r["gap_closed"] = None if control is None or bound is None else gap_closed(
             r["token_hit_rate"], control["token_hit_rate"], bound["token_hit_rate"])
+        for name, part in r.get("parts", {}).items():
+            c, b = ((x or {}).get("parts", {}).get(name) for x in (control, bound))
+            part["gap_closed"] = None if c is None or b is None else gap_closed(
+                part["token_hit_rate"], c["token_hit_rate"], b["token_hit_rate"])
+
+
+def _check_parts(workload: Workload, parts: Mapping[str, str] | None) -> None:
+    """``ValueError`` naming the first request id of ``parts`` not in ``workload`` or the first
+    part name that is not a non-empty str."""
+    if parts is None:
+        return
+    if not isinstance(parts, Mapping):
+        raise ValueError(f"parts must map request ids to part names, got {type(parts).__name__}")
+    known = {wr.request_id for wr in workload}
+    for rid, name in parts.items():
+        if rid not in known:
+            raise ValueError(f"parts: request id {rid!r} is not in workload {workload.name!r}")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"parts: request {rid!r} has part {name!r}; a part is a non-empty "
+                             "str")
 
 
 def _check_engine(engine: str, chosen: list[TierPolicy], layout: KVLayout, model: str,
@@ -259,6 +280,7 @@ def simulate(
     scheduler_overrides: dict[str, Any] | None = None,
     check_only: bool = False,
     cost: ServingCost | None = None,
+    parts: Mapping[str, str] | None = None,
 ) -> SimulationResult:
     """Replay ``workload`` through the serving loop once per policy.
 
@@ -294,6 +316,10 @@ def simulate(
 
     ``cost``: the clock's cost model instead of ``model`` on ``gpu`` (``CostModel.named``), e.g.
     a ``MeasuredCost`` fitted to a real engine's steps; ``model`` still sets the layout.
+
+    ``parts``: request id -> part name (a train/test split, ``kvtriton.sim.splits``): every row
+    then also has ``parts``, each part's hit rate, TTFTs and ``gap_closed`` over its own
+    requests, from the same run (the other part's requests still share the server and tier).
     """
     if not is_int(token_budget) or token_budget < 1:
         raise ValueError(f"token_budget must be a positive int, got {token_budget!r}")
@@ -304,6 +330,7 @@ def simulate(
     if scheduler_overrides and engine != "vllm":
         raise ValueError("scheduler_overrides are vLLM SchedulerConfig fields: only with "
                          "engine='vllm'")
+    _check_parts(workload, parts)
     chosen = [tier_policy(p) for p in policies]
     layout = preset(model, block_size=workload.hash_block_size)
     _check_engine(engine, chosen, layout, model, integrity, integrity_backend, token_budget,
@@ -343,7 +370,7 @@ def simulate(
         result = _simulate_on_vllm(workload, layout, cost, chosen, n_gpu, n_cpu, conditions,
                                    token_budget=token_budget, max_running=max_running,
                                    progress=progress, scheduler_overrides=scheduler_overrides,
-                                   reserve_full_isl=reserve_full_isl)
+                                   reserve_full_isl=reserve_full_isl, parts=parts)
         if bound:
             result.bound = belady_bound(workload, layout, n_gpu, n_cpu, rejected)
         return result
@@ -365,7 +392,10 @@ def simulate(
                            token_budget=token_budget, max_running=max_running,
                            integrity=checker, reserve_full_isl=reserve_full_isl,
                            progress=Progress(f"{pol.name:>20s}", enabled=progress))
-        row = loop.run().summary()
+        metrics = loop.run()
+        row = metrics.summary()
+        if parts is not None:
+            row["parts"] = metrics.part_rows(parts)
         row["composition"] = pol.composition
         row["oracle"] = pol.oracle
         row["cpu_blocks"] = loop.cpu.num_blocks - 1 if loop.cpu is not None else 0
@@ -387,7 +417,8 @@ def _simulate_on_vllm(workload: Workload, layout: KVLayout, cost: ServingCost,
                       chosen: list[TierPolicy], n_gpu: int, n_cpu: int, conditions: dict, *,
                       token_budget: int, max_running: int, progress: bool,
                       scheduler_overrides: dict[str, Any] | None,
-                      reserve_full_isl: bool) -> SimulationResult:
+                      reserve_full_isl: bool,
+                      parts: Mapping[str, str] | None = None) -> SimulationResult:
     """Every policy of ``chosen`` through ``VllmLoop`` (arguments checked by ``simulate``)."""
     import tempfile
 
@@ -412,7 +443,10 @@ def _simulate_on_vllm(workload: Workload, layout: KVLayout, cost: ServingCost,
                             model_dir=model_dir, max_model_len=max_model_len,
                             progress=Progress(f"{pol.name:>20s} (vllm)", enabled=progress),
                             scheduler_overrides=overrides or None)
-            row = loop.run().summary()
+            metrics = loop.run()
+            row = metrics.summary()
+            if parts is not None:
+                row["parts"] = metrics.part_rows(parts)
             row["composition"], row["oracle"] = pol.composition, pol.oracle
             row["cpu_blocks"] = n_cpu if pol.planner is not None else 0
             result.rows.append(row)

@@ -167,9 +167,12 @@ class VllmLoop(ServingClock):
             wr = self._live[rid][0]
             stats = self.scheduler.requests[rid].prefill_stats
             m.prompt_tokens += wr.prompt_len
+            local = ext = 0
             if stats is not None:
-                m.gpu_hit_tokens += stats.num_local_cached_tokens
-                m.cpu_hit_tokens += stats.num_external_cached_tokens
+                local, ext = stats.num_local_cached_tokens, stats.num_external_cached_tokens
+                m.gpu_hit_tokens += local
+                m.cpu_hit_tokens += ext
+            m.tokens_by_request[rid] = (wr.prompt_len, local, ext)
 
     # ---- one step ----------------------------------------------------------------------------
 
@@ -213,6 +216,7 @@ class VllmLoop(ServingClock):
             if rid not in self._first_token:
                 self._first_token.add(rid)
                 self.metrics.ttft_s.append(self.now - self._live[rid][2])
+                self.metrics.ttft_by_request[rid] = self.now - self._live[rid][2]
         kv = KVConnectorOutput(
             finished_recving=_CompletionOrderSet(loads) or None,
             kv_connector_worker_meta=KVTritonWorkerMetadata(stores) if stores else None)

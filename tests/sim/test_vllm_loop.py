@@ -13,6 +13,9 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 
 from bench.crosscheck import compare, serving_loop_options
 from kvtriton.sim import agent_workload, simulate
+from kvtriton.sim.splits import TEST, TRAIN, session_sets
+
+HIT_KEYS = ("requests", "prompt_tokens", "gpu_hit_tokens", "cpu_hit_tokens")
 
 
 @pytest.fixture(scope="module")
@@ -49,12 +52,17 @@ def test_ample_gpu_gives_the_serving_loops_hits_exactly(workload):
     # Nothing is ever evicted and every turn waits for the previous one: both loops must see
     # the same prefix hits, token for token, and recompute nothing.
     kw = {"gpu_tokens": 1 << 18, "cpu_tokens": 1 << 18, "policies": ["no_cpu", "control"],
-          "bound": False}
+          "bound": False, "parts": session_sets(workload)}
     vllm, ours = simulate(workload, engine="vllm", **kw), simulate(workload, **kw)
     for a, b in zip(vllm.rows, ours.rows, strict=True):
         assert (a["gpu_hit_tokens"], a["cpu_hit_tokens"], a["recomputed_tokens"]) == (
             b["gpu_hit_tokens"], b["cpu_hit_tokens"], b["recomputed_tokens"])
         assert a["recomputed_tokens"] == 0
+        # Each part's figures are its own requests', in both engines.
+        for part in (TRAIN, TEST):
+            assert a["parts"][part]["requests"] > 0
+            assert {k: a["parts"][part][k] for k in HIT_KEYS} == \
+                {k: b["parts"][part][k] for k in HIT_KEYS}
 
 
 def test_bad_input(workload):
