@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 
 from bench.common import OneLineParser, write_result
@@ -44,9 +45,18 @@ from kvtriton.sim import (
 )
 from kvtriton.sim.metrics import format_table
 from kvtriton.sim.simulate import add_gap_closed, in_loop_bound
+from kvtriton.sim.splits import SPLIT_SEED, TEST, TRAIN, split_named
+from kvtriton.sim.trace_stats import reuse_profile
 from kvtriton.sim.workloads import first_turns, serving_workload
 
 RATIOS = (1, 4)
+#: How each workload is split (``kvtriton.sim.splits``): the best setup is chosen on the train
+#: part and judged on the test part. Mooncake is one long trace: its time halves. The others
+#: are sets of independent sessions: whole sessions (a coding-agent trace with its sub-agents)
+#: drawn into two sets.
+SPLITS = {"agent": "sessions", "cc_agentic": "sessions", "mooncake": "time"}
+SPLIT_TEXT = {"time": "time halves (the first half of the requests by arrival trains)",
+              "sessions": f"sessions drawn into two sets (seed {SPLIT_SEED})"}
 # The smallest control-to-bound gap (points of token hit rate) whose shares are reported and
 # judged against a target.
 MATERIAL_GAP_POINTS = 2.0
@@ -118,21 +128,42 @@ def ttft_tolerance_s(conditions: dict) -> float:
     return cost.step_overhead_s + cost.prefill_s(conditions["token_budget"], 0)
 
 
-def _ttft_ok(row: dict, control: dict, tolerance_s: float = 0.0) -> bool:
-    return (row["ttft_p50_s"] <= control["ttft_p50_s"] + tolerance_s + 1e-9
-            and row["ttft_p90_s"] <= control["ttft_p90_s"] + tolerance_s + 1e-9)
+def _figures(row: dict, part: str | None) -> dict:
+    """``row``'s figures over the whole run (``part`` None) or over one part of its split."""
+    return row if part is None else row["parts"][part]
 
 
-def best_online(rows: list[dict], tolerance_s: float = 0.0) -> dict | None:
+def workload_traits(wl: Workload, gpu_tokens: int, ratios: tuple[int, ...]) -> dict:
+    """What a reader of the decision map needs of a workload, from the workload alone: how far
+    apart its prompt blocks are reused against the GPU and the GPU + CPU capacities
+    (``reuse_profile``), turns per session, and the share of requests a server is given a
+    ``continue`` hint for."""
+    caps = {"gpu": gpu_tokens, **{f"gpu+cpu {r}x": (1 + r) * gpu_tokens for r in ratios}}
+    turns = Counter(wr.session.split("/")[0] for wr in wl if wr.session is not None)
+    return {"reuse": reuse_profile(wl, caps),
+            "sessions": len(turns),
+            "turns_per_session": sum(turns.values()) / len(turns) if turns else None,
+            "continue_share": sum(wr.hint == "continue" for wr in wl) / len(wl)}
+
+
+def _ttft_ok(row: dict, control: dict, tolerance_s: float = 0.0, part: str | None = None) -> bool:
+    r, c = _figures(row, part), _figures(control, part)
+    return (r["ttft_p50_s"] <= c["ttft_p50_s"] + tolerance_s + 1e-9
+            and r["ttft_p90_s"] <= c["ttft_p90_s"] + tolerance_s + 1e-9)
+
+
+def best_online(rows: list[dict], tolerance_s: float = 0.0, part: str | None = None) -> dict | None:
     """The online setup (not the control, not given oracle closes) that closes the most gap,
     some of it, with modeled TTFT p50 and p90 no more than ``tolerance_s`` above the
-    control's; None if no such setup."""
+    control's; None if no such setup. ``part``: judged on that part of the split only (the
+    train part, when a choice is to be reported on the test part)."""
     control = next(r for r in rows if r["composition"] == "eager")
     fair = [r for r in rows if not r["oracle"] and r["composition"] not in ("eager", "none")
             and r.get("hint_source") != "oracle closes"
-            and r.get("gap_closed") is not None and r["gap_closed"] > 0
-            and _ttft_ok(r, control, tolerance_s)]
-    return max(fair, key=lambda r: r["gap_closed"]) if fair else None
+            and _figures(r, part).get("gap_closed") is not None
+            and _figures(r, part)["gap_closed"] > 0
+            and _ttft_ok(r, control, tolerance_s, part)]
+    return max(fair, key=lambda r: _figures(r, part)["gap_closed"]) if fair else None
 
 
 def _slim(row: dict) -> dict:
@@ -160,18 +191,24 @@ def _run_all(tasks: list[tuple], progress: bool, what: str) -> dict:
 
 def ablation(tag: str, wl: Workload, gpu_tokens: int, policies: tuple[str, ...],
              progress: bool, results_dir=None, ratios: tuple[int, ...] = RATIOS,
-             name: str | None = None, oracle_wl: Workload | None = None) -> dict:
+             name: str | None = None, oracle_wl: Workload | None = None,
+             split: str | None = None) -> dict:
     """``policies`` and the in-loop bounds at each CPU/GPU ratio of ``ratios``; writes
     ``<name>.json`` (default ``policies_<tag>``). With ``oracle_wl`` (``wl`` with session
     closes), every hinted setup also runs on it, as a row named ``<setup> [oracle closes]``
-    that no target or best setup counts; every hinted row says its ``hint_source``."""
+    that no target or best setup counts; every hinted row says its ``hint_source``.
+
+    ``split`` (``kvtriton.sim.splits.split_named``): every row also reports the train and test
+    parts; each target's best setup is then chosen on the train part and judged on the test
+    part (``gap_closed_train``, ``gap_closed_test``), as is ``met``."""
     t0 = time.perf_counter()
     # One task per (capacity, setup), so that every core stays busy; the control's task also
     # brings the cache-only Belady bound.
     tasks = []
     hinted = [p for p in policies if _hinted(p)] if oracle_wl is not None else []
+    parts = split_named(split, wl) if split is not None else None
     for ratio in ratios:
-        cap = {"gpu_tokens": gpu_tokens, "cpu_tokens": ratio * gpu_tokens}
+        cap = {"gpu_tokens": gpu_tokens, "cpu_tokens": ratio * gpu_tokens, "parts": parts}
         for p in dict.fromkeys(("eager", *policies, *BOUNDS)):
             control = p == "eager"
             tasks.append(((ratio, p), wl, {**cap, "policies": [p], "bound": control,
@@ -198,29 +235,11 @@ def ablation(tag: str, wl: Workload, gpu_tokens: int, policies: tuple[str, ...],
         rows = online + oracles
         bound = in_loop_bound(rows)
         tolerance = ttft_tolerance_s(res["conditions"])
-        best = best_online(rows, tolerance)
-        strict = best_online(rows)
         control_row = next(r for r in rows if r["composition"] == "eager")
         for r in rows:
             r["ttft_no_worse"] = _ttft_ok(r, control_row, tolerance)
             r["ttft_no_worse_strict"] = _ttft_ok(r, control_row)
-        target = TARGETS[tag]
-        control_hit = next(r["token_hit_rate"] for r in rows if r["composition"] == "eager")
-        # No material gap: a share of a gap under MATERIAL_GAP_POINTS magnifies noise (a loss of
-        # 1.5 points against a 0.4-point gap reads -360%), so no share is judged there.
-        gap_points = 100 * (bound["token_hit_rate"] - control_hit)
-        no_gap = gap_points < MATERIAL_GAP_POINTS
-        targets.append({
-            "cpu_ratio": ratio, "target": target,
-            "best": best["policy"] if best else None,
-            "gap_closed": best["gap_closed"] if best else None,
-            "ttft_tolerance_s": tolerance,
-            "best_strict": strict["policy"] if strict else None,
-            "gap_closed_strict": strict["gap_closed"] if strict else None,
-            "met": None if no_gap else bool(best and best["gap_closed"] >= target),
-            "no_gap": no_gap, "gap_points": gap_points,
-            "material_gap_points": MATERIAL_GAP_POINTS, "control_hit_rate": control_hit,
-            "bound": bound["policy"], "bound_hit_rate": bound["token_hit_rate"]})
+        targets.append(_target(tag, ratio, rows, bound, tolerance, split))
         runs.append({"cpu_ratio": ratio, "cpu_tokens": ratio * gpu_tokens,
                      "conditions": res["conditions"], "rows": rows,
                      "cache_only_bound": res["bound"]})
@@ -229,13 +248,50 @@ def ablation(tag: str, wl: Workload, gpu_tokens: int, policies: tuple[str, ...],
         t = targets[-1]
         verdict = (f"gap {t['gap_points']:.1f} points, under {MATERIAL_GAP_POINTS:g}: not judged"
                    if t["no_gap"] else "met" if t["met"] else "missed")
-        print(f"best online: {t['best']}: {t['gap_closed'] or 0:.0%} of the gap "
-              f"(target {target:.0%}: {verdict})")
+        where = ("" if split is None else
+                 f" (chosen on {TRAIN}: {t['gap_closed_train'] or 0:.0%}; on {TEST})")
+        print(f"best online: {t['best']}: {t['judged_share'] or 0:.0%} of the gap{where} "
+              f"(target {t['target']:.0%}: {verdict})")
     payload = {"workload": wl.name, "requests": len(wl), "gpu_tokens": gpu_tokens,
                "ratios": list(ratios), "policies": list(policies), "bounds": list(BOUNDS),
+               "split": split, "split_text": SPLIT_TEXT.get(split),
+               "traits": workload_traits(wl, gpu_tokens, ratios),
                "runs": runs, "targets": targets, "wall_s": time.perf_counter() - t0}
     print(f"wrote {write_result(name or f'policies_{tag}', payload, results_dir)}")
     return payload
+
+
+def _target(tag: str, ratio: int, rows: list[dict], bound: dict, tolerance: float,
+            split: str | None) -> dict:
+    """The target of one capacity: the best online setup (``best_online``), chosen on the train
+    part and judged on the test part when the rows have them, else on the whole run.
+    ``gap_closed``: its share over the whole run; ``judged_share``: the share the target is
+    judged on. No share is judged where the gap it is a share of is under
+    ``MATERIAL_GAP_POINTS`` (a loss of 1.5 points against a 0.4-point gap reads -360%)."""
+    choose_on, judge_on = (TRAIN, TEST) if split is not None else (None, None)
+    best = best_online(rows, tolerance, choose_on)
+    strict = best_online(rows, 0.0, choose_on)
+    control = next(r for r in rows if r["composition"] == "eager")
+    gap_points = 100 * (_figures(bound, judge_on)["token_hit_rate"]
+                        - _figures(control, judge_on)["token_hit_rate"])
+    no_gap = gap_points < MATERIAL_GAP_POINTS
+    share = None if best is None else _figures(best, judge_on)["gap_closed"]
+    t = {"cpu_ratio": ratio, "target": TARGETS[tag],
+         "best": best["policy"] if best else None,
+         "gap_closed": best["gap_closed"] if best else None,
+         "judged_share": share, "ttft_tolerance_s": tolerance,
+         "best_strict": strict["policy"] if strict else None,
+         "gap_closed_strict": _figures(strict, judge_on)["gap_closed"] if strict else None,
+         "met": None if no_gap else bool(share is not None and share >= TARGETS[tag]),
+         "no_gap": no_gap, "gap_points": gap_points,
+         "material_gap_points": MATERIAL_GAP_POINTS,
+         "control_hit_rate": _figures(control, judge_on)["token_hit_rate"],
+         "bound": bound["policy"], "bound_hit_rate": _figures(bound, judge_on)["token_hit_rate"],
+         "chosen_on": choose_on or "whole run", "judged_on": judge_on or "whole run"}
+    if split is not None:
+        t["gap_closed_train"] = None if best is None else best["parts"][TRAIN]["gap_closed"]
+        t["gap_closed_test"] = share
+    return t
 
 
 MAP_FORMS = ("eager+restore", "eager+restore:0.5")
@@ -345,7 +401,7 @@ def main(argv: list[str] | None = None) -> dict:
             # --full runs other workloads (the whole traces, a larger generator): their own file.
             name = f"policies_{tag}" if quick else f"policies_{tag}_full"
             out[name] = ablation(tag, wl, gpu, policies, progress, ratios=ratios, name=name,
-                                 oracle_wl=oracle_wl)
+                                 oracle_wl=oracle_wl, split=SPLITS[tag])
     if args.only in (None, "map"):
         for tag in maps:
             out[f"restore_map_{tag}"] = restore_map(tag, quick, progress)

@@ -15,6 +15,11 @@ control scores 0 everywhere, so the default never loses to vLLM's behaviour on t
 from four cells of two workloads; measured on the other two, it lost 0.35 points on the
 coding-agent cut and 0.17 on Mooncake. Every workload is asked for since.)
 
+The rule reads the *train* part of each run's split (``bench_policies.SPLITS``: Mooncake's time
+halves, the other workloads' session sets), and the choice is then reported on the *test* part
+(``held_out``): the default is never its own evidence. A results file written before the splits
+(no ``parts`` in its rows) is left out of the choice and named.
+
 ``python -m bench.default_setup`` prints the table and the choice; ``paper/build.py`` fails when
 the choice differs from ``kvtriton.setups.DEFAULT_SETUP`` (the evidence moved).
 """
@@ -45,27 +50,58 @@ def candidate(composition: str) -> bool:
             and p.planner.admission != "hinted")
 
 
-def cells(results_dir: Path = RESULTS_DIR) -> list[dict[str, Any]]:
+def cells(results_dir: Path = RESULTS_DIR, part: str | None = None,
+          skipped: list[str] | None = None) -> list[dict[str, Any]]:
     """Per (policy file, CPU ratio): the workload and each setup's hit-rate change against the
-    control, in points."""
+    control, in points, over the whole run or (``part``: ``"train"``, ``"test"``) over that
+    part of its split. With ``part``, a file whose rows have no parts is left out and its name
+    appended to ``skipped``."""
     out = []
     for name in POLICY_FILES:
         path = Path(results_dir) / name
         if not path.exists():
             continue
         doc = json.loads(path.read_text())
+        if part is not None and not all("parts" in r for run in doc["runs"]
+                                        for r in run["rows"]):
+            if skipped is not None:
+                skipped.append(name)
+            continue
         for run in doc["runs"]:
             # A row given oracle closes shares its composition with the causal one.
-            rows = {r["composition"]: r for r in run["rows"]
-                    if r.get("hint_source") != "oracle closes"}
+            rows = {r["composition"]: r if part is None else r["parts"][part]
+                    for r in run["rows"] if r.get("hint_source") != "oracle closes"}
             if CONTROL not in rows:
                 raise ValueError(f"{path}: CPU x{run['cpu_ratio']} has no {CONTROL!r} row")
             base = rows[CONTROL]["token_hit_rate"]
             out.append({"file": name, "workload": doc["workload"].split(" ")[0],
-                        "cpu_ratio": run["cpu_ratio"],
+                        "cpu_ratio": run["cpu_ratio"], "part": part,
                         "gain_points": {c: 100 * (r["token_hit_rate"] - base)
                                         for c, r in rows.items()}})
     return out
+
+
+def held_out(choice: dict[str, Any], test: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every row of ``choice["table"]`` (the rule run on the train part) as measured on the
+    ``test`` cells: worst and mean change there, in points."""
+    out = []
+    for r in choice["table"]:
+        g = [c["gain_points"][r["setup"]] for c in test if r["setup"] in c["gain_points"]]
+        out.append({"setup": r["setup"], "cells": len(g),
+                    "worst_points": min(g) if g else None,
+                    "mean_points": sum(g) / len(g) if g else None})
+    return out
+
+
+def choose_on_train(results_dir: Path = RESULTS_DIR) -> dict[str, Any]:
+    """The rule on the train parts, with each candidate's figures on the test parts
+    (``test``, in the order of ``table``) and the files left out (``skipped``)."""
+    skipped: list[str] = []
+    got = choose(cells(results_dir, "train", skipped))
+    got["test"] = held_out(got, cells(results_dir, "test"))
+    got["skipped"] = skipped
+    got["rule"] += "; chosen on the train part of every run, reported on its test part"
+    return got
 
 
 def choose(evidence: list[dict[str, Any]]) -> dict[str, Any]:
@@ -102,12 +138,17 @@ def choose(evidence: list[dict[str, Any]]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     from kvtriton.setups import DEFAULT_SETUP
 
-    got = choose(cells())
-    print(f"{'setup':28s} {'cells':>5s} {'worst':>7s} {'mean':>7s}")
-    for r in got["table"]:
+    got = choose_on_train()
+    print(f"{'':28s} {'train':>21s}   {'test':>13s}")
+    print(f"{'setup':28s} {'cells':>5s} {'worst':>7s} {'mean':>7s}   {'worst':>6s} {'mean':>6s}")
+    for r, t in zip(got["table"], got["test"], strict=True):
         flag = "" if r["eligible"] else "  (not measured on every workload)"
+        test = ("   " + " ".join(f"{x:+6.2f}" for x in (t["worst_points"], t["mean_points"]))
+                if t["cells"] else "")
         print(f"{r['setup']:28s} {r['cells']:5d} {r['worst_points']:+7.2f} "
-              f"{r['mean_points']:+7.2f}{flag}")
+              f"{r['mean_points']:+7.2f}{test}{flag}")
+    if got["skipped"]:
+        print(f"left out (written before the train/test split): {', '.join(got['skipped'])}")
     same = got["setup"] == DEFAULT_SETUP
     print(f"rule: {got['rule']}; chosen {got['setup']!r}; kvtriton.setups.DEFAULT_SETUP is "
           f"{DEFAULT_SETUP!r}" + ("" if same else ": they differ"))

@@ -334,6 +334,21 @@ def _bounds_intro(docs: dict) -> str:
             f"({where(near)}) and {far[0]:.1f} points ({where(far)}) below it.")
 
 
+def split_text(docs: dict) -> str:
+    """Each workload's train/test split, with the parts' sizes from the control's rows."""
+    lines = []
+    for tag, doc in docs.items():
+        if not doc.get("split"):
+            lines.append(f"- {POLICY_LABELS[tag]}: written before the split; its figures are "
+                         "over the whole run, and nothing is chosen from it.")
+            continue
+        control = next(r for r in doc["runs"][0]["rows"] if r["composition"] == "eager")
+        sizes = ", ".join(f"{name} {p['requests']:,} requests ({p['prompt_tokens']:,} prompt "
+                          "tokens)" for name, p in control["parts"].items())
+        lines.append(f"- {POLICY_LABELS[tag]}: {doc['split_text']}: {sizes}.")
+    return "\n".join(lines)
+
+
 def hybrid_waste(v: dict) -> None:
     """The share of a CPU block a hybrid preset's smallest group's block uses (the layout's
     own byte counts)."""
@@ -354,7 +369,7 @@ def policies_section(v: dict) -> None:
     docs = _policy_docs()
     if not docs:
         for k in ("policies_text", "ablation_table", "policies_tables", "fig_gap",
-                  "targets_text", "bounds_text", "hints_text"):
+                  "targets_text", "bounds_text", "hints_text", "split_text"):
             v[k] = "*Pending: `python -m bench.bench_policies` has not been run.*"
         v["abstract_policies"] = "the policy benchmark has not been run"
         return
@@ -437,13 +452,19 @@ def policies_section(v: dict) -> None:
         strict = "" if tol is None else (
             "; with no tolerance: " + (f"`{t['best_strict']}`, {_gap(t['gap_closed_strict'])}"
                                        if t.get("best_strict") else "none"))
+        split = "gap_closed_train" in t
+        share = t.get("judged_share", t["gap_closed"])
+        chosen = (f"`{t['best']}`, chosen on the train part ({_gap(t['gap_closed_train'])} of "
+                  f"its gap), closes {_gap(share)} of the test part's gap " if split else
+                  f"`{t['best']}`, {_gap(share)} of the gap ")
         return (f"- {labels[tag]}, CPU {t['cpu_ratio']}x: best online setup with TTFT p50 and "
                 "p90 no worse than the control's"
                 + ("" if tol is None else f" (within {tol:.2f} s)") + ": "
-                + (f"`{t['best']}`, {_gap(t['gap_closed'])} of the gap "
-                   if t["best"] and t["gap_closed"] > 0 else "none closes any of the gap ")
+                + (chosen if t["best"] and (t["gap_closed_train"] if split else share) > 0
+                   else "none closes any of the gap ")
                 + f"(control {_pct(t['control_hit_rate'])}, bound `{t['bound']}` "
-                f"{_pct(t['bound_hit_rate'])}); target {t['target']:.0%}: "
+                f"{_pct(t['bound_hit_rate'])}" + (" on the test part" if split else "")
+                + f"); target {t['target']:.0%}: "
                 + (f"not judged: the gap is {t['gap_points']:.1f} points"
                    if t.get("no_gap") and "gap_points" in t else
                    "no gap to close at this size: the control reaches the bound"
@@ -458,6 +479,7 @@ def policies_section(v: dict) -> None:
         "smaller change is below the cost model's resolution. Mean TTFT is in the detail "
         "tables. Rows given oracle closes are never the best setup.\n\n")) + "\n".join(
         target_line(tag, t) for tag, doc in docs.items() for t in doc["targets"])
+    v["split_text"] = split_text(docs)
     # Bounds: the in-loop bounds against the cache-only one.
     blines = []
     for tag, doc in docs.items():
@@ -508,7 +530,11 @@ def policies_section(v: dict) -> None:
     ab = []
     for tag, doc in docs.items():
         t = doc["targets"][0]
-        if t["best"]:
+        if t["best"] and "gap_closed_test" in t:
+            ab.append(f"`{t['best']}`, chosen on a train part, closes "
+                      f"{_gap(t['gap_closed_test'])} of the gap to the in-loop bound on the "
+                      f"{labels[tag]}'s test part at CPU {t['cpu_ratio']}x")
+        elif t["best"]:
             ab.append(f"`{t['best']}` closes {_gap(t['gap_closed'])} of the gap to the in-loop "
                       f"bound on the {labels[tag]} at CPU {t['cpu_ratio']}x")
     v["abstract_policies"] = "; ".join(ab) if ab else "no online setup beat the control"
@@ -628,11 +654,11 @@ def kernel_section(v: dict) -> None:
 def default_section(v: dict) -> None:
     """The connector's default and the rule that picks it; the build stops if the results no
     longer pick ``kvtriton.setups.DEFAULT_SETUP``."""
-    from bench.default_setup import CONTROL, cells, choose
+    from bench.default_setup import CONTROL, choose_on_train
     from kvtriton.setups import DEFAULT_SETUP
 
     try:
-        got = choose(cells(RESULTS))
+        got = choose_on_train(RESULTS)
     except ValueError as e:
         v["default_text"] = f"*Pending: {e}.*"
         return
@@ -640,10 +666,14 @@ def default_section(v: dict) -> None:
         raise SystemExit(f"paper/build.py: the results choose {got['setup']!r} as the "
                          f"connector's default, kvtriton.setups.DEFAULT_SETUP is "
                          f"{DEFAULT_SETUP!r}: the evidence moved (python -m bench.default_setup)")
+    def pts(x: float | None) -> str:
+        return "-" if x is None else f"{x:+.2f}"
+
     rows = [[f"`{r['setup']}`" + (" **(default)**" if r["setup"] == DEFAULT_SETUP else ""),
-             str(r["cells"]), ", ".join(r["workloads"]), f"{r['worst_points']:+.2f}",
-             f"{r['mean_points']:+.2f}", "yes" if r["eligible"] else "no"]
-            for r in got["table"]]
+             str(r["cells"]), ", ".join(r["workloads"]), pts(r["worst_points"]),
+             pts(r["mean_points"]), "yes" if r["eligible"] else "no", pts(t["worst_points"]),
+             pts(t["mean_points"])]
+            for r, t in zip(got["table"], got["test"], strict=True)]
     best = got["table"][0]
     verdict = (
         "No candidate gains on one workload without losing on another, so the default is the "
@@ -659,9 +689,14 @@ def default_section(v: dict) -> None:
         "(workload x CPU capacity) of the policy study (`bench/default_setup.py`). " + verdict
         + " A first form of the rule, asking for two workloads, chose `eager+arc` from four "
         "cells; measured on the other workloads it lost points, and the rule asks for every "
-        "workload since.\n\n"
-        + _table(["setup", "cells", "workloads", "worst change (points)",
-                  "mean change (points)", "eligible"], rows))
+        "workload since. The rule reads the train part of each run (Section {{sec_split}}); "
+        "the last two columns are the same setups on the test part."
+        + ("" if not got["skipped"] else
+           " Left out of the choice, written before the split: "
+           + ", ".join(f"`{n}`" for n in got["skipped"]) + ".") + "\n\n"
+        + _table(["setup", "train cells", "workloads", "train worst (points)",
+                  "train mean (points)", "eligible", "test worst (points)",
+                  "test mean (points)"], rows))
 
 
 def _range(row: dict, key: str, fmt) -> str:

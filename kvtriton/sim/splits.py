@@ -10,7 +10,8 @@ would in production), and every row reports each part's figures apart.
   the second, which the tier meets already warmed by the first.
 - ``session_sets``: whole sessions (conversations, agent traces) drawn into two sets by a seeded
   shuffle. For a set of independent sessions (the coding-agent traces, the agent generator): a
-  setting chosen on some users' sessions is judged on other users'.
+  setting chosen on some users' sessions is judged on other users'. A sub-agent's session
+  (``<trace>/<agent>``) goes with its trace's: they share their context.
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ def time_halves(workload: Workload) -> dict[str, str]:
 
 def session_sets(workload: Workload, seed: int = SPLIT_SEED) -> dict[str, str]:
     """Sessions shuffled with ``seed`` and the first ``ceil(s / 2)`` of them train, the rest
-    test; a request without a session is a session of its own. The draw depends on the sorted
-    session names only, not on their order in the workload."""
+    test; a request without a session is a session of its own, a session named ``a/b`` is
+    session ``a``'s. The draw depends on the sorted session names only, not on their order in
+    the workload."""
     sessions = sorted({_session(wr) for wr in workload})
     order = np.random.default_rng(seed).permutation(len(sessions))
     cut = (len(sessions) + 1) // 2
@@ -57,4 +59,4 @@ def split_named(kind: str, workload: Workload) -> dict[str, str]:
 
 
 def _session(wr) -> str:
-    return wr.session if wr.session is not None else f"request:{wr.request_id}"
+    return wr.session.split("/")[0] if wr.session is not None else f"request:{wr.request_id}"

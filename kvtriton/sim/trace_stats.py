@@ -10,7 +10,7 @@ from kvtriton.sim.replay import max_hit_rate
 from kvtriton.sim.traces import load_trace
 from kvtriton.sim.workload import HINTS, Workload
 
-__all__ = ["trace_stats"]
+__all__ = ["reuse_distances", "reuse_profile", "trace_stats"]
 
 _PERCENTILES = (50, 90, 99)
 
@@ -66,3 +66,37 @@ def trace_stats(path_or_workload: str | Path | Workload, *,
         "hints": {**{h: sum(r.hint == h for r in reqs) for h in HINTS},
                   "none": sum(r.hint is None for r in reqs)},
     }
+
+
+def reuse_distances(w: Workload) -> tuple[np.ndarray, int]:
+    """Per reused prompt block, in arrival order of the requests: the prompt tokens that
+    arrived from the request that last held the block up to the request that holds it again
+    (``cum[j] - cum[i]``, prompt tokens of requests ``i+1..j``). An LRU cache of that many
+    tokens, holding every prompt, would still have the block. Also the number of prompt blocks.
+    A block's earlier holder is its last in arrival order, ties in workload order."""
+    b = w.hash_block_size
+    order = sorted(range(len(w)), key=lambda i: (w.requests[i].arrival_s, i))
+    prompts = [w.requests[i].hashes[:w.requests[i].prompt_len // b] for i in order]
+    if not prompts or not sum(len(p) for p in prompts):
+        return np.empty(0, dtype=np.int64), 0
+    lens = np.array([w.requests[i].prompt_len for i in order], dtype=np.int64)
+    cum = np.cumsum(lens)
+    keys = np.concatenate(prompts)
+    at = np.repeat(np.arange(len(order)), [len(p) for p in prompts])
+    by_key = np.lexsort((at, keys))  # by key, then by request position
+    k, r = keys[by_key], at[by_key]
+    again = (k[1:] == k[:-1]) & (r[1:] != r[:-1])
+    return cum[r[1:][again]] - cum[r[:-1][again]], len(keys)
+
+
+def reuse_profile(w: Workload, capacities_tokens: dict[str, int]) -> dict:
+    """How far apart a workload's prompt blocks are reused (``reuse_distances``): the share of
+    prompt blocks that are reuses, percentiles of the distance in tokens, and per named
+    capacity (e.g. ``{"gpu": ..., "gpu+cpu": ...}``) the share of reuses within it."""
+    d, n = reuse_distances(w)
+    return {"prompt_blocks": n, "reuses": len(d),
+            "reuse_share": len(d) / n if n else 0.0,
+            "distance_tokens": {f"p{q}": float(np.percentile(d, q)) if len(d) else 0.0
+                                for q in _PERCENTILES},
+            "within": {name: float((d <= cap).mean()) if len(d) else 0.0
+                       for name, cap in capacities_tokens.items()}}

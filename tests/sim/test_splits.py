@@ -37,13 +37,16 @@ def test_time_halves_put_the_earlier_half_in_train(arrivals):
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.integers(0, 9), min_size=1, max_size=40), st.randoms(use_true_random=False))
+@given(st.lists(st.tuples(st.integers(0, 9), st.integers(0, 2)), min_size=1, max_size=40),
+       st.randoms(use_true_random=False))
 def test_session_sets_keep_sessions_whole_and_ignore_order(sessions, rnd):
-    reqs = [_req(f"r{i}", i, 32, session=f"s{s}") for i, s in enumerate(sessions)]
+    # Agent 0 is the trace's own session; others are its sub-agents (``s3/a1``).
+    reqs = [_req(f"r{i}", i, 32, session=f"s{s}" + (f"/a{a}" if a else ""))
+            for i, (s, a) in enumerate(sessions)]
     split = session_sets(Workload(reqs, B))
     by_session: dict[str, set[str]] = {}
     for wr in reqs:
-        by_session.setdefault(wr.session, set()).add(split[wr.request_id])
+        by_session.setdefault(wr.session.split("/")[0], set()).add(split[wr.request_id])
     assert all(len(parts) == 1 for parts in by_session.values())
     n_train = sum(parts == {TRAIN} for parts in by_session.values())
     assert n_train == (len(by_session) + 1) // 2
