@@ -12,6 +12,7 @@ import numpy as np
 __all__ = [
     "PLANNER_VARIANTS",
     "plot_capacity",
+    "plot_decision_map",
     "plot_gain_over_control",
     "plot_hole",
     "plot_kernels",
@@ -296,4 +297,34 @@ def plot_gain_over_control(runs: list[dict], path: str | Path, title: str = "") 
     ax.set_ylabel("hit rate over the control (points)")
     ax.set_title(title + " (dashed: the in-loop bound)", fontsize=9)
     ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def plot_decision_map(cells: list[dict], path: str | Path) -> Path:
+    """The decision map: one point per study cell (workload x CPU capacity) at its share of
+    reuses within the GPU + CPU capacity (x, %) and the control's queueing delay p50 (y,
+    seconds, log scale), labelled with the setup chosen on the train part and its test-part
+    gain in points; a hollow marker where the workload has no continue hints. ``cells``: dicts
+    with ``label``, ``within_tier``, ``queue_p50_s``, ``winner`` (None: no setup gains),
+    ``test_points`` and ``hinted``."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    winners = sorted({c["winner"] or "control (nothing gains)" for c in cells})
+    colors = {w: f"C{i}" for i, w in enumerate(winners)}
+    for c in cells:
+        w = c["winner"] or "control (nothing gains)"
+        y = max(c["queue_p50_s"], 1e-3)
+        ax.scatter(100 * c["within_tier"], y, s=60, color=colors[w],
+                   facecolors=colors[w] if c["hinted"] else "none", label=w)
+        gain = "" if c["test_points"] is None else f" {c['test_points']:+.1f}"
+        ax.annotate(f"{c['label']}{gain}", (100 * c["within_tier"], y), fontsize=7,
+                    xytext=(4, 3), textcoords="offset points")
+    handles, labels = ax.get_legend_handles_labels()
+    unique = dict(zip(labels, handles, strict=True))
+    ax.legend(unique.values(), unique.keys(), fontsize=7, loc="best")
+    ax.set_yscale("log")
+    ax.set_xlabel("reuses within GPU + CPU capacity (% of prompt-block reuses)")
+    ax.set_ylabel("control's queueing delay p50 (s)")
+    ax.set_title("setup chosen on train; test-part gain in points (hollow: no hints)",
+                 fontsize=9)
     return _save(fig, path)

@@ -24,3 +24,14 @@ def test_gain_figure_draws_setups_over_the_control_with_the_bound(tmp_path):
 def test_gain_figure_needs_the_control():
     with pytest.raises(ValueError, match="run 'x' has no 'eager' row"):
         plot_gain_over_control([{"label": "x", "rows": [_row("lazy", 0.4)]}], "/dev/null")
+
+
+def test_decision_map_draws_every_cell(tmp_path):
+    from kvtriton.plots import plot_decision_map
+
+    cells = [{"label": "agent 1x", "within_tier": 0.5, "queue_p50_s": 0.2, "winner": "lazy",
+              "test_points": 4.2, "hinted": True},
+             {"label": "Mooncake 1x", "within_tier": 0.12, "queue_p50_s": 18.0,
+              "winner": None, "test_points": None, "hinted": False}]
+    out = plot_decision_map(cells, tmp_path / "m.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
