@@ -79,6 +79,12 @@ QUICK_TRACE_SETS = {
 }
 
 
+#: Without --full, the bounds a workload runs when not all of ``BOUNDS``: Mooncake's quick set
+#: has eager stores only, whose in-loop bound is ``eager+nextuse`` (``lazy+nextuse`` bounds a
+#: lazy tier, and ``eager+inf`` is a reference no share is taken of); --full runs them all.
+QUICK_BOUNDS = {"mooncake": ("eager+nextuse",)}
+
+
 def workloads(quick: bool) -> dict[str, tuple[Workload, int, Workload | None]]:
     """Per tag: the workload with the hints a server has (``continue`` from stop reasons; no
     close), its GPU capacity in tokens, and the same workload with each session's last turn
@@ -192,7 +198,7 @@ def _run_all(tasks: list[tuple], progress: bool, what: str) -> dict:
 def ablation(tag: str, wl: Workload, gpu_tokens: int, policies: tuple[str, ...],
              progress: bool, results_dir=None, ratios: tuple[int, ...] = RATIOS,
              name: str | None = None, oracle_wl: Workload | None = None,
-             split: str | None = None) -> dict:
+             split: str | None = None, bounds: tuple[str, ...] = BOUNDS) -> dict:
     """``policies`` and the in-loop bounds at each CPU/GPU ratio of ``ratios``; writes
     ``<name>.json`` (default ``policies_<tag>``). With ``oracle_wl`` (``wl`` with session
     closes), every hinted setup also runs on it, as a row named ``<setup> [oracle closes]``
@@ -200,7 +206,8 @@ def ablation(tag: str, wl: Workload, gpu_tokens: int, policies: tuple[str, ...],
 
     ``split`` (``kvtriton.sim.splits.split_named``): every row also reports the train and test
     parts; each target's best setup is then chosen on the train part and judged on the test
-    part (``gap_closed_train``, ``gap_closed_test``), as is ``met``."""
+    part (``gap_closed_train``, ``gap_closed_test``), as is ``met``. ``bounds``: the in-loop
+    bounds to run (default all of ``BOUNDS``)."""
     t0 = time.perf_counter()
     # One task per (capacity, setup), so that every core stays busy; the control's task also
     # brings the cache-only Belady bound.
@@ -209,7 +216,7 @@ def ablation(tag: str, wl: Workload, gpu_tokens: int, policies: tuple[str, ...],
     parts = split_named(split, wl) if split is not None else None
     for ratio in ratios:
         cap = {"gpu_tokens": gpu_tokens, "cpu_tokens": ratio * gpu_tokens, "parts": parts}
-        for p in dict.fromkeys(("eager", *policies, *BOUNDS)):
+        for p in dict.fromkeys(("eager", *policies, *bounds)):
             control = p == "eager"
             tasks.append(((ratio, p), wl, {**cap, "policies": [p], "bound": control,
                                            "in_loop_bounds": ()}))
@@ -229,7 +236,7 @@ def ablation(tag: str, wl: Workload, gpu_tokens: int, policies: tuple[str, ...],
             row = _slim(results[(ratio, p + ORACLE_CLOSES)]["rows"][0])
             row.update(policy=p + ORACLE_CLOSES, hint_source="oracle closes")
             online.append(row)
-        oracles = [_slim(results[(ratio, p)]["rows"][0]) for p in BOUNDS]
+        oracles = [_slim(results[(ratio, p)]["rows"][0]) for p in bounds]
         add_gap_closed(online, oracles)
         res = {"conditions": control["conditions"], "bound": control["bound"]}
         rows = online + oracles
@@ -253,7 +260,7 @@ def ablation(tag: str, wl: Workload, gpu_tokens: int, policies: tuple[str, ...],
         print(f"best online: {t['best']}: {t['judged_share'] or 0:.0%} of the gap{where} "
               f"(target {t['target']:.0%}: {verdict})")
     payload = {"workload": wl.name, "requests": len(wl), "gpu_tokens": gpu_tokens,
-               "ratios": list(ratios), "policies": list(policies), "bounds": list(BOUNDS),
+               "ratios": list(ratios), "policies": list(policies), "bounds": list(bounds),
                "split": split, "split_text": SPLIT_TEXT.get(split),
                "traits": workload_traits(wl, gpu_tokens, ratios),
                "runs": runs, "targets": targets, "wall_s": time.perf_counter() - t0}
@@ -400,8 +407,9 @@ def main(argv: list[str] | None = None) -> dict:
             ratios = ratios_arg or (QUICK_RATIOS[tag] if quick else RATIOS)
             # --full runs other workloads (the whole traces, a larger generator): their own file.
             name = f"policies_{tag}" if quick else f"policies_{tag}_full"
+            bounds = QUICK_BOUNDS.get(tag, BOUNDS) if quick else BOUNDS
             out[name] = ablation(tag, wl, gpu, policies, progress, ratios=ratios, name=name,
-                                 oracle_wl=oracle_wl, split=SPLITS[tag])
+                                 oracle_wl=oracle_wl, split=SPLITS[tag], bounds=bounds)
     if args.only in (None, "map"):
         for tag in maps:
             out[f"restore_map_{tag}"] = restore_map(tag, quick, progress)
