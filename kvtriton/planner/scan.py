@@ -416,6 +416,11 @@ class FusedSelector(StoreSelector):
         if len(rows) == 0:
             return sel
         ready = np.asarray(ready, dtype=np.int64).reshape(len(rows), self._num_groups)
+        if not (self._restore and self._wanted_buf_len) and \
+                (ready <= self._cursor[:, rows].T).all():
+            # No new position past any cursor and nothing wanted: no candidate (most steps of
+            # a decode-heavy batch), found in three array ops instead of a candidate pass.
+            return sel
         cands = self._candidates(rows, ready)
         if cands is None:
             return sel

@@ -93,6 +93,7 @@ class KVScheduler:
         # Key id -> computed before; grown on demand (key ids are dense).
         self._ever_computed = np.zeros(0, dtype=bool) if count_recomputed else None
         self._ratio = [g.block_size // layout.hash_block_size for g in layout.groups]
+        self._block_sizes = [g.block_size for g in layout.groups]
 
     def empty_tables(self, seq: SeqBlocks) -> None:
         """Give ``seq`` one empty table per group."""
@@ -168,6 +169,9 @@ class KVScheduler:
 
     def try_grow(self, seq: SeqBlocks, tokens: int) -> bool:
         """``grow`` if the free blocks allow it; whether they did."""
+        if all(-(-tokens // size) <= len(table)
+               for size, table in zip(self._block_sizes, seq.tables, strict=True)):
+            return True  # every table already holds ``tokens`` (most decode steps)
         if sum(self.blocks_needed(seq.tables, tokens)) > self.gpu.num_free_blocks:
             return False
         self.grow(seq, tokens)
@@ -188,21 +192,37 @@ class KVScheduler:
                           ) -> None:
         """Register the blocks full at ``upto`` tokens in the GPU prefix cache (Mamba states are
         also queued as boundary hand-offs). ``computed_here``: False for blocks that came from a
-        CPU load (not computed, and their bytes already arrived)."""
+        CPU load (not computed, and their bytes already arrived).
+
+        The blocks are registered in one ``cache_blocks`` call, in (group, position) order: the
+        pool's batch listeners then run once per request and step instead of once per block (a
+        prefill chunk fills a hundred blocks), and see the same pairs in the same order."""
         req, gpu = seq.req, self.gpu
+        primary = gpu.block_hash
+        blocks: list[int] = []
+        keys: list[list[int]] = []
+        groups: list[int] = []
         for g, spec in enumerate(self.layout.groups):
-            table, r = seq.tables[g], self._ratio[g]
+            table, r, start = seq.tables[g], self._ratio[g], seq.cached[g]
             full = min(upto // spec.block_size, len(table), req.keys.shape[1] // r)
-            for pos in range(seq.cached[g], full):
+            if full <= start:
+                continue
+            row = req.keys[g, start * r:full * r].tolist()  # one conversion, not one per block
+            for pos in range(start, full):
                 b = table[pos]
-                if b != NULL_BLOCK and gpu.block_hash(b) is None:
-                    keys = req.keys[g, pos * r:(pos + 1) * r].tolist()
+                if b != NULL_BLOCK and primary(b) is None:
+                    i = (pos - start) * r
+                    key, aliases = row[i + r - 1], row[i:i + r - 1]
                     if computed_here:
-                        self._computed(g, b, keys[-1], spec.block_size)
-                    gpu.cache_block(b, keys[-1], keys[:-1], group_idx=g)
+                        self._computed(g, b, key, spec.block_size)
+                    blocks.append(b)
+                    keys.append([key, *aliases])
+                    groups.append(g)
                     if spec.kind == "mamba":
                         seq.handoffs.append(((pos + 1) * spec.block_size, b, g))
-            seq.cached[g] = max(seq.cached[g], full)
+            seq.cached[g] = full
+        if blocks:
+            gpu.cache_blocks(blocks, keys, groups)
 
     def _computed(self, g: int, block: int, key: int, tokens: int) -> None:
         seen = self._ever_computed
