@@ -12,8 +12,11 @@ store       ``eager`` (every computed block, as vLLM's connector),     ``eager``
 re-store    ``restore`` (re-store running requests' evicted blocks),   off
             ``restore:F`` (only while they hold < F of the tier)
 free order  ``head`` (ascending, vLLM's), ``tail`` (chain head last)   ``head``
-eviction    ``lru``, ``arc``, ``s3fifo``; ``nextuse`` is the oracle:    ``lru``
-            evict the block whose next use in trace order is furthest
+eviction    ``lru``, ``arc``, ``s3fifo``, ``lfu`` (least demand first:   ``lru``
+            a sketch of admitted requests' keys), ``lfu:W`` (its
+            counters halve every W tier sizes of sightings, 0: never);
+            ``nextuse`` is the oracle: evict the block whose next use
+            in trace order is furthest
 admission   ``all``, ``second`` (store a key on its second sight, as   ``all``
             SGLang HiCache's ``write_through_selective``), ``hinted``
             (lazy only: never offload a key whose last holder closed
@@ -35,8 +38,9 @@ presets (``TIER_POLICIES``: ``control`` is ``eager``), but every default and res
 composition. The grammar is written once, as data: ``AXES`` (the axes, their values and
 defaults, from which the CLI's help is generated) and ``REFUSED`` (the combinations that mean
 nothing, each with its reason, e.g. ``lazy`` with ``restore``: a lazy tier stores only blocks
-on the GPU free queue, where a running request's blocks never are). A share ``F`` is written
-with digits and a point only; a composition has no spaces.
+on the GPU free queue, where a running request's blocks never are). A share ``F`` (in [0, 1])
+and a window ``W`` (>= 0) are written with digits and a point only; a composition has no
+spaces.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
+from kvtriton.eviction.lfu import DEFAULT_WINDOW_TIERS
 from kvtriton.planner import PlannerConfig
 
 __all__ = [
@@ -64,7 +69,7 @@ __all__ = [
 
 # Eviction rules a composition may name; ``nextuse`` needs the simulator's knowledge of the
 # trace's future and exists only there.
-ONLINE_EVICTIONS = ("lru", "arc", "s3fifo")
+ONLINE_EVICTIONS = ("lru", "arc", "s3fifo", "lfu")
 ORACLE_EVICTIONS = ("nextuse",)
 DEFAULT_PROTECT_SHARE = 0.5
 
@@ -87,8 +92,9 @@ AXES = (
     Axis("re-store", ("restore", "restore:F"), None,
          "re-store running requests' evicted blocks (while they hold < F of the tier)"),
     Axis("free order", ("head", "tail"), "head", "chain head first (vLLM's) or last"),
-    Axis("eviction", (*ONLINE_EVICTIONS, *ORACLE_EVICTIONS), "lru",
-         "the CPU tier's eviction; nextuse is the oracle (furthest next use in trace order)"),
+    Axis("eviction", (*ONLINE_EVICTIONS, "lfu:W", *ORACLE_EVICTIONS), "lru",
+         "the CPU tier's eviction; lfu: least demand first (its sketch halves every W tier "
+         "sizes of sightings); nextuse is the oracle (furthest next use in trace order)"),
     Axis("admission", ("all", "second", "hinted"), "all",
          "second: store a key on its second sight; hinted (lazy): skip closed sessions' keys"),
     Axis("recency", ("refresh",), None, "a GPU prefix hit refreshes the CPU copies too"),
@@ -101,6 +107,7 @@ AXES = (
 
 _TOKENS = {v.split(":")[0]: axis for axis in AXES for v in axis.values}
 _TAKES_SHARE = {v.split(":")[0] for axis in AXES for v in axis.values if v.endswith(":F")}
+_TAKES_WINDOW = {v.split(":")[0] for axis in AXES for v in axis.values if v.endswith(":W")}
 _SHARE = re.compile(r"(?:\d+(?:\.\d*)?|\.\d+)")
 
 #: Compositions refused, each as the axis values that together mean nothing (an axis left out
@@ -121,7 +128,7 @@ REFUSED: tuple[tuple[dict[str, tuple[str, ...]], str], ...] = (
      "'waiting' with 'nextuse' means nothing: the oracle already knows every next use"),
     ({"hints": ("hints",), "lookahead": ("waiting",)},
      "'hints' and 'waiting' both protect blocks in one segment of the tier; use one of them"),
-    ({"capacity": ("inf",), "eviction": ("arc", "s3fifo", *ORACLE_EVICTIONS)},
+    ({"capacity": ("inf",), "eviction": ("arc", "s3fifo", "lfu", *ORACLE_EVICTIONS)},
      "'inf' with an eviction rule means nothing: an unbounded tier never evicts"),
     ({"capacity": ("inf",), "hints": ("hints",)},
      "'inf' with 'hints' means nothing: an unbounded tier never evicts, nothing needs "
@@ -186,6 +193,14 @@ def _share(token: str, value: str) -> float:
     return f
 
 
+def _window(token: str, value: str) -> float:
+    """``value`` as a window >= 0: digits and a point only (no sign, space or exponent)."""
+    if not _SHARE.fullmatch(value):
+        raise ValueError(f"policy axis {token!r}: the window must be a number >= 0, "
+                         f"got {value!r}")
+    return float(value)
+
+
 def _canonical(store: str, restore: bool, share: float | None, free: str, eviction: str,
                admission: str, protect: float | None, infinite: bool, refresh: bool,
                waiting: float | None) -> str:
@@ -217,7 +232,12 @@ def _describe(store: str, restore: bool, share: float | None, free: str, evictio
         words.append("re-store" if share is None
                      else f"re-store while running requests hold < {share:.0%} of the tier")
     words.append("tail first" if free == "tail_first" else "head first")
-    words.append({"nextuse": "next-use eviction (oracle)"}.get(eviction, eviction.upper()))
+    if eviction.startswith("lfu"):
+        window = eviction.partition(":")[2]
+        aging = {"": "", "0": ", no aging"}.get(window, f", aging every {window} tier sizes")
+        words.append(f"LFU (least admitted-request demand first{aging})")
+    else:
+        words.append({"nextuse": "next-use eviction (oracle)"}.get(eviction, eviction.upper()))
     if admission == "second":
         words.append("store on second sight")
     elif admission == "hinted":
@@ -250,10 +270,11 @@ def parse_policy(spec: str, name: str | None = None) -> TierPolicy:
     seen: dict[str, str] = {}  # axis name -> the token that set it
     values: dict[str, str] = {}  # axis name -> its value, without the share
     shares: dict[str, float] = {}
+    windows: dict[str, float] = {}
     for token in spec.split("+"):
         head, colon, arg = token.partition(":")
         axis = _TOKENS.get(head)
-        if axis is None or (colon and head not in _TAKES_SHARE):
+        if axis is None or (colon and head not in _TAKES_SHARE | _TAKES_WINDOW):
             raise ValueError(
                 f"policy {spec!r}: unknown axis value {token!r}; known: "
                 f"{', '.join(v for a in AXES for v in a.values)}; presets: "
@@ -263,13 +284,19 @@ def parse_policy(spec: str, name: str | None = None) -> TierPolicy:
                              f"{axis.name}")
         seen[axis.name] = token
         values[axis.name] = head
-        if colon:
+        if colon and head in _TAKES_WINDOW:
+            windows[axis.name] = _window(token, arg)
+        elif colon:
             shares[axis.name] = _share(token, arg)
     resolved = {a.name: values.get(a.name, a.default) for a in AXES}
     for condition, reason in REFUSED:
         if all(resolved[name] in allowed for name, allowed in condition.items()):
             raise ValueError(f"policy {spec!r}: {reason}")
     store, eviction = resolved["store"], resolved["eviction"]
+    # The queue's name carries its window (``make_eviction_queue`` reads it); the default window
+    # is spelled without one.
+    if windows.get("eviction", DEFAULT_WINDOW_TIERS) != DEFAULT_WINDOW_TIERS:
+        eviction = f"{eviction}:{windows['eviction']:g}"
     admission = resolved["admission"]
     restore = resolved["re-store"] is not None
     share = shares.get("re-store")

@@ -66,7 +66,8 @@ def test_each_axis_sets_its_own_switch():
 
 
 @pytest.mark.parametrize(("spec", "named"), [
-    ("eager+lfu", "'lfu'"),
+    ("eager+lfu:x", "'lfu:x'"),
+    ("eager+arc:4", "'arc:4'"),
     ("eager+lru+arc", "'lru' and 'arc'"),
     ("eager+lazy", "'eager' and 'lazy'"),
     ("lazy+restore", "'lazy' with 're-store'"),
@@ -167,7 +168,7 @@ def test_every_refused_composition_gives_its_reason(condition, reason):
 def test_every_axis_value_parses_alone_or_with_what_it_needs():
     for axis in AXES:
         for value in axis.values:
-            token = value.replace(":F", ":0.25")
+            token = value.replace(":F", ":0.25").replace(":W", ":4")
             needs = "lazy+" if token == "hinted" else ""
             policy = tier_policy(needs + token)
             assert policy.composition  # a canonical name for every value
@@ -181,3 +182,11 @@ def test_the_help_lists_every_axis_value(capsys):
     text = " ".join(capsys.readouterr().out.split())
     for axis in AXES:
         assert f"{axis.name}: {'|'.join(axis.values)}" in text
+
+
+def test_lfu_carries_its_window_in_the_queue_name():
+    assert parse_policy("eager+lfu").cpu_eviction == "lfu"
+    assert parse_policy("eager+lfu:16").composition == "eager+lfu"  # the default window
+    p = parse_policy("eager+lfu:4+waiting")
+    assert (p.cpu_eviction, p.composition, p.oracle) == ("lfu:4", "eager+lfu:4+waiting", False)
+    assert "no aging" in parse_policy("eager+lfu:0").description

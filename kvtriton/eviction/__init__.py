@@ -2,13 +2,15 @@
 
 The registry of the queues a pool is built with by name (``EVICTION_QUEUES``,
 ``make_eviction_queue``). The protocol and the building blocks the queues share live in
-``base``; one algorithm per module: ``lru``, ``arc``, ``s3fifo``; ``protected`` wraps any of them
+``base``; one algorithm per module: ``lru``, ``arc``, ``s3fifo``, ``lfu`` (demand counted
+over admitted requests, least-demanded first); ``protected`` wraps any of them
 with the drop and protected segments of continuation hints and the waiting-queue lookahead
 (``HintedQueue``).
 """
 
 from kvtriton.eviction.arc import ARCQueue
 from kvtriton.eviction.base import EvictionQueue
+from kvtriton.eviction.lfu import LFUQueue
 from kvtriton.eviction.lru import LRUQueue
 from kvtriton.eviction.protected import CLOSED, NORMAL, PROTECTED, HintedQueue
 from kvtriton.eviction.s3fifo import S3FIFOQueue
@@ -21,6 +23,7 @@ __all__ = [
     "ARCQueue",
     "EvictionQueue",
     "HintedQueue",
+    "LFUQueue",
     "LRUQueue",
     "S3FIFOQueue",
     "make_eviction_queue",
@@ -30,12 +33,25 @@ EVICTION_QUEUES: dict[str, type[EvictionQueue]] = {
     "lru": LRUQueue,
     "arc": ARCQueue,
     "s3fifo": S3FIFOQueue,
+    "lfu": LFUQueue,
 }
 
 
+#: Queues whose name may carry one number, ``name:X`` (``lfu:W``: the sketch's aging window).
+PARAMETRIZED = ("lfu",)
+
+
 def make_eviction_queue(name: str) -> EvictionQueue:
-    """A fresh eviction queue by name (``lru`` and any registered in ``EVICTION_QUEUES``)."""
+    """A fresh eviction queue by name (``lru`` and any registered in ``EVICTION_QUEUES``;
+    ``lfu:W`` is ``LFUQueue(W)``)."""
+    head, colon, arg = name.partition(":")
+    if head not in EVICTION_QUEUES or (colon and head not in PARAMETRIZED):
+        raise ValueError(f"unknown eviction {name!r}; known: {sorted(EVICTION_QUEUES)}, "
+                         f"and {', '.join(p + ':W' for p in PARAMETRIZED)}")
+    if not colon:
+        return EVICTION_QUEUES[head]()
     try:
-        return EVICTION_QUEUES[name]()
-    except KeyError:
-        raise ValueError(f"unknown eviction {name!r}; known: {sorted(EVICTION_QUEUES)}") from None
+        value = float(arg)
+    except ValueError:
+        raise ValueError(f"eviction {name!r}: {arg!r} is not a number") from None
+    return EVICTION_QUEUES[head](value)

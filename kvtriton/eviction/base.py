@@ -4,11 +4,12 @@ A queue holds the pool's *free* blocks (ref count 0). The pool tells it when a b
 free (``push``, with the block's primary key or ``None`` if unhashed), when a free block is taken
 back by a hit (``remove``; ``reuse=False`` when the taker is the one that took it last, such as a
 waiting request whose lookup pins the same CPU hit every step), and when a victim's hashes are
-dropped (``on_evicted``); ``pop`` picks the victim. Unhashed blocks hold nothing worth keeping, so
-every queue hands them out first. Frequency-based queues (ARC, S3-FIFO) count only reuse: a
+dropped (``on_evicted``); ``pop`` picks the victim. Unhashed blocks hold nothing worth keeping,
+so every queue hands them out first. Frequency-based queues (ARC, S3-FIFO) count only reuse: a
 repeated touch puts the block back where it was, since one running request's touches would
 otherwise count as many accesses (vLLM counts once per request for the same reason: the review
-of vLLM PR #41727, and PR #51787).
+of vLLM PR #41727, and PR #51787). A queue that sets ``observes_requests`` is also told of every
+request the planner admits (``on_request``, its distinct keys), demand the pool never sees.
 
 Building blocks: ``LinkedQueue`` (O(1) linked list over block ids), ``skip_past`` (an order from
 a given block on), ``GhostList`` (bounded keys of evicted blocks) and ``TwoListQueue`` (the
@@ -21,6 +22,8 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 
+import numpy as np
+
 __all__ = ["FIRST", "SECOND", "EvictionQueue", "GhostList", "LinkedQueue", "TwoListQueue",
            "skip_past"]
 
@@ -29,6 +32,9 @@ class EvictionQueue(ABC):
     """Interface of a free-block queue; see the module docstring for the protocol."""
 
     name = "base"
+    #: Whether the queue learns from the requests a server admits (``on_request``); the planner
+    #: computes a request's distinct keys only for such queues.
+    observes_requests = False
 
     @abstractmethod
     def reset(self, num_blocks: int) -> None:
@@ -75,6 +81,11 @@ class EvictionQueue(ABC):
     def note_reuse(self, block_id: int) -> None:  # noqa: B027 - optional hook
         """``block_id``, held by a queue wrapping this one, was taken back by another user: when
         it returns here it counts as reused (frequency-based queues)."""
+
+    def on_request(self, keys: np.ndarray) -> None:  # noqa: B027 - optional hook
+        """A request holding ``keys`` (its distinct primary keys, an int64 array) was admitted:
+        demand the pool's own hits do not show (a GPU prefix hit never touches the CPU tier).
+        Called only when ``observes_requests`` is set."""
 
     def remembered_keys(self) -> Iterable[int]:
         """Keys of evicted blocks this queue still remembers (ghost lists): an owner of key ids

@@ -54,6 +54,13 @@ class HintedQueue(EvictionQueue):
         #: Blocks demoted from the protected segment because it was full (a count).
         self.protect_overflow = 0
 
+    @property
+    def observes_requests(self) -> bool:  # type: ignore[override]
+        return self.base.observes_requests
+
+    def on_request(self, keys: np.ndarray) -> None:
+        self.base.on_request(keys)
+
     def reset(self, num_blocks: int) -> None:
         self.base.reset(num_blocks)
         self._unhashed = LinkedQueue(num_blocks)

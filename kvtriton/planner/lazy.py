@@ -92,6 +92,9 @@ class LazyOffload:
         self._block_group = block_group if callable(block_group) else None
         self._admission = HintedAdmission(gpu_pool, stats) if config.admission == "hinted" \
             else None
+        # A CPU eviction that learns from demand hears of every admitted request's keys.
+        eviction = cpu_pool.eviction
+        self._demand = eviction.on_request if eviction.observes_requests else None
         if config.lazy and self._num_groups > 1 and self._block_group is None:
             raise ValueError(f"lazy mode on a layout of {self._num_groups} groups needs a GPU "
                              f"pool that knows each block's group (block_group); "
@@ -140,9 +143,12 @@ class LazyOffload:
     # ---- hinted admission ---------------------------------------------------------------------
 
     def note_admitted(self, keys: np.ndarray) -> None:
-        """A request holding ``keys`` was admitted (hinted admission lets them in again)."""
+        """A request holding ``keys`` was admitted (hinted admission lets them in again; a
+        demand-learning CPU eviction counts them)."""
         if self._admission is not None:
             self._admission.note_admitted(keys)
+        if self._demand is not None:
+            self._demand(np.unique(keys))
 
     def note_finished(self, keys: np.ndarray, hint: str | None) -> None:
         """A request that held ``keys`` (its computed blocks) finished with ``hint``."""

@@ -98,6 +98,9 @@ class Stores:
         self._reports: dict[int, int] = {}
         self._next_event = 0
         self._admission = SecondSight(stats) if config.admission == "second" else None
+        # A CPU eviction that learns from demand hears of every admitted request's keys.
+        eviction = cpu_pool.eviction
+        self._demand = eviction.on_request if eviction.observes_requests else None
 
     # ---- rows -------------------------------------------------------------------------------
 
@@ -147,8 +150,12 @@ class Stores:
         self._states[rid] = st
         self._row_req[row] = rid
         self._admit_row(req, st)
-        if self._admission is not None:
-            self._admission.sight(np.unique(np.concatenate(self._primary_keys(req))))
+        if self._admission is not None or self._demand is not None:
+            keys = np.unique(np.concatenate(self._primary_keys(req)))
+            if self._admission is not None:
+                self._admission.sight(keys)
+            if self._demand is not None:
+                self._demand(keys)
 
     def forget_keys(self, keys: np.ndarray) -> None:
         """Drop what the admission rule remembers of recycled keys."""

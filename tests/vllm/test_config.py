@@ -34,7 +34,7 @@ BAD = [
     ("restore", "yes", "true or false"),
     ("restore", 1, "true or false"),
     ("cpu_free_order", "tail", "'tail_first', 'head_first'"),
-    ("cpu_eviction", "lfu", "'lru', 'arc', 's3fifo'"),
+    ("cpu_eviction", "fifo", "'lru', 'arc', 's3fifo', 'lfu'"),
     ("restore_share", 1.5, "number in [0, 1]"),
     ("restore_share", float("nan"), "number in [0, 1]"),
     ("restore_share", True, "number in [0, 1]"),
@@ -90,7 +90,7 @@ def test_presets_are_accepted_as_the_simulator_accepts_them(name):
     ("eager+inf", "the capacity 'inf' is a bound"),
     ("none", "has no CPU tier"),
     ("lazy+restore", "'lazy' with 're-store' means nothing"),
-    ("eager+lfu", "unknown axis value 'lfu'"),
+    ("eager+lfru", "unknown axis value 'lfru'"),
 ])
 def test_a_setup_the_connector_cannot_run_is_one_error_naming_the_axis(setup, named):
     with pytest.raises(ValueError) as e:
@@ -222,3 +222,9 @@ def test_a_tier_that_fits_passes_and_the_real_machine_is_read():
     check_host_memory(parse_extra_config({"cpu_bytes_per_rank": 1 << 20}))  # this machine
     with pytest.raises(ValueError, match="exceeds this machine's memory"):
         check_host_memory(parse_extra_config({"cpu_bytes_per_rank": 2**70}))
+
+
+def test_lfu_runs_in_the_connector_by_name():
+    cfg = parse_extra_config({"setup": "eager+lfu:4+waiting"})
+    assert cfg.setup == "eager+lfu:4+waiting" and cfg.cpu_eviction == "lfu:4"
+    assert extra_config_for(tier_policy("eager+lfu")) == {"setup": "eager+lfu"}

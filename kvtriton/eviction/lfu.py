@@ -1,0 +1,240 @@
+"""Frequency-first eviction: a TinyLFU-style sketch of demand, the least-demanded block first.
+
+Hypothesis (issue 26, item 4, the conversational gap). On chat-like traffic most blocks are used
+once, and a block's chance of being used again grows with how many requests already held it (on
+the Mooncake trace: 0.43 after one request, 0.85 after two, and the median gap to the next use
+falls from about 570 requests after one use to about 30 after ten). A recency queue (LRU) keeps
+the blocks of the last few dozen requests, most of which never come back; the next-use bound
+keeps the popular ones. The CPU tier's own hits do not show popularity (a popular block is
+mostly hit on the GPU), so the demand is counted where a server sees all of it: every request
+the planner admits counts each distinct key of its prompt once (``on_request``), whether the
+block is then a GPU hit, a CPU hit or computed.
+
+``FrequencySketch``: a count-min sketch (``depth`` rows of ``width`` saturating counters,
+TinyLFU's estimator) with aging: once it has counted ``window`` sightings, every counter is
+halved (TinyLFU's reset), so that demand that stopped fades. Units: a sighting is one (admitted
+request, distinct key) pair; ``window`` is in sightings.
+
+``LFUQueue``: the free blocks ordered by the sketch's estimate of their key's demand, lowest
+first; among equals the one freed longest ago (LRU). Unhashed blocks go first. A block whose key
+is sighted while it is free is re-ranked at once; a repeated touch by its last taker keeps its
+age. Aging re-ranks every free block. ``window_tiers``: the aging window in tier sizes (the
+window is ``window_tiers`` times the pool's blocks). A heap with lazy deletion: O(log n) per
+push, pop and re-rank, O(n) per aging.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterator
+
+import numpy as np
+
+from kvtriton.eviction.base import EvictionQueue, LinkedQueue
+
+__all__ = ["DEFAULT_WINDOW_TIERS", "FrequencySketch", "LFUQueue"]
+
+#: The aging window of ``lfu`` in tier sizes, chosen on the Mooncake trace's first half
+#: (``bench/conversational_gap.py``).
+DEFAULT_WINDOW_TIERS = 16
+
+# Odd 64-bit multipliers (splitmix64's and two golden-ratio variants): one hash per row.
+_SEEDS = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 0xD6E8FEB86659FD93)
+_MASK64 = (1 << 64) - 1
+
+
+class FrequencySketch:
+    """Count-min sketch of key sightings with TinyLFU's aging.
+
+    ``width``: counters per row (rounded up to a power of two); ``depth``: rows (at most 4);
+    ``window``: sightings after which every counter is halved (0: never); ``cap``: the most a
+    counter holds (TinyLFU uses 15: a 4-bit counter)."""
+
+    def __init__(self, width: int, *, depth: int = 4, window: int = 0, cap: int = 255) -> None:
+        if not 1 <= depth <= len(_SEEDS):
+            raise ValueError(f"depth must be in [1, {len(_SEEDS)}], got {depth!r}")
+        if width < 1 or window < 0 or not 1 <= cap <= 255:
+            raise ValueError(f"width must be >= 1, window >= 0 and cap in [1, 255], got "
+                             f"{width!r}, {window!r}, {cap!r}")
+        self.width = 1 << max(0, int(width - 1).bit_length())
+        self._bits = self.width.bit_length() - 1
+        self.window = window
+        self.cap = cap
+        self._seeds = np.array(_SEEDS[:depth], dtype=np.uint64)
+        self._rows = np.zeros((depth, self.width), dtype=np.uint8)
+        self._seen = 0
+        #: How many times the counters were halved.
+        self.agings = 0
+
+    def _columns(self, keys: np.ndarray) -> np.ndarray:
+        """[depth, n] column of each key in each row (multiplicative hashing, top bits)."""
+        k = np.asarray(keys, dtype=np.int64).astype(np.uint64)[None, :]
+        with np.errstate(over="ignore"):
+            h = (k + np.uint64(1)) * self._seeds[:, None]
+        return (h >> np.uint64(64 - self._bits)).astype(np.int64) if self._bits else \
+            np.zeros(h.shape, dtype=np.int64)
+
+    def add(self, keys: np.ndarray) -> bool:
+        """Count one sighting of each of ``keys`` (distinct); True when this aged the sketch."""
+        if not len(keys):
+            return False
+        cols = self._columns(keys)
+        rows = self._rows
+        for r in range(len(rows)):
+            # Distinct keys may share a column: count each, as count-min does.
+            counts = np.bincount(cols[r], minlength=0)
+            hit = np.flatnonzero(counts)
+            rows[r, hit] = np.minimum(rows[r, hit].astype(np.int64) + counts[hit], self.cap)
+        self._seen += len(keys)
+        if self.window and self._seen >= self.window:
+            self._rows >>= 1
+            self._seen //= 2
+            self.agings += 1
+            return True
+        return False
+
+    def estimate(self, keys: np.ndarray) -> np.ndarray:
+        """Estimated sightings of each key (an over-estimate only where keys share columns)."""
+        cols = self._columns(keys)
+        return self._rows[np.arange(len(self._rows))[:, None], cols].min(axis=0)
+
+    def estimate_one(self, key: int) -> int:
+        bits, rows = self._bits, self._rows
+        k = (key + 1) & _MASK64
+        return min(int(rows[r, ((k * int(s)) & _MASK64) >> (64 - bits)] if bits else rows[r, 0])
+                   for r, s in enumerate(self._seeds.tolist()))
+
+
+class LFUQueue(EvictionQueue):
+    """Free blocks by estimated demand (lowest first), LRU among equals; see the module
+    docstring. ``window_tiers``: the sketch's aging window in tier sizes (0: never ages);
+    ``width_per_block``: sketch counters per row per pool block."""
+
+    name = "lfu"
+    observes_requests = True
+
+    def __init__(self, window_tiers: float = DEFAULT_WINDOW_TIERS, *,
+                 width_per_block: int = 8) -> None:
+        if not window_tiers >= 0 or width_per_block < 1:
+            raise ValueError(f"window_tiers must be >= 0 and width_per_block >= 1, got "
+                             f"{window_tiers!r}, {width_per_block!r}")
+        self.window_tiers = window_tiers
+        self.width_per_block = width_per_block
+
+    def reset(self, num_blocks: int) -> None:
+        tier = max(1, num_blocks - 1)  # block 0 of a pool is the null block
+        self.sketch = FrequencySketch(self.width_per_block * tier,
+                                      window=int(self.window_tiers * tier))
+        self._unhashed = LinkedQueue(num_blocks)
+        # Entries (estimate, freed order, stamp, block); a stale entry's stamp is not its
+        # block's current one.
+        self._heap: list[tuple[int, int, int, int]] = []
+        self._stamp = [0] * num_blocks  # 0: not a hashed free block
+        self._freed = [0] * num_blocks  # when the block was last freed by a real use
+        self._repeat = bytearray(num_blocks)  # taken back by its last taker: keeps its age
+        self._key = [-1] * num_blocks
+        self._by_key: dict[int, list[int]] = {}
+        self._clock = 0
+        self._len = 0
+
+    def on_request(self, keys: np.ndarray) -> None:
+        if self.sketch.add(keys):
+            self._rerank_all()
+            return
+        by_key = self._by_key
+        if not by_key:
+            return
+        for k in keys.tolist():
+            blocks = by_key.get(k)
+            if blocks:
+                for b in blocks:
+                    self._enter(b, k)
+
+    def _enter(self, b: int, key: int) -> None:
+        self._clock += 1
+        self._stamp[b] = self._clock
+        heapq.heappush(self._heap, (self.sketch.estimate_one(key), self._freed[b],
+                                    self._clock, b))
+
+    def push(self, block_id: int, key: int | None) -> None:
+        if key is None:
+            self._unhashed.appendleft(block_id)
+            return
+        self._key[block_id] = key
+        self._by_key.setdefault(key, []).append(block_id)
+        if self._repeat[block_id]:
+            self._repeat[block_id] = 0
+        else:
+            self._freed[block_id] = self._clock + 1
+        self._enter(block_id, key)
+        self._len += 1
+        if len(self._heap) > 4 * self._len + 1024:
+            self._compact()
+
+    def _leave(self, b: int) -> None:
+        self._stamp[b] = 0
+        key = self._key[b]
+        blocks = self._by_key[key]
+        blocks.remove(b)
+        if not blocks:
+            del self._by_key[key]
+        self._len -= 1
+
+    def remove(self, block_id: int, reuse: bool = True) -> None:
+        if block_id in self._unhashed:
+            self._unhashed.remove(block_id)
+            return
+        if not self._stamp[block_id]:
+            raise KeyError(block_id)
+        self._leave(block_id)
+        self._repeat[block_id] = not reuse
+
+    def pop(self) -> int:
+        if len(self._unhashed):
+            return self._unhashed.popleft()
+        heap, stamp = self._heap, self._stamp
+        while heap:
+            _, _, s, b = heapq.heappop(heap)
+            if stamp[b] == s:
+                self._leave(b)
+                self._repeat[b] = 0
+                return b
+        raise IndexError("pop from an empty queue")
+
+    def forget_block(self, block_id: int) -> None:
+        self._repeat[block_id] = 0
+
+    def note_reuse(self, block_id: int) -> None:
+        self._repeat[block_id] = 0
+
+    def _live(self) -> list[tuple[int, int, int, int]]:
+        stamp = self._stamp
+        return [e for e in self._heap if stamp[e[3]] == e[2]]
+
+    def _compact(self) -> None:
+        self._heap = self._live()
+        heapq.heapify(self._heap)
+
+    def _rerank_all(self) -> None:
+        live = self._live()
+        if not live:
+            self._heap = []
+            return
+        blocks = [e[3] for e in live]
+        est = self.sketch.estimate(np.array([self._key[b] for b in blocks], dtype=np.int64))
+        self._heap = [(int(f), e[1], e[2], e[3]) for f, e in zip(est.tolist(), live,
+                                                               strict=True)]
+        heapq.heapify(self._heap)
+
+    def __len__(self) -> int:
+        return len(self._unhashed) + self._len
+
+    def __contains__(self, block_id: int) -> bool:
+        return block_id in self._unhashed or (0 <= block_id < len(self._stamp)
+                                              and self._stamp[block_id] != 0)
+
+    def iter_blocks(self, after: int | None = None) -> Iterator[int]:
+        order = [*self._unhashed, *(b for *_, b in sorted(self._live()))]
+        if after is not None and after in self:
+            order = order[order.index(after) + 1:]
+        return iter(order)
