@@ -141,6 +141,20 @@ class NextUseQueue(EvictionQueue):
                 return b
         raise IndexError("pop from an empty queue")
 
+    def pop_many(self, n: int) -> list[int]:
+        # ``pop`` n times, its lookups hoisted (the pool asks for a whole allocation at once).
+        unhashed = self._unhashed
+        out = [unhashed.popleft() for _ in range(min(n, len(unhashed)))]
+        heap, stamp, leave, heappop = self._heap, self._stamp, self._leave, heapq.heappop
+        while len(out) < n:
+            if not heap:
+                raise IndexError("pop from an empty queue")
+            _, _, s, b = heappop(heap)
+            if stamp[b] == s:
+                leave(b)
+                out.append(b)
+        return out
+
     def _rerank(self, keys: np.ndarray) -> None:
         by_key = self._by_key
         for k in keys.tolist():
