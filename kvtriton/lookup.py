@@ -49,12 +49,19 @@ def full_attention_hit(lookup: Lookup, keys: Sequence[int], ratio: int, limit: i
 
 
 def _full_walk(lookup: Lookup, keys: Sequence[int], ratio: int, limit: int,
-               fine_grained: bool) -> tuple[int, list[int]]:
-    """``full_attention_hit`` and the blocks it found, one per step of the walk."""
+               fine_grained: bool, prefix: Callable[[Sequence[int]], list[int]] | None = None
+               ) -> tuple[int, list[int]]:
+    """``full_attention_hit`` and the blocks it found, one per step of the walk. ``prefix``:
+    the pool's own walk (``BlockPool.cached_prefix``), the same blocks as ``lookup`` key by
+    key."""
     step = 1 if fine_grained else ratio
+    walk = keys[step - 1:max(limit, 0):step]  # the walk's keys, n + step <= limit
+    if prefix is not None:
+        found = prefix(walk)
+        return len(found) * step, found
     found = []
     append = found.append
-    for k in keys[step - 1:max(limit, 0):step]:  # the walk's keys, n + step <= limit
+    for k in walk:
         b = lookup(k)
         if b is None:
             break
@@ -111,7 +118,9 @@ def find_longest_hit(
     hbs = layout.hash_block_size
     if len(keys) != layout.num_groups:
         raise ValueError(f"keys has {len(keys)} groups, layout has {layout.num_groups}")
-    lookup = pool.get_cached_block if isinstance(pool, BlockPool) else pool
+    is_pool = isinstance(pool, BlockPool)
+    lookup = pool.get_cached_block if is_pool else pool
+    prefix = pool.cached_prefix if is_pool else None
     if fine_grained:
         if any(g.kind != "full" for g in layout.groups):
             raise ValueError("fine_grained hits need a layout of full-attention groups only")
@@ -137,7 +146,7 @@ def find_longest_hit(
             return mamba_hit(lookup, ks, r, n, lcm(align_h, r))
         assert isinstance(spec, FullAttentionSpec)
         if gi not in full_cache:  # monotone in n: compute once up to the global limit
-            full_cache[gi] = _full_walk(lookup, ks, r, limit, fine_grained)
+            full_cache[gi] = _full_walk(lookup, ks, r, limit, fine_grained, prefix)
         m = min(full_cache[gi][0], n)
         # Whole blocks only, unless fine-grained: an align below the block size must not let
         # the fixpoint settle inside a block (a hit through an alias key).
