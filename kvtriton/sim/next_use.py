@@ -99,16 +99,23 @@ class NextUseQueue(EvictionQueue):
     def _enter(self, b: int, key: int) -> None:
         self._clock += 1
         self._stamp[b] = self._clock
-        heapq.heappush(self._heap, (-int(self._nu.next[key]), self._pushed[b], self._clock, b))
+        heapq.heappush(self._heap, (-self._nu.next.item(key), self._pushed[b], self._clock, b))
 
     def push(self, block_id: int, key: int | None) -> None:
+        # Called for every block a waiting request's lookup unpins, step after step: ``_enter``
+        # and the key's set are inlined (the new push order is the entry's clock).
         if key is None:
             self._unhashed.appendleft(block_id)
             return
         self._key[block_id] = key
-        self._by_key.setdefault(key, set()).add(block_id)
-        self._pushed[block_id] = self._clock + 1
-        self._enter(block_id, key)
+        blocks = self._by_key.get(key)
+        if blocks is None:
+            self._by_key[key] = {block_id}
+        else:
+            blocks.add(block_id)
+        self._clock = clock = self._clock + 1
+        self._pushed[block_id] = self._stamp[block_id] = clock
+        heapq.heappush(self._heap, (-self._nu.next.item(key), clock, clock, block_id))
         self._len += 1
         if len(self._heap) > 4 * self._len + 1024:
             self._compact()
@@ -123,12 +130,13 @@ class NextUseQueue(EvictionQueue):
         self._len -= 1
 
     def remove(self, block_id: int, reuse: bool = True) -> None:
-        if block_id in self._unhashed:
+        # A live heap entry (stamp) first: a block is either there or in the unhashed list.
+        if self._stamp[block_id]:
+            self._leave(block_id)
+        elif block_id in self._unhashed:
             self._unhashed.remove(block_id)
-            return
-        if not self._stamp[block_id]:
+        else:
             raise KeyError(block_id)
-        self._leave(block_id)
 
     def pop(self) -> int:
         if len(self._unhashed):

@@ -202,11 +202,12 @@ class KVScheduler:
         blocks: list[int] = []
         keys: list[list[int]] = []
         groups: list[int] = []
+        n_keys = req.keys.shape[1]
         for g, spec in enumerate(self.layout.groups):
             table, r, start = seq.tables[g], self._ratio[g], seq.cached[g]
-            full = min(upto // spec.block_size, len(table), req.keys.shape[1] // r)
+            full = min(upto // spec.block_size, len(table), n_keys // r)
             if full <= start:
-                continue
+                continue  # nothing newly full (most decode steps)
             row = req.keys[g, start * r:full * r].tolist()  # one conversion, not one per block
             for pos in range(start, full):
                 b = table[pos]
