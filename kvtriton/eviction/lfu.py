@@ -15,6 +15,9 @@ TinyLFU's estimator) with aging: once it has counted ``window`` sightings, every
 halved (TinyLFU's reset), so that demand that stopped fades. Units: a sighting is one (admitted
 request, distinct key) pair; ``window`` is in sightings.
 
+Memory: ``depth`` bytes per counter column; the width is the window in sightings (at least 8
+per tier block), so ``lfu:W`` costs about 4 W bytes per tier block (64 at the default W = 16).
+
 ``LFUQueue``: the free blocks ordered by the sketch's estimate of their key's demand, lowest
 first; among equals the one freed longest ago (LRU). Unhashed blocks go first. A block whose key
 is sighted while it is free is re-ranked at once; a repeated touch by its last taker keeps its
@@ -109,23 +112,29 @@ class FrequencySketch:
 class LFUQueue(EvictionQueue):
     """Free blocks by estimated demand (lowest first), LRU among equals; see the module
     docstring. ``window_tiers``: the sketch's aging window in tier sizes (0: never ages);
-    ``width_per_block``: sketch counters per row per pool block."""
+    ``width_per_block``: sketch counters per row per pool block (None: the window's sightings,
+    at least 8 per block)."""
 
     name = "lfu"
     observes_requests = True
 
     def __init__(self, window_tiers: float = DEFAULT_WINDOW_TIERS, *,
-                 width_per_block: int = 8) -> None:
-        if not window_tiers >= 0 or width_per_block < 1:
-            raise ValueError(f"window_tiers must be >= 0 and width_per_block >= 1, got "
+                 width_per_block: int | None = None) -> None:
+        if not window_tiers >= 0 or (width_per_block is not None and width_per_block < 1):
+            raise ValueError(f"window_tiers must be >= 0 and width_per_block >= 1 or None, got "
                              f"{window_tiers!r}, {width_per_block!r}")
         self.window_tiers = window_tiers
         self.width_per_block = width_per_block
 
     def reset(self, num_blocks: int) -> None:
         tier = max(1, num_blocks - 1)  # block 0 of a pool is the null block
-        self.sketch = FrequencySketch(self.width_per_block * tier,
-                                      window=int(self.window_tiers * tier))
+        window = int(self.window_tiers * tier)
+        # Most keys of chat traffic are seen once, so a window holds nearly as many distinct
+        # keys as sightings: a row needs about that many counters, or collisions inflate the
+        # estimates of cold keys (at least 8 per block when the sketch never ages).
+        width = (self.width_per_block * tier if self.width_per_block is not None
+                 else max(8 * tier, window))
+        self.sketch = FrequencySketch(width, window=window)
         self._unhashed = LinkedQueue(num_blocks)
         # Entries (estimate, freed order, stamp, block); a stale entry's stamp is not its
         # block's current one.

@@ -252,3 +252,12 @@ def test_a_queue_that_does_not_observe_requests_is_not_called():
 
     h = PlannerDriver(cpu=BlockPool(65, eviction=Deaf(0), medium="CPU"))
     h.admit(h.request("a", tokens_for(1, 48)))
+
+
+def test_sketch_width_covers_one_window_of_sightings():
+    q = LFUQueue(16)
+    q.reset(1025)  # a tier of 1,024 blocks: a window of 16,384 sightings
+    assert (q.sketch.width, q.sketch.window) == (16384, 16384)
+    q = LFUQueue(0)
+    q.reset(1025)  # never ages: 8 counters per block
+    assert (q.sketch.width, q.sketch.window) == (8192, 0)
