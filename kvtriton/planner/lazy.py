@@ -112,12 +112,16 @@ class LazyOffload:
         group_of, G = self._group_of, self._num_groups
         queued = set(job.keys)
         refuses = self._admission.refuses if self._admission is not None else None
+        # The walk covers up to ``_target`` free blocks a step, most of them already in the CPU:
+        # the per-block lookups are bound once.
+        target, stored, block_hash = self._target, job.gpu, gpu_pool.block_hash
+        in_cpu, in_flight = cpu_pool.__contains__, selector.in_flight
         for covered, b in enumerate(gpu_pool.iter_free(self._cursor)):
-            if covered >= self._target or len(job.gpu) >= free:
+            if covered >= target or len(stored) >= free:
                 break
             last, last_stored = b, False
-            key = gpu_pool.block_hash(b)
-            if key is None or key in cpu_pool or key in queued or selector.in_flight(b, key):
+            key = block_hash(b)
+            if key is None or in_cpu(key) or key in queued or in_flight(b, key):
                 continue
             if refuses is not None and refuses(key):
                 continue
