@@ -39,7 +39,7 @@ __all__ = ["DEFAULT_WINDOW_TIERS", "FrequencySketch", "LFUQueue"]
 
 #: The aging window ``lfu`` means without ``:W``, in tier sizes (TinyLFU samples about ten
 #: times the cache; a power of two). ``bench/conversational_gap.py`` chooses among 4, 16 and 64
-#: on the Mooncake trace's first half.
+#: on the Mooncake trace's first half (it chose 64, spelled ``lfu:64``).
 DEFAULT_WINDOW_TIERS = 16
 
 # Odd 64-bit multipliers (splitmix64's and two golden-ratio variants): one hash per row.
