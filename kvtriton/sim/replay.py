@@ -234,6 +234,11 @@ def _check_eviction(eviction: str) -> None:
     if eviction != BELADY and eviction not in EVICTION_QUEUES:
         raise ValueError(f"unknown replay eviction {eviction!r}; known: "
                          f"{sorted([*EVICTION_QUEUES, BELADY])}")
+    if eviction != BELADY and EVICTION_QUEUES[eviction].observes_requests:
+        # Its demand comes from the planner's admissions, which a cache-only replay lacks: it
+        # would silently run as LRU.
+        raise ValueError(f"replay eviction {eviction!r} learns from the requests a planner "
+                         "admits, which a cache-only replay has none of; use simulate")
 
 
 def _capacity_blocks(b: int, capacity_tokens: int | None, capacity_blocks: int | None) -> int:

@@ -261,3 +261,12 @@ def test_sketch_width_covers_one_window_of_sightings():
     q = LFUQueue(0)
     q.reset(1025)  # never ages: 8 counters per block
     assert (q.sketch.width, q.sketch.window) == (8192, 0)
+
+
+def test_a_cache_only_replay_refuses_lfu():
+    # No planner admits requests there: the queue would run as LRU without saying so.
+    from kvtriton.sim.replay import _check_eviction
+
+    _check_eviction("lru")
+    with pytest.raises(ValueError, match="use simulate"):
+        _check_eviction("lfu")
