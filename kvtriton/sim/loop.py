@@ -107,8 +107,8 @@ class ServingLoop(ServingClock):
                                     max_running=max_running, null_out_of_window=True,
                                     count_recomputed=True, integrity=integrity,
                                     reserve_full_isl=reserve_full_isl)
+        self.sched.on_first_admit = self._first_admit
         if self._next_use is not None or self._hinted is not None:
-            self.sched.on_first_admit = self._first_admit
             self._last_holder = np.full(num_keys(keys), -1, dtype=np.int64)
         self._keys = keys
         self.step_no = 0
@@ -135,6 +135,7 @@ class ServingLoop(ServingClock):
         return queue
 
     def _first_admit(self, seq: _Seq) -> None:
+        self.metrics.queue_by_request[seq.req.request_id] = self.now - seq.arrival_s
         i = self._index[seq.req.request_id]
         if self._next_use is not None:
             self._next_use.consume(i)

@@ -24,6 +24,7 @@ class PartRow(TypedDict):
     ttft_p50_s: float
     ttft_p90_s: float
     ttft_mean_s: float
+    queue_delay_p50_s: float
 
 
 class SetupRow(TypedDict, total=False):
@@ -68,6 +69,9 @@ class SetupRow(TypedDict, total=False):
     ttft_p90_s: float
     ttft_p99_s: float
     ttft_mean_s: float
+    queue_delay_p50_s: float  # arrival to the step that first admitted it
+    queue_delay_p90_s: float
+    queue_delay_mean_s: float
     makespan_s: float
     wall_s: float
     ttft_all_s: list[float]
@@ -105,6 +109,9 @@ class RunMetrics:
     wall_s: float = 0.0
     makespan_s: float = 0.0
     ttft_s: list[float] = field(default_factory=list)
+    #: Per admitted request: modeled seconds from its arrival to the step that first admitted
+    #: it (the queueing delay).
+    queue_by_request: dict[str, float] = field(default_factory=dict)
     build_meta_ms: list[float] = field(default_factory=list)
     planner: dict = field(default_factory=dict)
     #: Finished requests per hint the CPU tier was given ("none": no hint), with hints on.
@@ -119,7 +126,7 @@ class RunMetrics:
         appearance; a request without a part is in none."""
         acc: dict[str, list] = {}
         for rid, label in parts.items():
-            a = acc.setdefault(label, [0, 0, 0, 0, []])
+            a = acc.setdefault(label, [0, 0, 0, 0, [], []])
             tokens = self.tokens_by_request.get(rid)
             if tokens is not None:
                 a[0] += 1
@@ -129,16 +136,21 @@ class RunMetrics:
             ttft = self.ttft_by_request.get(rid)
             if ttft is not None:
                 a[4].append(ttft)
+            queued = self.queue_by_request.get(rid)
+            if queued is not None:
+                a[5].append(queued)
         return {label: {"requests": n, "prompt_tokens": p, "gpu_hit_tokens": g,
                         "cpu_hit_tokens": c, "token_hit_rate": (g + c) / p if p else 0.0,
                         "ttft_p50_s": _pct(t, 50), "ttft_p90_s": _pct(t, 90),
-                        "ttft_mean_s": sum(t) / len(t) if t else float("nan")}
-                for label, (n, p, g, c, t) in acc.items()}
+                        "ttft_mean_s": sum(t) / len(t) if t else float("nan"),
+                        "queue_delay_p50_s": _pct(q, 50)}
+                for label, (n, p, g, c, t, q) in acc.items()}
 
     def summary(self) -> SetupRow:
         """Flat figures for tables and JSON."""
         p = self.planner
         hits = self.gpu_hit_tokens + self.cpu_hit_tokens
+        queue = list(self.queue_by_request.values())
         return {
             "policy": self.policy,
             "requests": self.requests,
@@ -174,6 +186,9 @@ class RunMetrics:
             "ttft_p90_s": _pct(self.ttft_s, 90),
             "ttft_p99_s": _pct(self.ttft_s, 99),
             "ttft_mean_s": sum(self.ttft_s) / len(self.ttft_s) if self.ttft_s else 0.0,
+            "queue_delay_p50_s": _pct(queue, 50),
+            "queue_delay_p90_s": _pct(queue, 90),
+            "queue_delay_mean_s": sum(queue) / len(queue) if queue else float("nan"),
             "makespan_s": self.makespan_s,
             "wall_s": self.wall_s,
             "ttft_all_s": [round(t, 6) for t in self.ttft_s],

@@ -173,6 +173,7 @@ class VllmLoop(ServingClock):
                 m.gpu_hit_tokens += local
                 m.cpu_hit_tokens += ext
             m.tokens_by_request[rid] = (wr.prompt_len, local, ext)
+            m.queue_by_request[rid] = self.now - self._live[rid][2]
 
     # ---- one step ----------------------------------------------------------------------------
 

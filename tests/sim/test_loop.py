@@ -141,3 +141,21 @@ def test_an_unclean_end_is_an_error(monkeypatch):
     with pytest.raises(UncleanEndError, match=r"policy 'restore_tail_bounded': the run ended at "
                                               r"step \d+ with .*1 of 1 CPU blocks still held"):
         loop.run()
+
+
+# ---- queueing delay ------------------------------------------------------------------------------
+
+
+def test_queueing_delay_is_the_wait_before_admission():
+    # One request runs at a time: the second of two simultaneous arrivals waits for the first
+    # to finish (its queueing delay is at least the first's TTFT); the first waits no step.
+    wl = Workload([WorkloadRequest("a", 0.0, 64, 4, chain(1, 4)),
+                   WorkloadRequest("b", 0.0, 64, 4, chain(2, 4))], BLOCK)
+    row = simulate(wl, gpu_blocks=64, cpu_blocks=64, policies=["none"], bound=False,
+                   max_running=1).rows[0]
+    first_ttft = min(row["ttft_all_s"])
+    assert row["queue_delay_p50_s"] == pytest.approx(row["queue_delay_mean_s"])
+    assert row["queue_delay_mean_s"] >= first_ttft / 2  # (0 + at least first_ttft) / 2
+    two = simulate(wl, gpu_blocks=64, cpu_blocks=64, policies=["none"], bound=False,
+                   max_running=2).rows[0]
+    assert two["queue_delay_mean_s"] == 0.0  # the negative control: nobody waits
