@@ -72,10 +72,11 @@ QUICK_RATIOS = {"agent": RATIOS, "cc_agentic": (1,), "mooncake": RATIOS}
 # (bench/default_setup.py) sees it on every workload. The agent
 # generator runs the whole ablation either way; --full runs it everywhere.
 QUICK_TRACE_SETS = {
-    "cc_agentic": ("eager", "eager+restore:0.5", "eager+arc", "eager+second",
-                   "eager+refresh+arc", "eager+hints", "eager+waiting", "lazy", "lazy+hints",
-                   "lazy+hinted+hints"),
-    "mooncake": ("eager", "eager+arc", "eager+second", "eager+refresh+arc", "eager+waiting"),
+    "cc_agentic": ("eager", "eager+restore:0.5", "eager+arc", "eager+lfu:64", "eager+second",
+                   "eager+refresh+arc", "eager+hints", "eager+waiting", "eager+lfu:64+waiting",
+                   "lazy", "lazy+hints", "lazy+hinted+hints"),
+    "mooncake": ("eager", "eager+arc", "eager+lfu:64", "eager+second", "eager+refresh+arc",
+                 "eager+waiting", "eager+lfu:64+waiting"),
 }
 
 

@@ -58,6 +58,7 @@ _CROSSCHECK = ("--limit", "mooncake=500", "--limit", "cc_agentic=100", "--json",
 _CC_WHOLE = ("--full", "--only", "ablation", "--workloads", "cc_agentic")
 _MOONCAKE_MAP = ("--only", "map", "--maps", "mooncake")
 _HOLE_REWIND = ("--limit", "800", "--json", "{results}/hole_rewind_800.json")
+_CONV_GAP = ("--json", "{results}/conversational_gap.json")
 _TUNE_SHARES = ("--json", "{results}/tune_shares.json")
 _DIFFERENTIAL = ("--seeds", "3000", "--json", "{results}/differential.json")
 
@@ -105,6 +106,10 @@ STUDIES: tuple[Study, ...] = (
           _HOLE_REWIND, _HOLE_REWIND, "cpu", ("hole_rewind_800.json",), run_in=()),
     Study("integrity", "bench.bench_integrity", "what integrity mode costs over the plain run",
           (), (), "cpu", ("integrity.json",), run_in=()),
+    Study("conversational_gap", "bench.conversational_gap",
+          "the conversational gap: candidates chosen on Mooncake's train half, judged on its "
+          "test half and on the other workloads' test parts", _CONV_GAP, _CONV_GAP, "cpu",
+          ("conversational_gap.json",), run_in=()),
     Study("tune_shares", "bench.tune_shares",
           "the protected shares of hints and lookahead, tuned on train, judged on test",
           _TUNE_SHARES, _TUNE_SHARES, "cpu", ("tune_shares.json",), run_in=(), quiet=True),

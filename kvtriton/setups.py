@@ -339,12 +339,12 @@ DEFAULT_POLICIES = tuple(p.composition for p in TIER_POLICIES.values())
 
 #: Every axis changed alone from the control (the ablation the benchmark runs).
 ABLATION = ("eager", "eager+restore", "eager+restore:0.5", "eager+tail", "eager+arc",
-            "eager+s3fifo", "eager+second", "eager+refresh", "eager+hints", "eager+waiting",
-            "lazy")
+            "eager+s3fifo", "eager+lfu:64", "eager+second", "eager+refresh", "eager+hints",
+            "eager+waiting", "lazy")
 
 #: Combinations of the axes that pay, run beside the ablation.
 COMBINED = ("lazy+hints", "lazy+hinted", "lazy+hinted+hints", "eager+refresh+arc",
-            "eager+restore:0.5+tail+arc")
+            "eager+restore:0.5+tail+arc", "eager+lfu:64+waiting")
 #: The combinations that use hints (the first of ``COMBINED``).
 HINTED_COMBINED = COMBINED[:3]
 
