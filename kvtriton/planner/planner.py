@@ -198,7 +198,7 @@ class OffloadPlanner:
         refused with a ``ValueError`` before any of it is applied."""
         check_step(step, self.layout.num_groups, self.gpu_pool.num_blocks)
         self._running -= set(step.preempted_req_ids) | set(step.finished_req_ids)
-        self._running.update(r for r in step.num_scheduled_tokens if r in self._requests)
+        self._running.update(self._requests.keys() & step.num_scheduled_tokens.keys())
         job = StoreJob()
         if self.config.lazy:
             self._lazy.select(job)

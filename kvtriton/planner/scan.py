@@ -89,6 +89,7 @@ class FusedSelector(StoreSelector):
                  rows: int = 64, cols: int = 256, keys: int = 4096) -> None:
         self._num_groups = G = layout.num_groups
         self._is_sliding = np.array([g.kind == "sliding_window" for g in layout.groups])
+        self._any_sliding = bool(self._is_sliding.any())
         self._gpu_pool = gpu_pool
         self._cpu_pool = cpu_pool
         self._restore = restore
@@ -217,9 +218,15 @@ class FusedSelector(StoreSelector):
         if not counts.any():
             return
         rows = np.asarray(rows, dtype=np.int64)
-        flat = np.fromiter(chain.from_iterable(block_ids), dtype=np.int64,
-                           count=int(counts.sum()))
+        total = int(counts.sum())
+        flat = np.fromiter(chain.from_iterable(block_ids), dtype=np.int64, count=total)
         n0 = self._num_blocks[group, rows]
+        if total == len(rows) and counts.all():
+            # One new block per row (every decode step): each lands at its row's length.
+            self._ensure_cols(int(n0.max()) + 1)
+            self._block_table[group, rows, n0] = flat
+            self._num_blocks[group, rows] = n0 + 1
+            return
         n1 = n0 + counts
         self._ensure_cols(int(n1.max()))
         which, pos = _ragged_ranges(n0, n1)
@@ -388,11 +395,14 @@ class FusedSelector(StoreSelector):
         self._wanted_buf[self._wanted_buf_len:n] = keys
         self._wanted_buf_len = n
 
-    def _compact_wanted(self) -> np.ndarray:
-        """The keys still wanted, once each; the buffer is rewritten to hold just them."""
+    def _compact_wanted(self, unique: bool = False) -> np.ndarray:
+        """The keys still wanted, once each; the buffer is rewritten to hold just them.
+        ``unique``: the buffer holds each key once already (compacted earlier in this pass,
+        nothing pushed since), so only the keys no longer wanted are dropped."""
         w = self._wanted_buf[:self._wanted_buf_len]
         w = w[self._wanted[w]]
-        w = w[self._first_occurrence(w)]
+        if not unique:
+            w = w[self._first_occurrence(w)]
         self._wanted_buf_len = len(w)
         self._wanted_buf[:len(w)] = w
         return w
@@ -402,7 +412,9 @@ class FusedSelector(StoreSelector):
         w = self._compact_wanted()
         rows, keys = [self._owner[w]], [w]
         shared = w[self._num_owners[w] > 1]
-        for k in shared.tolist() if len(shared) else ():
+        if not len(shared):
+            return rows[0], w
+        for k in shared.tolist():
             extra = self._extra_owners[k]
             rows.append(np.asarray(extra, dtype=np.int64))
             keys.append(np.full(len(extra), k, dtype=np.int64))
@@ -450,10 +462,12 @@ class FusedSelector(StoreSelector):
             r_group = self._key_group[r_key]
             r_pos = self._key_position[r_key]
             keep = (r_rank >= 0) & (r_pos < self._cursor[r_group, r_row])
-            ranks.append(r_rank[keep])
-            groups.append(r_group[keep])
-            positions.append(r_pos[keep])
-            is_restore.append(np.ones(int(keep.sum()), dtype=bool))
+            if not keep.all():
+                r_rank, r_group, r_pos = r_rank[keep], r_group[keep], r_pos[keep]
+            ranks.append(r_rank)
+            groups.append(r_group)
+            positions.append(r_pos)
+            is_restore.append(np.ones(len(r_rank), dtype=bool))
         self._scan_rank[rows] = -1
         _, n_rows, n_cols = self._block_table.shape
         if len(ranks) == 1:
@@ -475,6 +489,8 @@ class FusedSelector(StoreSelector):
         flat = (grp * n_rows + row) * n_cols + pos
         src = self._block_table.ravel()[flat]
         key = self._table_keys.ravel()[flat]
+        if not self._any_sliding:
+            return _Candidates(rank, row, grp, pos, isr, src, key)
         lost = (src == NULL_BLOCK) & self._is_sliding[grp]
         if lost.any():
             found = self._gpu_block_of_key[key[lost]]
@@ -484,17 +500,21 @@ class FusedSelector(StoreSelector):
     def _classify(self, c: _Candidates, out: ScanOutcomes) -> tuple[np.ndarray, np.ndarray]:
         """Outcomes up to ``duplicate``, first match wins; returns the indices of the surviving
         candidates that are their key's first occurrence in the pass, and of the duplicates."""
-        null = c.src == NULL_BLOCK
-        not_hashed = ~null & (self._gpu_block_key[c.src] != c.key)
-        ok = ~null & ~not_hashed
+        # Each outcome is a subset of what `ok` still holds, so `^=` removes it from `ok`.
+        ok = c.src != NULL_BLOCK
+        not_hashed = ok & (self._gpu_block_key[c.src] != c.key)
+        out.null = len(ok) - int(np.count_nonzero(ok))
+        ok ^= not_hashed
         in_flight = ok & (self._in_flight_block[c.src] | self._in_flight_key[c.key])
-        ok &= ~in_flight
+        ok ^= in_flight
         cached = ok & self._in_cpu[c.key]
-        ok &= ~cached
+        ok ^= cached
         idx = np.flatnonzero(ok)
-        is_first = self._first_occurrence(c.key[idx])
-        firsts, dups = idx[is_first], idx[~is_first]
-        out.null = int(null.sum())
+        is_first = self._first_occurrence(c.key[idx] if len(idx) < len(ok) else c.key)
+        if is_first.all():
+            firsts, dups = idx, idx[:0]
+        else:
+            firsts, dups = idx[is_first], idx[~is_first]
         out.not_hashed = int(not_hashed.sum())
         out.in_flight = int(in_flight.sum())
         out.already_cached = int(cached.sum())
@@ -506,6 +526,14 @@ class FusedSelector(StoreSelector):
                       ) -> tuple[np.ndarray, np.ndarray]:
         """``restore_capped`` (per-key or per-step bound) and ``deferred`` (no CPU block left)
         among ``firsts``; returns the indices of the selected and of the deferred candidates."""
+        if self._max_restores_per_key is None and restore_budget is None:
+            # No re-store cap: the first `budget` candidates are selected, the rest deferred.
+            budget = max(budget, 0)
+            out.restore_capped = 0
+            out.deferred = max(0, len(firsts) - budget)
+            if len(firsts) <= budget:
+                return firsts, firsts[:0]
+            return firsts[:budget], firsts[budget:]
         f_restore = c.is_restore[firsts]
         capped = np.zeros(len(firsts), dtype=bool)
         if self._max_restores_per_key is not None:
@@ -534,12 +562,17 @@ class FusedSelector(StoreSelector):
         """Each cursor moves to its first deferred new position, or duplicate of a key not
         selected, else to ``ready``; never backwards; not at all where the budget was spent
         before the pass reached its (row, group)."""
-        # Which duplicates repeat a selected key: flag the selected keys, read, clear.
-        self._key_flag[c.key[chosen]] = True
-        key_chosen = self._key_flag[c.key[dups]]
-        self._key_flag[c.key[chosen]] = False
-        stop_idx = np.concatenate([deferred, dups[~key_chosen]])
-        stop_idx = stop_idx[~c.is_restore[stop_idx]]
+        if len(dups):
+            # Which duplicates repeat a selected key: flag the selected keys, read, clear.
+            chosen_keys = c.key[chosen]
+            self._key_flag[chosen_keys] = True
+            key_chosen = self._key_flag[c.key[dups]]
+            self._key_flag[chosen_keys] = False
+            stop_idx = np.concatenate([deferred, dups[~key_chosen]])
+        else:
+            stop_idx = deferred
+        if len(stop_idx):
+            stop_idx = stop_idx[~c.is_restore[stop_idx]]
         frozen = np.zeros(0, dtype=np.int64)
         if len(chosen) >= budget:
             # Segments (one per scanned row and group, in candidate order) that start with
@@ -554,31 +587,39 @@ class FusedSelector(StoreSelector):
         cursor = self._cursor
         for g in range(self._num_groups):
             new_cursor = ready[:, g].copy()
-            s = stop_idx[c.group[stop_idx] == g]
-            np.minimum.at(new_cursor, c.rank[s], c.position[s])
-            new_cursor[c.rank[frozen[c.group[frozen] == g]]] = 0  # max() keeps the old cursor
+            if len(stop_idx):
+                s = stop_idx[c.group[stop_idx] == g]
+                np.minimum.at(new_cursor, c.rank[s], c.position[s])
+            if len(frozen):
+                new_cursor[c.rank[frozen[c.group[frozen] == g]]] = 0  # max() keeps the old one
             cursor[g, rows] = np.maximum(cursor[g, rows], new_cursor)
 
     def _take(self, sel: Selection, c: _Candidates, chosen: np.ndarray) -> None:
         """Fill ``sel`` with the selected candidates; count re-stores and thrash; selected keys
         are no longer wanted."""
         out = sel.outcomes
-        r_chosen = c.is_restore[chosen]
+        if len(chosen) == len(c.key):
+            # Every candidate selected (chosen is then 0 .. n-1): the columns as they are.
+            r_chosen, gpu, keys, rows, groups, positions = (
+                c.is_restore, c.src, c.key, c.row, c.group, c.position)
+        else:
+            r_chosen, gpu, keys = c.is_restore[chosen], c.src[chosen], c.key[chosen]
+            rows, groups, positions = c.row[chosen], c.group[chosen], c.position[chosen]
         out.restored = int(r_chosen.sum())
         out.stored = len(chosen) - out.restored
         if out.restored:
-            rk = c.key[chosen[r_chosen]]
+            rk = keys[r_chosen] if out.restored < len(keys) else keys
             sel.thrash = int((self._restore_count[rk] > 0).sum())
             self._restore_count[rk] += 1
-        self._wanted[c.key[chosen]] = False
+        self._wanted[keys] = False
         if self._wanted_buf_len:
-            self._compact_wanted()
+            # The candidates' pass compacted the buffer and nothing was pushed since.
+            self._compact_wanted(unique=True)
         # The planner reads ids as lists (transfers, batches) and the rest as arrays: each
         # column is converted once, only where it is read.
-        gpu, keys = c.src[chosen], c.key[chosen]
-        sel.rows = c.row[chosen]
-        sel.groups = [0] * len(chosen) if self._num_groups == 1 else c.group[chosen].tolist()
-        sel.positions = c.position[chosen]
+        sel.rows = rows
+        sel.groups = [0] * len(chosen) if self._num_groups == 1 else groups.tolist()
+        sel.positions = positions
         sel.gpu_blocks = gpu.tolist()
         sel.keys = keys.tolist()
         sel.restore = r_chosen

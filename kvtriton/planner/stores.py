@@ -257,14 +257,17 @@ class Stores:
         job.gpu += sel.gpu_blocks
         job.groups += sel.groups
         job.keys += sel.keys
-        seen = set(job.req_ids)
-        row_req = self._row_req
         rows = sel.rows
-        for row in (dict.fromkeys(rows) if not isinstance(rows, np.ndarray)
-                    else rows[np.flatnonzero(np.diff(rows, prepend=-1))].tolist()):
-            rid = row_req[row]
-            if rid not in seen:
-                job.req_ids.append(rid)
+        if isinstance(rows, np.ndarray):
+            # Rows come in scan order, each in one run: the first of each run, in one pass.
+            rows = rows[np.concatenate(([True], rows[1:] != rows[:-1]))].tolist()
+        else:
+            rows = list(dict.fromkeys(rows))
+        rids = list(map(self._row_req.__getitem__, rows))
+        if job.req_ids:
+            seen = set(job.req_ids)
+            rids = [rid for rid in rids if rid not in seen]
+        job.req_ids += rids
         self.allocate(job, start, sel.arrays)
 
     def _ready(self, rows: list[int], tokens: list[int]) -> np.ndarray:
