@@ -96,7 +96,8 @@ class RequestMirror:
     def refresh(self) -> None:
         """Copy vLLM's counters into the planner's request (and bind new hashes)."""
         v, r = self.vreq, self.req
-        self.bind()
+        if len(v.block_hashes) > self.bound:  # else bind() has nothing to bind
+            self.bind()
         r.num_tokens = max(v.num_tokens, r.num_prompt_tokens)
         r.num_computed_tokens = v.num_computed_tokens
         r.num_output_placeholders = v.num_output_placeholders
