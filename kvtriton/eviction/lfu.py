@@ -85,10 +85,10 @@ class FrequencySketch:
         cols = self._columns(keys)
         rows = self._rows
         for r in range(len(rows)):
-            # Distinct keys may share a column: count each, as count-min does.
-            counts = np.bincount(cols[r], minlength=0)
-            hit = np.flatnonzero(counts)
-            rows[r, hit] = np.minimum(rows[r, hit].astype(np.int64) + counts[hit], self.cap)
+            # Distinct keys may share a column: count each, as count-min does. (unique, not a
+            # bincount: a bincount spans the whole row, hundreds of thousands of counters.)
+            hit, counts = np.unique(cols[r], return_counts=True)
+            rows[r, hit] = np.minimum(rows[r, hit].astype(np.int64) + counts, self.cap)
         self._seen += len(keys)
         if self.window and self._seen >= self.window:
             self._rows >>= 1
