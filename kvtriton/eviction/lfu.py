@@ -67,6 +67,9 @@ class FrequencySketch:
         self._seeds = np.array(_SEEDS[:depth], dtype=np.uint64)
         self._rows = np.zeros((depth, self.width), dtype=np.uint8)
         self._seen = 0
+        # Estimates since the last add: the counters change only there, and between two admitted
+        # requests a waiting request's lookup pins and unpins the same keys every step.
+        self._estimates: dict[int, int] = {}
         #: How many times the counters were halved.
         self.agings = 0
 
@@ -84,6 +87,7 @@ class FrequencySketch:
             return False
         cols = self._columns(keys)
         rows = self._rows
+        self._estimates.clear()
         for r in range(len(rows)):
             # Distinct keys may share a column: count each, as count-min does. (unique, not a
             # bincount: a bincount spans the whole row, hundreds of thousands of counters.)
@@ -103,10 +107,15 @@ class FrequencySketch:
         return self._rows[np.arange(len(self._rows))[:, None], cols].min(axis=0)
 
     def estimate_one(self, key: int) -> int:
+        got = self._estimates.get(key)
+        if got is not None:
+            return got
         bits, rows = self._bits, self._rows
         k = (key + 1) & _MASK64
-        return min(int(rows[r, ((k * int(s)) & _MASK64) >> (64 - bits)] if bits else rows[r, 0])
-                   for r, s in enumerate(self._seeds.tolist()))
+        got = self._estimates[key] = min(
+            int(rows[r, ((k * int(s)) & _MASK64) >> (64 - bits)] if bits else rows[r, 0])
+            for r, s in enumerate(self._seeds.tolist()))
+        return got
 
 
 class LFUQueue(EvictionQueue):
