@@ -105,7 +105,7 @@ def targets(rows: list[dict], evict: float) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     ap = OneLineParser(prog="python -m bench.bench_planner",
                        description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="16, 64 and 128 requests, 10 steps")
+    ap.add_argument("--quick", action="store_true", help="16 and 128 requests, 10 steps")
     ap.add_argument("--sizes", type=int, nargs="*", default=None)
     ap.add_argument("--blocks", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=None)
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> dict:
     # A fraction outside [0, 1] would fail deep in the eviction (or evict nothing) mid-run.
     if not 0.0 <= args.evict <= 1.0:
         ap.error(f"--evict must be a fraction in [0, 1], got {args.evict}")
-    sizes = args.sizes or ([16, 64, 128] if args.quick else [16, 64, 128, 256])
+    sizes = args.sizes or ([16, 128] if args.quick else [16, 64, 128, 256])
     steps = args.steps or (10 if args.quick else 20)
     print(f"planner scaling: {args.blocks} blocks/request, {steps} timed steps, "
           f"{args.evict:.0%} of CPU-cached blocks evicted per step, eviction {args.eviction}")
