@@ -17,21 +17,24 @@ and the re-store map.
 Run: ``python -m bench.bench_policies [--full] [--only ablation|map] [--quiet]``. Without
 ``--full`` (quick, the ``make bench`` size on 2 cores): the agent generator's quick workload runs
 the whole ablation and the hinted combinations (``HINTED_COMBINED``) at both capacities; the
-coding-agent traces, cut to their first ``QUICK_CC_TURNS`` turns per session, and the whole
-Mooncake trace run
-``QUICK_TRACE_SETS`` at ``QUICK_RATIOS``; the maps are small grids (``map_grid``). ``--full``
-runs the whole ablation plus ``COMBINED`` on the whole traces at both capacities and larger
-maps; ``--ratios`` overrides the capacities. Simulations run in parallel, one process per core.
+coding-agent traces, cut to their first ``tier_study.QUICK_CC_TURNS`` turns per session, and
+the whole Mooncake trace run ``QUICK_TRACE_SETS`` at ``QUICK_RATIOS``; the maps are small
+grids (``map_grid``). ``--full`` runs the whole ablation plus ``COMBINED`` on the whole traces
+at both capacities and larger maps; ``--ratios`` overrides the capacities. Simulations run in
+parallel, one process per core.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from collections import Counter
-from concurrent.futures import ProcessPoolExecutor
 
 from bench.common import OneLineParser, write_result
+from bench.tier_study import SPLIT_TEXT, SPLITS, ttft_tolerance_s, workloads
+from bench.tier_study import figures as _figures
+from bench.tier_study import run_all as _run_all
+from bench.tier_study import slim as _slim
+from bench.tier_study import ttft_ok as _ttft_ok
 from kvtriton.setups import ABLATION, BOUNDS, COMBINED, HINTED_COMBINED, tier_policy
 from kvtriton.sim import (
     CC_AGENTIC_SAMPLE,
@@ -40,28 +43,18 @@ from kvtriton.sim import (
     data_path,
     load_trace,
     mark_session_close,
-    simulate,
-    without_closes,
 )
 from kvtriton.sim.metrics import format_table
 from kvtriton.sim.simulate import add_gap_closed, in_loop_bound
-from kvtriton.sim.splits import SPLIT_SEED, TEST, TRAIN, split_named
+from kvtriton.sim.splits import TEST, TRAIN, split_named
 from kvtriton.sim.trace_stats import reuse_profile
-from kvtriton.sim.workloads import first_turns, serving_workload
+from kvtriton.sim.workloads import first_turns
 
 RATIOS = (1, 4)
-#: How each workload is split (``kvtriton.sim.splits``): the best setup is chosen on the train
-#: part and judged on the test part. Mooncake is one long trace: its time halves. The others
-#: are sets of independent sessions: whole sessions (a coding-agent trace with its sub-agents)
-#: drawn into two sets.
-SPLITS = {"agent": "sessions", "cc_agentic": "sessions", "mooncake": "time"}
-SPLIT_TEXT = {"time": "time halves (the first half of the requests by arrival trains)",
-              "sessions": f"sessions drawn into two sets (seed {SPLIT_SEED})"}
 # The smallest control-to-bound gap (points of token hit rate) whose shares are reported and
 # judged against a target.
 MATERIAL_GAP_POINTS = 2.0
 TARGETS = {"agent": 0.25, "cc_agentic": 0.25, "mooncake": 0.10}
-QUICK_CC_TURNS = 12
 # Without --full the coding-agent cut runs at CPU = GPU only: at 4x the tier holds every block
 # of the cut (no gap to close). Mooncake too: each of its runs takes half a minute to a minute
 # and a half on 2 cores, and its target is judged at CPU = GPU; --full adds 4x.
@@ -87,31 +80,6 @@ QUICK_TRACE_SETS = {
 QUICK_BOUNDS = {"mooncake": ("eager+nextuse",)}
 
 
-def workloads(quick: bool) -> dict[str, tuple[Workload, int, Workload | None]]:
-    """Per tag: the workload with the hints a server has (``continue`` from stop reasons; no
-    close), its GPU capacity in tokens, and the same workload with each session's last turn
-    hinted ``close`` (an oracle: it knows no turn follows; None where there are no hints)."""
-    if quick:
-        agent = agent_workload(num_conversations=16, min_turns=4, max_turns=10, seed=0)
-        agent_gpu = 16_384
-    else:
-        agent = agent_workload(num_conversations=64, min_turns=10, max_turns=50, seed=0)
-        agent_gpu = 131_072
-    cc = load_trace(data_path(CC_AGENTIC_SAMPLE))
-    # Closes are marked on the whole trace before any cut: a cut's last turn is not its
-    # session's last.
-    cc_oracle = mark_session_close(cc)
-    if quick:
-        cc, cc_oracle = first_turns(cc, QUICK_CC_TURNS), first_turns(cc_oracle, QUICK_CC_TURNS)
-    # The whole Mooncake trace even when quick: its reuse builds up over the trace (the first
-    # thousand requests hit under 3% whatever the tier does).
-    # Mooncake was recorded on a cluster: its arrivals are spread, as in bench_sim.
-    mooncake, _ = serving_workload("mooncake")
-    return {"agent": (without_closes(agent), agent_gpu, agent),
-            "cc_agentic": (without_closes(cc), 262_144, cc_oracle),
-            "mooncake": (mooncake, 262_144, None)}
-
-
 ORACLE_CLOSES = " [oracle closes]"
 
 
@@ -119,26 +87,6 @@ def _hinted(composition: str) -> bool:
     """Whether a setup reads hints (the ``hints`` axis or ``hinted`` admission)."""
     p = tier_policy(composition)
     return p.hints or (p.planner is not None and p.planner.admission == "hinted")
-
-
-def ttft_tolerance_s(conditions: dict) -> float:
-    """How much higher a setup's modeled TTFT p50 and p90 may be than the control's and still
-    count as no worse: one scheduler step at the full token budget (the step overhead plus a
-    prefill of ``token_budget`` tokens). A prompt's prefill moves in whole steps, so a change
-    smaller than one is below the cost model's resolution: a turn that lands a step earlier or
-    later, not a slower server."""
-    from kvtriton.sim.cost import CostModel
-
-    cm = conditions["cost_model"]
-    cost = CostModel.named(conditions["model"], conditions["gpu"], mfu=cm["mfu"],
-                           hbm_efficiency=cm["hbm_efficiency"],
-                           step_overhead_s=cm["step_overhead_s"])
-    return cost.step_overhead_s + cost.prefill_s(conditions["token_budget"], 0)
-
-
-def _figures(row: dict, part: str | None) -> dict:
-    """``row``'s figures over the whole run (``part`` None) or over one part of its split."""
-    return row if part is None else row["parts"][part]
 
 
 def workload_traits(wl: Workload, gpu_tokens: int, ratios: tuple[int, ...]) -> dict:
@@ -154,12 +102,6 @@ def workload_traits(wl: Workload, gpu_tokens: int, ratios: tuple[int, ...]) -> d
             "continue_share": sum(wr.hint == "continue" for wr in wl) / len(wl)}
 
 
-def _ttft_ok(row: dict, control: dict, tolerance_s: float = 0.0, part: str | None = None) -> bool:
-    r, c = _figures(row, part), _figures(control, part)
-    return (r["ttft_p50_s"] <= c["ttft_p50_s"] + tolerance_s + 1e-9
-            and r["ttft_p90_s"] <= c["ttft_p90_s"] + tolerance_s + 1e-9)
-
-
 def best_online(rows: list[dict], tolerance_s: float = 0.0, part: str | None = None) -> dict | None:
     """The online setup (not the control, not given oracle closes) that closes the most gap,
     some of it, with modeled TTFT p50 and p90 no more than ``tolerance_s`` above the
@@ -172,29 +114,6 @@ def best_online(rows: list[dict], tolerance_s: float = 0.0, part: str | None = N
             and _figures(r, part)["gap_closed"] > 0
             and _ttft_ok(r, control, tolerance_s, part)]
     return max(fair, key=lambda r: _figures(r, part)["gap_closed"]) if fair else None
-
-
-def _slim(row: dict) -> dict:
-    return {k: v for k, v in row.items() if k != "ttft_all_s"}
-
-
-def _simulate(args: tuple) -> tuple:
-    """One ``simulate`` call in a worker process: ``(key, workload, kwargs)`` -> ``(key,
-    SimulationResult as a dict)``."""
-    key, wl, kw = args
-    return key, simulate(wl, **kw).to_dict()
-
-
-def _run_all(tasks: list[tuple], progress: bool, what: str) -> dict:
-    """Run ``tasks`` (see ``_simulate``) on every core; results by key."""
-    out = {}
-    workers = max(1, min(len(tasks), os.cpu_count() or 1))
-    with ProcessPoolExecutor(max_workers=workers) as pool:
-        for n, (key, res) in enumerate(pool.map(_simulate, tasks), 1):
-            out[key] = res
-            if progress:
-                print(f"  {what}: {n}/{len(tasks)} done ({key})", flush=True)
-    return out
 
 
 def ablation(tag: str, wl: Workload, gpu_tokens: int, policies: tuple[str, ...],

@@ -4,7 +4,7 @@
 runs F = 0.5 (``kvtriton.setups.DEFAULT_PROTECT_SHARE``), a value fixed before any result.
 This study asks what tuning F would give, without letting the tuned figure be its own
 evidence: every setup runs at each share of ``SHARES`` on each workload of ``bench_policies``
-(with its split, ``bench_policies.SPLITS``), F is chosen by the train part's hit rate (among
+(with its split, ``bench.tier_study.SPLITS``), F is chosen by the train part's hit rate (among
 the shares whose train TTFT p50 and p90 are within the study's tolerance of the control's),
 and the choice is reported on the test part beside the fixed 0.5.
 
@@ -17,15 +17,8 @@ from __future__ import annotations
 
 import time
 
-from bench.bench_policies import (
-    SPLITS,
-    _run_all,
-    _slim,
-    _ttft_ok,
-    ttft_tolerance_s,
-    workloads,
-)
 from bench.common import OneLineParser, write_result
+from bench.tier_study import SPLITS, run_all, slim, ttft_ok, ttft_tolerance_s, workloads
 from kvtriton.setups import DEFAULT_PROTECT_SHARE
 from kvtriton.sim.splits import TEST, TRAIN, split_named
 
@@ -49,8 +42,8 @@ def tune(tag: str, progress: bool = False) -> dict:
     kw = {"gpu_tokens": gpu, "cpu_tokens": gpu, "parts": parts, "bound": False,
           "in_loop_bounds": ()}
     names = ["eager"] + [_with_share(s, f) for s in TUNED[tag] for f in SHARES]
-    results = _run_all([(n, wl, {**kw, "policies": [n]}) for n in names], progress, tag)
-    rows = {n: _slim(results[n]["rows"][0]) for n in names}
+    results = run_all([(n, wl, {**kw, "policies": [n]}) for n in names], progress, tag)
+    rows = {n: slim(results[n]["rows"][0]) for n in names}
     control = rows["eager"]
     tolerance = ttft_tolerance_s(results["eager"]["conditions"])
 
@@ -63,7 +56,7 @@ def tune(tag: str, progress: bool = False) -> dict:
         grid = [{"share": f, "setup": _with_share(setup, f),
                  "train_points": gain(rows[_with_share(setup, f)], TRAIN),
                  "test_points": gain(rows[_with_share(setup, f)], TEST),
-                 "ttft_ok_train": _ttft_ok(rows[_with_share(setup, f)], control, tolerance,
+                 "ttft_ok_train": ttft_ok(rows[_with_share(setup, f)], control, tolerance,
                                            TRAIN)} for f in SHARES]
         fair = [g for g in grid if g["ttft_ok_train"]] or grid
         chosen = max(fair, key=lambda g: (g["train_points"], -abs(g["share"] - 0.5)))

@@ -324,7 +324,7 @@ def plot_decision_map(cells: list[dict], path: str | Path) -> Path:
     ax.legend(unique.values(), unique.keys(), fontsize=7, loc="best")
     ax.set_yscale("log")
     ax.set_xlabel("reuses within GPU + CPU capacity (% of prompt-block reuses)")
-    ax.set_ylabel("control's queueing delay p50 (s)")
+    ax.set_ylabel("control's queueing delay p50, test part (s)")
     ax.set_title("setup chosen on train; test-part gain in points (hollow: no hints)",
                  fontsize=9)
     return _save(fig, path)

@@ -561,8 +561,9 @@ def _map_cells(docs: dict) -> list[dict]:
                 "within_tier": traits["reuse"]["within"][f"gpu+cpu {ratio}x"],
                 "turns": traits["turns_per_session"], "continue": traits["continue_share"],
                 "hinted": traits["continue_share"] > 0,
-                "queue_p50_s": control.get("queue_delay_p50_s", control["ttft_p50_s"]),
-                "queue_measured": "queue_delay_p50_s" in control,
+                "queue_p50_s": control["parts"]["test"].get(
+                    "queue_delay_p50_s", control["ttft_p50_s"]),
+                "queue_measured": "queue_delay_p50_s" in control["parts"]["test"],
                 "gap_points": t["gap_points"], "no_gap": t["no_gap"], "winner": t["best"],
                 "train_share": t.get("gap_closed_train"), "test_share": t.get("gap_closed_test"),
                 "test_points": test})
@@ -701,7 +702,7 @@ def decision_map_section(v: dict) -> None:
 
     plot_decision_map(cells, FIGURES / "decision_map.png")
     queue = ("queueing delay p50 (s)" if all(c["queue_measured"] for c in cells)
-             else "TTFT p50 (s)")
+             else "TTFT p50 (s)") + ", test part"
     rows = [[c["label"], _pct(c["within_gpu"]), _pct(c["within_tier"]),
              "-" if c["turns"] is None else f"{c['turns']:.1f}", _pct(c["continue"]),
              f"{c['queue_p50_s']:.2f}", f"{c['gap_points']:.1f}",
@@ -721,15 +722,17 @@ def decision_map_section(v: dict) -> None:
         where = ", ".join(c["label"] for c in cs)
         hinted = sorted({c["hinted"] for c in cs})
         within = [c["within_tier"] for c in cs]
-        tier = f"{_pct(min(within))}-{_pct(max(within))}"
+        tier = (_pct(within[0]) if len(set(within)) == 1 else
+                f"{_pct(min(within))}-{_pct(max(within))}")
         gains = [c["test_points"] for c in cs if c["test_points"] is not None]
         if not w:
             claims.append(f"- No online setup gains on its train part in {len(cs)} cell(s) "
                           f"({where}): there the control stays; reuses within the tier "
                           f"{tier}.")
             continue
-        test = (f"; on the test part {min(gains):+.2f} to {max(gains):+.2f} points over the "
-                "control" if gains else "")
+        span = (f"{min(gains):+.2f}" if len(set(gains)) == 1 else
+                f"{min(gains):+.2f} to {max(gains):+.2f}") if gains else ""
+        test = f"; on the test part {span} points over the control" if gains else ""
         held = [c for c in cs if c["test_points"] is not None and c["test_points"] < 0]
         claims.append(
             f"- `{w}` is chosen in {len(cs)} cell(s) ({where}): "
@@ -899,7 +902,7 @@ def default_section(v: dict) -> None:
         "(workload x CPU capacity) of the policy study (`bench/default_setup.py`). " + verdict
         + " A first form of the rule, asking for two workloads, chose `eager+arc` from four "
         "cells; measured on the other workloads it lost points, and the rule asks for every "
-        "workload since. The rule reads the train part of each run (Section {{sec_split}}); "
+        "workload since. The rule reads the train part of each run (Section {{sec_which}}); "
         "the last two columns are the same setups on the test part."
         + ("" if not got["skipped"] else
            " Left out of the choice, written before the split: "
