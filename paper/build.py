@@ -334,6 +334,19 @@ def _bounds_intro(docs: dict) -> str:
             f"({where(near)}) and {far[0]:.1f} points ({where(far)}) below it.")
 
 
+def _overload_note(doc: dict, t: dict) -> str:
+    """For a best setup that reads the waiting queue: the load it was judged under (the
+    lookahead shows a future only where requests wait), from the control's test part."""
+    if not any(a.split(":")[0] == "waiting" for a in t["best"].split("+")):
+        return ""
+    run = next(r for r in doc["runs"] if r["cpu_ratio"] == t["cpu_ratio"])
+    control = next(r for r in run["rows"] if r["composition"] == "eager")
+    queue = control["parts"]["test"].get("queue_delay_p50_s")
+    return "" if queue is None else (
+        f" (an overloaded server: the control's queueing delay p50 there is {queue:.0f} s; the "
+        "lookahead helps only where requests wait)")
+
+
 def split_text(docs: dict) -> str:
     """Each workload's train/test split, with the parts' sizes from the control's rows."""
     lines = []
@@ -533,7 +546,8 @@ def policies_section(v: dict) -> None:
         if t["best"] and "gap_closed_test" in t:
             ab.append(f"`{t['best']}`, chosen on a train part, closes "
                       f"{_gap(t['gap_closed_test'])} of the gap to the in-loop bound on the "
-                      f"{labels[tag]}'s test part at CPU {t['cpu_ratio']}x")
+                      f"{labels[tag]}'s test part at CPU {t['cpu_ratio']}x"
+                      + _overload_note(doc, t))
         elif t["best"]:
             ab.append(f"`{t['best']}` closes {_gap(t['gap_closed'])} of the gap to the in-loop "
                       f"bound on the {labels[tag]} at CPU {t['cpu_ratio']}x")
