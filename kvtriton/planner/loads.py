@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvtriton.lookup import find_longest_hit
+from kvtriton.lookup import Hit, find_longest_hit
 from kvtriton.planner.config import PlannerConfig
 from kvtriton.planner.stats import PlannerStats
 from kvtriton.pool import NULL_BLOCK, BlockPool, GpuPool
@@ -55,6 +55,11 @@ class _Load:
     event: int | None = None
 
 
+def _hit_blocks(blocks: tuple[list[int], ...]) -> list[int]:
+    """The CPU blocks a hit pins: every group's, the null block left out."""
+    return [b for grp in blocks for b in grp if b != NULL_BLOCK]
+
+
 class Loads:
     """Pending hits, loads, abandoned loads and load events of one planner."""
 
@@ -81,9 +86,28 @@ class Loads:
         self._next_event = 0
 
     def _unpin_hit(self, hit: _PendingHit) -> None:
-        blocks = [b for grp in hit.blocks for b in grp if b != NULL_BLOCK]
+        blocks = _hit_blocks(hit.blocks)
         if blocks:
             self._cpu_pool.free_blocks(blocks)
+
+    def _repin(self, rid: str, stale: _PendingHit | None, blocks: list[int]) -> None:
+        """Pin ``blocks``, the new hit of ``rid``, in place of its ``stale`` one: only the
+        difference moves. A waiting request is looked up again every step with much the same
+        hit; releasing all of it and pinning it again would pass each block through the free
+        queue, where a full protected segment (``HintedQueue``) demotes another block for every
+        protected one that comes back, and the pushes and removals would be most of a
+        waiting-heavy run's time."""
+        old = [] if stale is None else _hit_blocks(stale.blocks)
+        if old and blocks:
+            kept = set(old).intersection(blocks)
+            # Sets cannot tell multiplicities apart: a hit naming a block twice moves whole.
+            if kept and len(set(old)) == len(old) and len(set(blocks)) == len(blocks):
+                old = [b for b in old if b not in kept]
+                blocks = [b for b in blocks if b not in kept]
+        if old:
+            self._cpu_pool.free_blocks(old)
+        if blocks:
+            self._cpu_pool.touch(blocks, user=rid)
 
     def _release(self, ld: _Load) -> None:
         self._cpu_pool.free_blocks(ld.cpu)
@@ -101,33 +125,43 @@ class Loads:
         if (ld := self._loads.get(rid)) is not None:
             raise ValueError(f"request {rid!r} waits for its CPU load ({self._describe(ld)}); "
                              "look it up again once that load is reported")
-        if (stale := self._pending_hits.pop(rid, None)) is not None:
-            self._unpin_hit(stale)
+        stale = self._pending_hits.pop(rid, None)
         self._stats.lookups += 1
         if self._refresh and rid not in self._refreshed and num_computed_tokens:
+            # The refresh takes and frees back the free CPU copies of the GPU hit: the stale
+            # hit's blocks must be free again for it to see them, as on a first lookup.
+            if stale is not None:
+                self._unpin_hit(stale)
+                stale = None
             self._refresh_gpu_hit(req, num_computed_tokens)
-        if rid in self._failed:
+        hit = self._find_hit(req, num_computed_tokens)
+        self._repin(rid, stale, [] if hit is None else _hit_blocks(hit.blocks))
+        if hit is None:
             return 0, False
+        self._pending_hits[rid] = _PendingHit(hit.blocks, hit.num_tokens, num_computed_tokens)
+        return hit.num_tokens, True
+
+    def _find_hit(self, req: Request, num_computed_tokens: int) -> Hit | None:
+        """``req``'s longest CPU hit past ``num_computed_tokens`` (a ``find_longest_hit``
+        result), or None where it has none; pins nothing."""
+        if req.request_id in self._failed:
+            return None
         layout = self._layout
         if num_computed_tokens % layout.scheduler_block_size:
             # A load fills whole blocks, so it cannot start inside a local block.
             self._stats.lookups_unaligned += 1
-            return 0, False
+            return None
         hbs = layout.hash_block_size
         skip = num_computed_tokens // hbs
         cap = req.num_tokens - 1 - num_computed_tokens
         n_keys = min(req.keys.shape[1], req.num_tokens // hbs)
         if cap <= 0 or skip >= n_keys:
-            return 0, False
+            return None
         keys = req.keys[:, skip:n_keys].tolist()
         hit = find_longest_hit(layout, self._cpu_pool, keys, cap,
                                fine_grained=self._fine_grained)
         self._count_holes(keys, hit.num_tokens // hbs)
-        if hit.num_tokens == 0:
-            return 0, False
-        self._cpu_pool.touch([b for grp in hit.blocks for b in grp if b != NULL_BLOCK], user=rid)
-        self._pending_hits[rid] = _PendingHit(hit.blocks, hit.num_tokens, num_computed_tokens)
-        return hit.num_tokens, True
+        return hit if hit.num_tokens else None
 
     def _refresh_gpu_hit(self, req: Request, num_computed_tokens: int) -> None:
         """The CPU copies of ``req``'s GPU-hit prefix are used again: take each free one and

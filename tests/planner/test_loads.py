@@ -31,7 +31,8 @@ from helpers.planner_state import (
     run_hit,
     snapshot,
 )
-from kvtriton.eviction import ARCQueue
+from kvtriton.eviction import ARCQueue, LRUQueue
+from kvtriton.eviction.protected import PROTECTED, HintedQueue
 from kvtriton.planner import PlannerConfig, ScanOutcomes, StepOutput
 from kvtriton.pool import NULL_BLOCK, BlockPool
 
@@ -349,3 +350,74 @@ def test_refresh_is_reuse_for_arc_once_per_request():
     h.admit(b)
     assert all(x in q._second for x in a_cpu)  # another request used them: reuse
     assert h.planner.stats.gpu_hit_refreshed == 10
+
+
+# ---- a waiting request looked up again -----------------------------------------------------------
+
+
+def _free_block_of(pool: BlockPool):
+    def free_block(key: int) -> int | None:
+        b = pool.get_cached_block(int(key))
+        return b if b is not None and pool.is_free(b) else None
+    return free_block
+
+
+def _queue_state(h: PlannerDriver) -> tuple:
+    q = h.cpu.eviction
+    segments = (list(q._unhashed), list(q._closed), list(q.base.iter_blocks()),
+                list(q._protected)) if isinstance(q, HintedQueue) else list(h.cpu.iter_free())
+    return list(h.cpu.ref_cnt), segments, getattr(q, "protect_overflow", 0)
+
+
+@pytest.mark.parametrize("hinted", [False, True], ids=["lru", "lru+hints"])
+def test_a_waiting_request_looked_up_again_keeps_its_pins_in_place(hinted):
+    """A waiting request is looked up every step with the same hit: its pins stay where they
+    are. Releasing the hit and pinning it again would push each block through the free queue,
+    and a full protected segment would demote another block for each protected one."""
+    cpu = BlockPool(48, medium="CPU",
+                    eviction=HintedQueue(LRUQueue(), 0.25) if hinted else "lru")
+    h = PlannerDriver(cpu=cpu)
+    a, _ = stored_prompt(h, "a", tokens_for(1, 161))
+    h.finish("a")
+    evict_gpu_cache(h)
+    if hinted:  # a's blocks fill the protected segment past its cap of 11
+        q = h.cpu.eviction
+        q.hint(h.primary_keys(a)[:10], PROTECTED, _free_block_of(h.cpu))
+        stored_prompt(h, "b", tokens_for(2, 65))
+        h.finish("b")
+        q.hint(h.primary_keys(h.request("b2", tokens_for(2, 65)))[:4], PROTECTED,
+               _free_block_of(h.cpu))
+        assert q.protected_blocks == 11 and q.protect_overflow == 3
+    w = h.request("w", tokens_for(1, 161))
+    assert h.planner.get_num_new_matched_tokens(w, 0) == (160, True)
+    first = _queue_state(h)
+    for _ in range(3):
+        assert h.planner.get_num_new_matched_tokens(w, 0) == (160, True)
+        assert _queue_state(h) == first
+    # Negative control: the hit released and pinned anew does move the queue when it is hinted.
+    pinned = cpu_blocks_of(h, h.primary_keys(a)[:10])
+    h.cpu.free_blocks(pinned)
+    h.cpu.touch(pinned, user="w")
+    assert (_queue_state(h) != first) == hinted
+    h.planner.request_finished(w)
+    h.check_invariants()
+
+
+def test_a_hit_that_grew_between_lookups_pins_each_block_once():
+    """The hit of a waiting request grows as more of its prefix is stored: the new blocks are
+    pinned, the kept ones are not pinned twice, and finishing releases every pin."""
+    h = PlannerDriver(cpu=48)
+    stored_prompt(h, "a", tokens_for(1, 81))
+    h.finish("a")
+    w = h.request("w", tokens_for(1, 161))
+    assert h.planner.get_num_new_matched_tokens(w, 0) == (80, True)
+    store_prompt(h, "b", tokens_for(1, 161))  # a GPU hit on a's 5 blocks, 5 more stored
+    h.finish("b")
+    evict_gpu_cache(h)
+    assert h.planner.get_num_new_matched_tokens(w, 0) == (160, True)
+    hit = cpu_blocks_of(h, h.primary_keys(w)[:10])
+    assert [h.cpu.ref_cnt[b] for b in hit] == [1] * 10
+    assert sum(h.cpu.ref_cnt) == 10
+    h.planner.request_finished(w)
+    assert sum(h.cpu.ref_cnt) == 0
+    h.check_invariants()
