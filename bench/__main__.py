@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     print(f"kvtriton benchmark harness ({'quick' if quick else 'full'} size, "
           f"{'CUDA: ' + torch.cuda.get_device_name(0) if cuda else 'no CUDA device'})")
-    failed = []
+    failed, took = [], []
     for study in STUDIES:
         if chosen is not None and study.name not in chosen:
             continue
@@ -79,13 +79,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n== {study.name}: {study.title} ==", flush=True)
         study_argv = study.args(quick, args.quiet, str(results))
         module = importlib.import_module(study.module)
+        started = time.perf_counter()
         with writing_as(study.module, study_argv, via):
             rc = module.main(study_argv)
+        took.append((study.name, time.perf_counter() - started))
+        print(f"{study.name}: {took[-1][1]:.0f} s", flush=True)
         if isinstance(rc, int) and rc != 0:
             failed.append(f"{study.name} (exit code {rc})")
     print(f"\nresults (JSON, figures, MANIFEST.json) in {results}/")
     if failed:
         print(f"failed: {', '.join(failed)}")
+    # Where the run's time went, longest first: what to shorten when the quick run grows.
+    print("time per study: " + ", ".join(f"{name} {s:.0f} s" for name, s in
+                                          sorted(took, key=lambda t: -t[1])))
     print(f"harness finished in {time.perf_counter() - t0:.0f}s")
     return 1 if failed else 0
 
