@@ -11,6 +11,7 @@ from kvtriton.sim.simulate import SimulationResult, simulate
 from kvtriton.sim.trace_stats import trace_stats
 from kvtriton.sim.traces import (
     CC_AGENTIC_SAMPLE,
+    GLM5_SAMPLE,
     MOONCAKE_SYNTHETIC,
     STOP_REASONS,
     TraceError,
@@ -32,6 +33,7 @@ from kvtriton.sim.workload import (
 __all__ = [
     "CC_AGENTIC_SAMPLE",
     "DEFAULT_POLICIES",
+    "GLM5_SAMPLE",
     "GPUS",
     "HINTS",
     "MODELS",

@@ -43,6 +43,8 @@ from kvtriton.validation import is_finite_number, is_int
 
 __all__ = [
     "CC_AGENTIC_SAMPLE",
+    "GLM5_BLOCK_SIZE",
+    "GLM5_SAMPLE",
     "KV_CACHE_TESTER_BLOCK_SIZE",
     "MAX_TRACE_BYTES",
     "MOONCAKE_BLOCK_SIZE",
@@ -66,6 +68,10 @@ MAX_TRACE_BYTES = 1 << 30
 # The development traces shipped in kvtriton/sim/data/ (provenance and licence: MANIFEST.md).
 MOONCAKE_SYNTHETIC = "mooncake_synthetic_trace.jsonl"
 CC_AGENTIC_SAMPLE = "cc_agentic_sample"
+# Alibaba's GLM-5 prefill sample (alibaba/tair-kvcache): Mooncake's format with ``block_ids`` of
+# 256-token blocks and Unix-time timestamps.
+GLM5_SAMPLE = "glm5_sample.jsonl"
+GLM5_BLOCK_SIZE = 256
 _DATA = Path(__file__).resolve().parent / "data"
 
 # The hint of each stop reason a kv-cache-tester request may record in ``stop`` (Anthropic's API
@@ -92,7 +98,7 @@ class TraceError(ValueError):
 
 def data_path(name: str = "") -> Path:
     """Path of a file or folder shipped in ``kvtriton/sim/data/`` (``MOONCAKE_SYNTHETIC``,
-    ``CC_AGENTIC_SAMPLE``, ``"MANIFEST.md"``); the folder itself for ``""``."""
+    ``CC_AGENTIC_SAMPLE``, ``GLM5_SAMPLE``, ``"MANIFEST.md"``); the folder itself for ``""``."""
     p = _DATA / name
     if not p.exists():
         shipped = sorted(q.name for q in _DATA.iterdir())
@@ -211,16 +217,17 @@ class _Where:
             raise self.error(where, f"field {name!r} must be a list, got {type(v).__name__}")
         return v
 
-    def block_ids(self, obj: dict, where: str, prompt_len: int, block_size: int) -> list[int]:
-        ids = self.field(obj, "hash_ids", where, "list")
+    def block_ids(self, obj: dict, where: str, prompt_len: int, block_size: int,
+                  name: str = "hash_ids") -> list[int]:
+        ids = self.field(obj, name, where, "list")
         for j, h in enumerate(ids):
             if not (is_int(h) and h >= 0):
-                raise self.error(where, f"hash_ids[{j}] must be an int >= 0, got {_shown(h)}")
+                raise self.error(where, f"{name}[{j}] must be an int >= 0, got {_shown(h)}")
             if h >> 64:
-                raise self.error(where, f"hash_ids[{j}]={_shown(h)} does not fit in 64 bits")
+                raise self.error(where, f"{name}[{j}]={_shown(h)} does not fit in 64 bits")
         most = -(-prompt_len // block_size)
         if len(ids) > most:
-            raise self.error(where, f"{len(ids)} hash_ids for a {prompt_len}-token prompt: at "
+            raise self.error(where, f"{len(ids)} {name} for a {prompt_len}-token prompt: at "
                                     f"most ceil({prompt_len} / {block_size}) = {most}")
         return ids
 
@@ -266,9 +273,12 @@ def load_mooncake(
     model: str | None = None,
     name: str | None = None,
 ) -> Workload:
-    """A Mooncake trace: one JSON object per line with ``timestamp`` (ms from start, never
-    decreasing), ``input_length``, ``output_length`` and ``hash_ids`` (``trace_block_size``-token
-    blocks, at most ``ceil(input_length / trace_block_size)`` of them).
+    """A Mooncake trace: one JSON object per line with ``timestamp`` (ms, never decreasing;
+    arrivals count from the first line's), ``input_length``, ``output_length`` and ``hash_ids``
+    (``trace_block_size``-token blocks, at most ``ceil(input_length / trace_block_size)`` of
+    them). ``block_ids`` is read as another name of ``hash_ids`` (Alibaba's GLM-5 sample,
+    ``GLM5_SAMPLE``, whose timestamps are Unix times in ms), the one a file's first line uses
+    throughout.
 
     Requests are ``<file stem>:<line>``, with no session (open loop). ``model`` (optional)
     labels every request and joins the namespace. An optional ``hint`` (one of ``HINTS``, or
@@ -287,6 +297,7 @@ def load_mooncake(
     requests: list[WorkloadRequest] = []
     chainer = _IdChain()
     last_ts = -math.inf
+    first_ts = ids_name = None
     # Split on newlines only: str.splitlines() also splits at U+2028, U+0085 and other characters
     # that JSON allows raw inside a string.
     for lineno, line in enumerate(text.split("\n"), 1):
@@ -307,18 +318,22 @@ def load_mooncake(
         ts = w.field(obj, "timestamp", at, "time")
         prompt_len = w.field(obj, "input_length", at, "positive")
         output_len = w.field(obj, "output_length", at, "count")
-        ids = w.block_ids(obj, at, prompt_len, trace_block_size)
+        if ids_name is None:
+            ids_name = "block_ids" if "block_ids" in obj and "hash_ids" not in obj else "hash_ids"
+        ids = w.block_ids(obj, at, prompt_len, trace_block_size, ids_name)
         if ts < last_ts:
             raise w.error(at, f"timestamp {ts} is before the previous line's {last_ts}: "
                               "timestamps must not decrease")
         last_ts = ts
+        if first_ts is None:
+            first_ts = ts
         hint = obj.get("hint")
         if hint is not None and not (isinstance(hint, str) and hint in HINTS):
             raise w.error(at, f"field 'hint' must be null or one of {HINTS}, got {_shown(hint)}")
         hashes = map_block_ids(ids, prompt_len, output_len, trace_block_size=trace_block_size,
                                hash_block_size=hash_block_size, ns=ns, unique_salt=lineno,
                                chainer=chainer)
-        requests.append(WorkloadRequest(f"{stem}:{lineno}", ts / 1000.0, prompt_len,
+        requests.append(WorkloadRequest(f"{stem}:{lineno}", (ts - first_ts) / 1000.0, prompt_len,
                                         output_len, hashes, model=model, hint=hint))
     if not requests:
         raise TraceError(f"{path}: empty file (no requests)")
@@ -486,12 +501,14 @@ def load_kv_cache_tester(
 # ---- format detection ----------------------------------------------------------------------
 
 
-def load_trace(path: str | Path, *, hash_block_size: int | None = None) -> Workload:
+def load_trace(path: str | Path, *, hash_block_size: int | None = None,
+               trace_block_size: int | None = None) -> Workload:
     """Load a trace by its format: a folder or a ``.json``/``.json.gz`` file is kv-cache-tester,
     a ``.jsonl``/``.jsonl.gz`` file is Mooncake; another name is told by its first 64 KiB
     (gzip data, or a first line that is not one JSON object holding ``requests``:
-    kv-cache-tester; one JSON object per line: Mooncake). ``hash_block_size`` defaults to the
-    trace's own block size."""
+    kv-cache-tester; one JSON object per line: Mooncake). ``trace_block_size``: the tokens per
+    block id of a Mooncake-format file (default Mooncake's 512; a kv-cache-tester file says its
+    own); ``hash_block_size`` defaults to the trace's block size."""
     path = Path(path)
     if not path.exists():
         raise TraceError(f"{path}: no such file or folder")
@@ -503,8 +520,12 @@ def load_trace(path: str | Path, *, hash_block_size: int | None = None) -> Workl
     else:
         fmt = _sniff(path)
     if fmt == "tester":
+        if trace_block_size is not None:
+            raise ValueError(f"{path}: a kv-cache-tester trace names its own block size; "
+                             f"trace_block_size={trace_block_size} is for Mooncake's format")
         return load_kv_cache_tester(path, hash_block_size=hash_block_size)
-    return load_mooncake(path, hash_block_size=hash_block_size or MOONCAKE_BLOCK_SIZE)
+    block = trace_block_size or MOONCAKE_BLOCK_SIZE
+    return load_mooncake(path, hash_block_size=hash_block_size or block, trace_block_size=block)
 
 
 def _sniff(path: Path) -> str:

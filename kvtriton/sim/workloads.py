@@ -1,7 +1,7 @@
 """The workloads by name: one registry for the CLI, the benchmarks and the cross-check.
 
-A name is ``agent`` (the generator), ``mooncake`` or ``cc_agentic`` (traces shipped in
-``kvtriton/sim/data``); anything else is read as a trace file or folder. Each named workload
+A name is ``agent`` (the generator), ``mooncake``, ``cc_agentic`` or ``glm5`` (traces shipped
+in ``kvtriton/sim/data``); anything else is read as a trace file or folder. Each named workload
 carries the serving setting the benchmarks run it at (``WorkloadSpec.serving``), so a setting is
 written once. The transformations every experiment applies are here too: ``limit_workload``
 (the first N requests), ``scale_times`` (arrivals and think times stretched),
@@ -21,7 +21,14 @@ from typing import Any
 
 import numpy as np
 
-from kvtriton.sim.traces import CC_AGENTIC_SAMPLE, MOONCAKE_SYNTHETIC, data_path, load_trace
+from kvtriton.sim.traces import (
+    CC_AGENTIC_SAMPLE,
+    GLM5_BLOCK_SIZE,
+    GLM5_SAMPLE,
+    MOONCAKE_SYNTHETIC,
+    data_path,
+    load_trace,
+)
 from kvtriton.sim.workload import AgentConfig, Workload, agent_workload
 
 __all__ = ["WORKLOADS", "WorkloadSpec", "coarsen", "first_turns", "fresh_outputs",
@@ -39,11 +46,15 @@ class WorkloadSpec:
     description: str
     trace: str | None
     serving: Mapping[str, Any] = field(default_factory=dict)
+    #: Tokens per block id of a Mooncake-format trace (None: its format's own).
+    trace_block_size: int | None = None
 
     def capacities(self) -> dict[str, Any]:
         """The serving setting's capacities, as ``simulate`` keyword arguments."""
         return {k: v for k, v in self.serving.items() if k.startswith(("gpu_", "cpu_"))}
 
+
+GLM5_TIME_SCALE = 20.0
 
 WORKLOADS: Mapping[str, WorkloadSpec] = MappingProxyType({
     # The agent setting of the README's table: GPU 32,768 tokens, CPU 65,536.
@@ -58,6 +69,12 @@ WORKLOADS: Mapping[str, WorkloadSpec] = MappingProxyType({
     "cc_agentic": WorkloadSpec("cc_agentic", "coding-agent traces (kv-cache-tester)",
                                CC_AGENTIC_SAMPLE, {"block_size": 64, "time_scale": 1.0,
                                                    "gpu_gib": 32.0, "cpu_gib": 256.0}),
+    # Prefill requests sampled from a production cluster over 22 s: spread GLM5_TIME_SCALE
+    # times so that one modeled GPU serves them without its queue growing for the whole run.
+    "glm5": WorkloadSpec("glm5", "GLM-5 prefill requests (Alibaba's tair-kvcache sample)",
+                         GLM5_SAMPLE, {"block_size": 64, "time_scale": GLM5_TIME_SCALE,
+                                       "gpu_gib": 32.0, "cpu_gib": 256.0},
+                         trace_block_size=GLM5_BLOCK_SIZE),
 })
 
 #: The agent generator's setting where an experiment names only ``agent``.
@@ -82,7 +99,8 @@ def load_workload(name: str, *, block_size: int | None = None, limit: int | None
         spec = WORKLOADS.get(name)
         # An unknown name is read as a path: the trace loader says what is wrong with it.
         path = data_path(spec.trace) if spec is not None else Path(name)
-        wl = load_trace(path, hash_block_size=block_size)
+        wl = load_trace(path, hash_block_size=block_size,
+                        trace_block_size=None if spec is None else spec.trace_block_size)
     if turns is not None:
         wl = first_turns(wl, turns)
     if limit is not None:

@@ -121,6 +121,36 @@ def test_mooncake_partial_last_block_gives_its_full_sub_blocks(tmp_path):
     assert w[i].prompt_len // 256 == 2 * (n_ids - 1) + 1
 
 
+def test_block_ids_spelling_and_unix_timestamps(tmp_path):
+    """Alibaba's GLM-5 sample writes Mooncake's format with ``block_ids`` and Unix times in ms:
+    the same requests as with ``hash_ids`` and times from 0, arrivals counted from the first."""
+    t0 = 1780722000040.479
+    lines = [{"timestamp": t0 + dt, "input_length": n, "output_length": 1, "block_ids": ids}
+             for dt, n, ids in ((0.0, 586, [11, 12, 13]), (250.5, 798, [11, 12, 14, 15]),
+                                (1000.0, 300, [21, 22]))]
+    glm = tmp_path / "glm.jsonl"
+    glm.write_text("".join(json.dumps(o) + "\n" for o in lines))
+    same = tmp_path / "same.jsonl"
+    same.write_text("".join(json.dumps({"timestamp": o["timestamp"] - t0,
+                                        "input_length": o["input_length"], "output_length": 1,
+                                        "hash_ids": o["block_ids"]}) + "\n" for o in lines))
+    a = load_trace(glm, hash_block_size=64, trace_block_size=256)
+    b = load_mooncake(same, hash_block_size=64, trace_block_size=256)
+    assert [r.arrival_s for r in a] == pytest.approx([0.0, 0.2505, 1.0])
+    assert [r.arrival_s for r in a] == pytest.approx([r.arrival_s for r in b])
+    # Namespaces differ by file name: compare the sharing, not the key values.
+    pa, pb = (r.hashes[:r.prompt_len // 64].tolist() for r in (a[1], b[1]))
+    assert a[0].hashes[:8].tolist() == pa[:8] and b[0].hashes[:8].tolist() == pb[:8]
+    assert pa[8:] != a[0].hashes[8:len(pa)].tolist()
+    # 300 tokens at 256 per id: at most 2 ids, and the name in the message is the file's own.
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({**lines[2], "block_ids": [1, 2, 3]}) + "\n")
+    with pytest.raises(TraceError, match=r"3 block_ids for a 300-token prompt"):
+        load_trace(bad, trace_block_size=256)
+    with pytest.raises(ValueError, match="trace_block_size=256 is for Mooncake"):
+        load_trace(CC_DIR, trace_block_size=256)
+
+
 def test_namespace_by_file_and_model(tmp_path):
     line = json.dumps({"timestamp": 0, "input_length": 1024, "output_length": 0,
                        "hash_ids": [1, 2]})
