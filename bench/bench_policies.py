@@ -7,7 +7,8 @@ and the re-store map.
   generator, the shipped coding-agent traces and the shipped Mooncake trace. Every row carries
   ``gap_closed``: its share of the gap between the control and the in-loop Belady bound at the
   same capacity. ``targets`` records, per capacity, the best online setup whose modeled TTFT p50
-  and p90 are no worse than the control's, against the issue's targets (25%; 10% on Mooncake).
+  and p90 are no worse than the control's, against the issue's targets (25%; 10% on Mooncake
+  and on the GLM-5 prefill sample, traces without hints).
 - ``restore_map_<tag>.json``: the gain of ``eager+restore`` and of its bounded form over
   ``eager`` (token hit-rate points) over the CPU/GPU capacity ratio and the number of running
   requests, with a heat map (``restore_map_<tag>.png``): the agent generator and the
@@ -54,11 +55,12 @@ RATIOS = (1, 4)
 # The smallest control-to-bound gap (points of token hit rate) whose shares are reported and
 # judged against a target.
 MATERIAL_GAP_POINTS = 2.0
-TARGETS = {"agent": 0.25, "cc_agentic": 0.25, "mooncake": 0.10}
+# GLM-5's prefill sample is judged as Mooncake is: open-loop traffic with no hints.
+TARGETS = {"agent": 0.25, "cc_agentic": 0.25, "mooncake": 0.10, "glm5": 0.10}
 # Without --full the coding-agent cut runs at CPU = GPU only: at 4x the tier holds every block
 # of the cut (no gap to close). Mooncake too: each of its runs takes half a minute to a minute
 # and a half on 2 cores, and its target is judged at CPU = GPU; --full adds 4x.
-QUICK_RATIOS = {"agent": RATIOS, "cc_agentic": (1,), "mooncake": (1,)}
+QUICK_RATIOS = {"agent": RATIOS, "cc_agentic": (1,), "mooncake": (1,), "glm5": (1,)}
 # Without --full the shipped traces run a subset, to keep make bench short: the
 # control, the bounded re-store and the signals of section 3.3; on Mooncake (no hints, and each
 # run a minute on 2 cores) only the admission, recency and waiting-queue signals. Both run the
@@ -72,12 +74,14 @@ QUICK_TRACE_SETS = {
     "mooncake": ("eager", "eager+arc", "eager+lfu:64", "eager+second", "eager+refresh+arc",
                  "eager+waiting", "eager+lfu:64+waiting"),
 }
+# The GLM-5 sample has what Mooncake has (no sessions, no hints): Mooncake's set.
+QUICK_TRACE_SETS["glm5"] = QUICK_TRACE_SETS["mooncake"]
 
 
 #: Without --full, the bounds a workload runs when not all of ``BOUNDS``: Mooncake's quick set
 #: has eager stores only, whose in-loop bound is ``eager+nextuse`` (``lazy+nextuse`` bounds a
 #: lazy tier, and ``eager+inf`` is a reference no share is taken of); --full runs them all.
-QUICK_BOUNDS = {"mooncake": ("eager+nextuse",)}
+QUICK_BOUNDS = {"mooncake": ("eager+nextuse",), "glm5": ("eager+nextuse",)}
 
 
 ORACLE_CLOSES = " [oracle closes]"
@@ -116,22 +120,12 @@ def best_online(rows: list[dict], tolerance_s: float = 0.0, part: str | None = N
     return max(fair, key=lambda r: _figures(r, part)["gap_closed"]) if fair else None
 
 
-def ablation(tag: str, wl: Workload, gpu_tokens: int, policies: tuple[str, ...],
-             progress: bool, results_dir=None, ratios: tuple[int, ...] = RATIOS,
-             name: str | None = None, oracle_wl: Workload | None = None,
-             split: str | None = None, bounds: tuple[str, ...] = BOUNDS) -> dict:
-    """``policies`` and the in-loop bounds at each CPU/GPU ratio of ``ratios``; writes
-    ``<name>.json`` (default ``policies_<tag>``). With ``oracle_wl`` (``wl`` with session
-    closes), every hinted setup also runs on it, as a row named ``<setup> [oracle closes]``
-    that no target or best setup counts; every hinted row says its ``hint_source``.
-
-    ``split`` (``kvtriton.sim.splits.split_named``): every row also reports the train and test
-    parts; each target's best setup is then chosen on the train part and judged on the test
-    part (``gap_closed_train``, ``gap_closed_test``), as is ``met``. ``bounds``: the in-loop
-    bounds to run (default all of ``BOUNDS``)."""
-    t0 = time.perf_counter()
-    # One task per (capacity, setup), so that every core stays busy; the control's task also
-    # brings the cache-only Belady bound.
+def ablation_tasks(wl: Workload, gpu_tokens: int, policies: tuple[str, ...],
+                   ratios: tuple[int, ...] = RATIOS, oracle_wl: Workload | None = None,
+                   split: str | None = None, bounds: tuple[str, ...] = BOUNDS) -> list[tuple]:
+    """The simulations of ``ablation`` (``tier_study.run_all`` tasks): one per (capacity,
+    setup), so that every core stays busy; the control's task also brings the cache-only
+    Belady bound."""
     tasks = []
     hinted = [p for p in policies if _hinted(p)] if oracle_wl is not None else []
     parts = split_named(split, wl) if split is not None else None
@@ -144,7 +138,30 @@ def ablation(tag: str, wl: Workload, gpu_tokens: int, policies: tuple[str, ...],
         tasks += [((ratio, p + ORACLE_CLOSES), oracle_wl,
                    {**cap, "policies": [p], "bound": False, "in_loop_bounds": ()})
                   for p in hinted]
-    results = _run_all(tasks, progress, tag)
+    return tasks
+
+
+def ablation(tag: str, wl: Workload, gpu_tokens: int, policies: tuple[str, ...],
+             progress: bool, results_dir=None, ratios: tuple[int, ...] = RATIOS,
+             name: str | None = None, oracle_wl: Workload | None = None,
+             split: str | None = None, bounds: tuple[str, ...] = BOUNDS,
+             results: dict | None = None, wall_s: float | None = None) -> dict:
+    """``policies`` and the in-loop bounds at each CPU/GPU ratio of ``ratios``; writes
+    ``<name>.json`` (default ``policies_<tag>``). With ``oracle_wl`` (``wl`` with session
+    closes), every hinted setup also runs on it, as a row named ``<setup> [oracle closes]``
+    that no target or best setup counts; every hinted row says its ``hint_source``.
+
+    ``split`` (``kvtriton.sim.splits.split_named``): every row also reports the train and test
+    parts; each target's best setup is then chosen on the train part and judged on the test
+    part (``gap_closed_train``, ``gap_closed_test``), as is ``met``. ``bounds``: the in-loop
+    bounds to run (default all of ``BOUNDS``). ``results``: the ``ablation_tasks`` results by
+    key when the caller ran them (with other studies' tasks in one pool; ``wall_s`` is then that
+    pool's time), else they are run here."""
+    t0 = time.perf_counter()
+    hinted = [p for p in policies if _hinted(p)] if oracle_wl is not None else []
+    if results is None:
+        results = _run_all(ablation_tasks(wl, gpu_tokens, policies, ratios, oracle_wl, split,
+                                          bounds), progress, tag)
     runs, targets = [], []
     for ratio in ratios:
         control = results[(ratio, "eager")]
@@ -184,7 +201,8 @@ def ablation(tag: str, wl: Workload, gpu_tokens: int, policies: tuple[str, ...],
                "ratios": list(ratios), "policies": list(policies), "bounds": list(bounds),
                "split": split, "split_text": SPLIT_TEXT.get(split),
                "traits": workload_traits(wl, gpu_tokens, ratios),
-               "runs": runs, "targets": targets, "wall_s": time.perf_counter() - t0}
+               "runs": runs, "targets": targets,
+               "wall_s": time.perf_counter() - t0 if wall_s is None else wall_s}
     print(f"wrote {write_result(name or f'policies_{tag}', payload, results_dir)}")
     return payload
 
@@ -245,26 +263,39 @@ def map_grid(tag: str, quick: bool) -> tuple[Workload, int, tuple, tuple]:
     return wl, gpu, (1, 4), (16, 256)
 
 
+#: The ablation workloads, longest simulations first (the order their tasks enter the pool).
+LONGEST_FIRST = ("mooncake", "glm5", "cc_agentic", "agent")
+
 #: The maps ``make bench`` draws; ``--full`` adds the Mooncake trace.
 QUICK_MAPS = ("agent", "cc_agentic")
 FULL_MAPS = ("agent", "cc_agentic", "mooncake")
 MAP_CC_TURNS = 6
 
 
-def restore_map(tag: str, quick: bool, progress: bool, results_dir=None, grid=None) -> dict:
+def map_tasks(grid: tuple[Workload, int, tuple, tuple]) -> list[tuple]:
+    """The simulations of ``restore_map`` over ``grid`` (``map_grid``'s form)."""
+    wl, gpu, ratios, running = grid
+    return [((i, j, f), wl, {"gpu_tokens": gpu, "cpu_tokens": int(ratio * gpu),
+                             "max_running": mr, "policies": [f], "bound": False})
+            for i, mr in enumerate(running) for j, ratio in enumerate(ratios)
+            for f in ("eager", *MAP_FORMS)]
+
+
+def restore_map(tag: str, quick: bool, progress: bool, results_dir=None, grid=None,
+                results: dict | None = None, wall_s: float | None = None) -> dict:
     """Gain of each re-store form over eager stores on workload ``tag``, over the CPU/GPU ratio
     and ``max_running``; writes ``restore_map_<tag>.json`` and ``.png``. ``grid``:
-    ``(workload, gpu_tokens, ratios, max_running)`` instead of ``map_grid``'s."""
+    ``(workload, gpu_tokens, ratios, max_running)`` instead of ``map_grid``'s. ``results`` and
+    ``wall_s``: as ``ablation`` takes them, for ``map_tasks(grid)``."""
     from bench.common import RESULTS_DIR, record_output
     from kvtriton.plots import plot_restore_map
 
-    wl, gpu, ratios, running = grid if grid is not None else map_grid(tag, quick)
+    grid = grid if grid is not None else map_grid(tag, quick)
+    wl, gpu, ratios, running = grid
     t0 = time.perf_counter()
     forms = ("eager", *MAP_FORMS)
-    tasks = [((i, j, f), wl, {"gpu_tokens": gpu, "cpu_tokens": int(ratio * gpu),
-                              "max_running": mr, "policies": [f], "bound": False})
-             for i, mr in enumerate(running) for j, ratio in enumerate(ratios) for f in forms]
-    results = _run_all(tasks, progress, f"re-store map {tag}")
+    if results is None:
+        results = _run_all(map_tasks(grid), progress, f"re-store map {tag}")
     hit = {f: [[0.0] * len(ratios) for _ in running] for f in forms}
     thrash = {f: [[0] * len(ratios) for _ in running] for f in MAP_FORMS}
     for (i, j, f), res in results.items():
@@ -276,7 +307,8 @@ def restore_map(tag: str, quick: bool, progress: bool, results_dir=None, grid=No
                 for i in range(len(running))] for f in MAP_FORMS}
     payload = {"tag": tag, "workload": wl.name, "requests": len(wl), "gpu_tokens": gpu,
                "ratios": list(ratios), "max_running": list(running), "hit_rate": hit,
-               "gain": gain, "restore_thrash": thrash, "wall_s": time.perf_counter() - t0}
+               "gain": gain, "restore_thrash": thrash,
+               "wall_s": time.perf_counter() - t0 if wall_s is None else wall_s}
     path = write_result(f"restore_map_{tag}", payload, results_dir)
     record_output(plot_restore_map(payload,
                                    (results_dir or RESULTS_DIR) / f"restore_map_{tag}.png"))
@@ -289,8 +321,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--full", action="store_true", help="whole traces, larger map")
     ap.add_argument("--only", choices=("ablation", "map"), default=None)
-    ap.add_argument("--workloads", default="agent,cc_agentic,mooncake",
-                    help="comma-separated ablation workloads (agent, cc_agentic, mooncake)")
+    ap.add_argument("--workloads", default="agent,cc_agentic,mooncake,glm5",
+                    help="comma-separated ablation workloads (agent, cc_agentic, mooncake, glm5)")
     ap.add_argument("--ratios", default=None,
                     help="comma-separated CPU/GPU capacity ratios for the ablation (default: "
                          "1,4; without --full the shipped traces run 1 only)")
@@ -316,7 +348,7 @@ def main(argv: list[str] | None = None) -> dict:
         else list(FULL_MAPS if args.full else QUICK_MAPS)
     if bad := [t for t in maps if t not in FULL_MAPS]:
         ap.error(f"--maps: unknown {', '.join(map(repr, bad))}; known: {', '.join(FULL_MAPS)}")
-    out = {}
+    studies = []  # (kind, tag, arguments, tasks)
     if args.only in (None, "ablation"):
         wls = workloads(quick)
         for tag in tags:
@@ -330,11 +362,34 @@ def main(argv: list[str] | None = None) -> dict:
             # --full runs other workloads (the whole traces, a larger generator): their own file.
             name = f"policies_{tag}" if quick else f"policies_{tag}_full"
             bounds = QUICK_BOUNDS.get(tag, BOUNDS) if quick else BOUNDS
-            out[name] = ablation(tag, wl, gpu, policies, progress, ratios=ratios, name=name,
-                                 oracle_wl=oracle_wl, split=SPLITS[tag], bounds=bounds)
+            kw = {"ratios": ratios, "oracle_wl": oracle_wl, "split": SPLITS[tag],
+                  "bounds": bounds}
+            studies.append(("ablation", tag, (wl, gpu, policies, name, kw),
+                            ablation_tasks(wl, gpu, policies, **kw)))
     if args.only in (None, "map"):
         for tag in maps:
-            out[f"restore_map_{tag}"] = restore_map(tag, quick, progress)
+            grid = map_grid(tag, quick)
+            studies.append(("map", tag, grid, map_tasks(grid)))
+    # Every simulation in one pool, the longest studies' first: one pool per study left a core
+    # idle at the end of each.
+    studies.sort(key=lambda s: LONGEST_FIRST.index(s[1]) if s[0] == "ablation"
+                 else len(LONGEST_FIRST))
+    t0 = time.perf_counter()
+    results = _run_all([((n, key), wl, kw) for n, (*_, tasks) in enumerate(studies)
+                        for key, wl, kw in tasks], progress, "tier study")
+    wall = time.perf_counter() - t0
+    mine = [{} for _ in studies]
+    for (n, key), res in results.items():
+        mine[n][key] = res
+    out = {}
+    for (kind, tag, arguments, _), res in zip(studies, mine, strict=True):
+        if kind == "ablation":
+            wl, gpu, policies, name, kw = arguments
+            out[name] = ablation(tag, wl, gpu, policies, progress, name=name, results=res,
+                                 wall_s=wall, **kw)
+        else:
+            out[f"restore_map_{tag}"] = restore_map(tag, quick, progress, grid=arguments,
+                                                    results=res, wall_s=wall)
     return out
 
 

@@ -26,7 +26,7 @@ from kvtriton.sim.workloads import first_turns, serving_workload
 #: part and judged on the test part. Mooncake is one long trace: its time halves. The others
 #: are sets of independent sessions: whole sessions (a coding-agent trace with its sub-agents)
 #: drawn into two sets.
-SPLITS = {"agent": "sessions", "cc_agentic": "sessions", "mooncake": "time"}
+SPLITS = {"agent": "sessions", "cc_agentic": "sessions", "mooncake": "time", "glm5": "time"}
 SPLIT_TEXT = {"time": "time halves (the first half of the requests by arrival trains)",
               "sessions": f"sessions drawn into two sets (seed {SPLIT_SEED})"}
 QUICK_CC_TURNS = 12
@@ -52,9 +52,12 @@ def workloads(quick: bool) -> dict[str, tuple[Workload, int, Workload | None]]:
     # thousand requests hit under 3% whatever the tier does).
     # Mooncake was recorded on a cluster: its arrivals are spread, as in bench_sim.
     mooncake, _ = serving_workload("mooncake")
+    # The GLM-5 sample whole, as Mooncake: 500 prefills, no sessions and no hints.
+    glm5, _ = serving_workload("glm5")
     return {"agent": (without_closes(agent), agent_gpu, agent),
             "cc_agentic": (without_closes(cc), 262_144, cc_oracle),
-            "mooncake": (mooncake, 262_144, None)}
+            "mooncake": (mooncake, 262_144, None),
+            "glm5": (glm5, 262_144, None)}
 
 
 def ttft_tolerance_s(conditions: dict) -> float:

@@ -38,11 +38,13 @@ from kvtriton.plots import (  # noqa: E402
 )
 
 WORKLOADS = (("agent", "agent generator"), ("cc_agentic", "coding-agent traces"),
-             ("mooncake", "Mooncake trace"))
+             ("mooncake", "Mooncake trace"), ("glm5", "GLM-5 prefill trace"))
+# The workloads with a re-store map (``bench_policies.FULL_MAPS``).
+MAP_TAGS = ("agent", "cc_agentic", "mooncake")
 # Every results file the paper reads, by name (``bench/results/<name>.json``).
 INPUTS = ("hole_demo", "planner", "vs_vllm",
           *(f"policies_{key}" for tag, _ in WORKLOADS for key in (tag, f"{tag}_full")),
-          *(f"restore_map_{tag}" for tag, _ in WORKLOADS),
+          *(f"restore_map_{tag}" for tag in MAP_TAGS),
           "replay_mooncake", "replay_agent", "replay_cc_agentic", "kernel_check", "bench_kernels",
           "vllm_engine", "tune_shares", "conversational_gap")
 
@@ -268,7 +270,8 @@ def _gap(x) -> str:
 POLICY_LABELS = {**dict(WORKLOADS), "cc_agentic": "coding-agent traces (first turns)",
                  "agent_full": "agent generator (full size)",
                  "cc_agentic_full": "coding-agent traces (whole)",
-                 "mooncake_full": "Mooncake trace (every setup)"}
+                 "mooncake_full": "Mooncake trace (every setup)",
+                 "glm5_full": "GLM-5 prefill trace (every setup)"}
 
 
 def _policy_docs() -> dict[str, dict]:
@@ -584,7 +587,8 @@ def _map_cells(docs: dict) -> list[dict]:
     return cells
 
 
-SHORT_LABELS = {"agent": "agent", "cc_agentic": "coding agent", "mooncake": "Mooncake"}
+SHORT_LABELS = {"agent": "agent", "cc_agentic": "coding agent", "mooncake": "Mooncake",
+                "glm5": "GLM-5"}
 
 
 def shares_section(v: dict) -> None:
@@ -769,7 +773,7 @@ def decision_map_section(v: dict) -> None:
 
 def restore_map_section(v: dict) -> None:
     labels = dict(WORKLOADS)
-    docs = {tag: doc for tag, _ in WORKLOADS if (doc := _load(f"restore_map_{tag}"))}
+    docs = {tag: doc for tag in MAP_TAGS if (doc := _load(f"restore_map_{tag}"))}
     if not docs:
         v["restore_map_text"] = "*Pending: `python -m bench.bench_policies --only map`.*"
         v["fig_restore_map"] = ""
@@ -814,6 +818,24 @@ def restore_map_section(v: dict) -> None:
         f"{labels[tag]} map and loses in {h} (best {100 * b:+.1f}, worst {100 * w:+.1f} points)"
         for tag, form, p, h, n, b, w in summary)
     v["fig_restore_map"] = "\n\n".join(figs)
+
+
+def glm5_section(v: dict) -> None:
+    """What the GLM-5 prefill trace is and the load it runs at, from the trace and the cost
+    model (its time scale was fixed so, before any tier ran on it)."""
+    from kvtriton.sim.cost import CostModel
+    from kvtriton.sim.workloads import GLM5_TIME_SCALE, serving_workload
+
+    wl, _ = serving_workload("glm5")
+    span = wl.requests[-1].arrival_s - wl.requests[0].arrival_s
+    busy = sum(CostModel.named().prefill_s(r.prompt_len, 0) for r in wl.requests)
+    v["glm5_text"] = (
+        f"The GLM-5 prefill trace (Alibaba's tair-kvcache sample) is {len(wl):,} prefill requests "
+        f"(one output token each) sampled from a production cluster over "
+        f"{span / GLM5_TIME_SCALE:.1f} s; it runs with its arrivals spread {GLM5_TIME_SCALE:g}x, "
+        f"a serving condition fixed from the trace and the cost model before any tier ran on "
+        f"it: the prompts' prefill without any cache would take {busy / span:.0%} of the "
+        "modeled GPU's time, a moderate load where Mooncake's second half is overloaded.")
 
 
 def replay_section(v: dict) -> None:
@@ -1096,6 +1118,7 @@ def build() -> None:
     conversational_gap_section(v)
     restore_map_section(v)
     replay_section(v)
+    glm5_section(v)
     kernel_section(v)
     hybrid_waste(v)
     default_section(v)

@@ -116,3 +116,47 @@ def test_without_closes_keeps_the_causal_hints():
     causal = without_closes(oracle)
     assert "close" in [r.hint for r in oracle] and "close" not in [r.hint for r in causal]
     assert [r.hint for r in causal] == [None if r.hint == "close" else r.hint for r in oracle]
+
+
+def test_main_runs_every_study_in_one_pool_with_the_same_figures(tmp_path, monkeypatch):
+    """``main`` pools the ablations' and maps' simulations: each file's rows are those of the
+    study run alone (wall times aside), and the longest workload's tasks enter the pool first."""
+    import bench.common as common
+
+    oracle = mark_session_close(agent_workload(num_conversations=4, min_turns=2, max_turns=3,
+                                               seed=7))
+    wl = without_closes(oracle)
+    small = {"agent": (wl, 4096, oracle), "mooncake": (wl, 8192, None)}
+    monkeypatch.setattr(bench_policies, "workloads", lambda quick: small)
+    monkeypatch.setattr(bench_policies, "map_grid", lambda tag, quick: (wl, 4096, (1,), (4,)))
+    monkeypatch.setattr(bench_policies, "QUICK_TRACE_SETS", {"mooncake": ("eager", "eager+arc")})
+    monkeypatch.setattr(bench_policies, "QUICK_BOUNDS", {"mooncake": ("eager+nextuse",)})
+    monkeypatch.setattr(bench_policies, "QUICK_RATIOS", {"agent": (1,), "mooncake": (1,)})
+    monkeypatch.setattr(bench_policies, "ABLATION", ("eager", "lazy+hints"))
+    monkeypatch.setattr(bench_policies, "HINTED_COMBINED", ())
+    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path / "pooled")
+    order = []
+    run_all = bench_policies._run_all
+
+    def recording(tasks, progress, what):
+        order.extend(key[0] for key, _, _ in tasks)
+        return run_all(tasks, progress, what)
+
+    monkeypatch.setattr(bench_policies, "_run_all", recording)
+    out = bench_policies.main(["--workloads", "agent,mooncake", "--maps", "agent", "--quiet"])
+    assert order == sorted(order) and len(set(order)) == 3  # mooncake, agent, then the map
+    monkeypatch.setattr(bench_policies, "_run_all", run_all)
+
+    def figures(doc):  # what a run decided, without the planner's measured times
+        return [{k: v for k, v in r.items() if "wall" not in k and "_ms" not in k}
+                for run in doc["runs"] for r in run["rows"]]
+
+    alone = bench_policies.ablation("mooncake", wl, 8192, ("eager", "eager+arc"), False,
+                                    results_dir=tmp_path / "alone", ratios=(1,),
+                                    split="time", bounds=("eager+nextuse",))
+    assert figures(out["policies_mooncake"]) == figures(alone)
+    assert out["policies_mooncake"]["targets"] == alone["targets"]
+    m = bench_policies.restore_map("agent", True, False, results_dir=tmp_path / "alone",
+                                   grid=(wl, 4096, (1,), (4,)))
+    assert out["restore_map_agent"]["hit_rate"] == m["hit_rate"]
+    assert json.loads((tmp_path / "pooled" / "policies_agent.json").read_text())["runs"]

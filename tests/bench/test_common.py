@@ -146,13 +146,15 @@ def test_the_quick_run_writes_every_input_the_paper_needs():
     build = _paper_build()
     for name in build.INPUTS:
         assert writers(f"{name}.json"), f"no study writes {name}.json"
+    from bench.bench_policies import FULL_MAPS
+    assert build.MAP_TAGS == FULL_MAPS
     required = {n for n in build.INPUTS if always_written(f"{n}.json")}
     assert {"hole_demo", "planner", "kernel_check", "policies_agent", "replay_agent"} <= required
     # Only a GPU run, a full-size run, a study run by name or a machine without vLLM may leave
     # the paper an input short.
     assert set(build.INPUTS) - required == {
         "bench_kernels", "policies_agent_full", "policies_cc_agentic_full",
-        "policies_mooncake_full", "restore_map_mooncake", "replay_cc_agentic", "vs_vllm",
+        "policies_mooncake_full", "policies_glm5_full", "restore_map_mooncake", "replay_cc_agentic", "vs_vllm",
         "vllm_engine", "tune_shares", "conversational_gap"}
 
 

@@ -17,6 +17,8 @@ import kvtriton.sim.traces as traces_module
 from kvtriton.sim import STOP_REASONS, Workload, trace_stats
 from kvtriton.sim.traces import (
     CC_AGENTIC_SAMPLE,
+    GLM5_BLOCK_SIZE,
+    GLM5_SAMPLE,
     MOONCAKE_SYNTHETIC,
     TraceError,
     data_path,
@@ -119,6 +121,34 @@ def test_mooncake_partial_last_block_gives_its_full_sub_blocks(tmp_path):
     w = load_mooncake(mooncake_head(tmp_path, i + 1), hash_block_size=256)
     n_ids = len(raw[i]["hash_ids"])
     assert w[i].prompt_len // 256 == 2 * (n_ids - 1) + 1
+
+
+def test_shipped_glm5_sample():
+    """The GLM-5 sample as shipped: 500 prefill requests over 22.4 s, every id of a full or
+    partial 256-token block read, and a key shared exactly where the ids up to it are (the
+    file's ids are prefix-consistent but for about 1%, which chaining keeps apart)."""
+    path = data_path(GLM5_SAMPLE)
+    raw = [json.loads(line) for line in path.read_text().splitlines()]
+    assert "alibaba/tair-kvcache" in data_path("MANIFEST.md").read_text()
+    w = load_trace(path, hash_block_size=64, trace_block_size=GLM5_BLOCK_SIZE)
+    assert len(w) == len(raw) == 500 and w[0].arrival_s == 0.0
+    assert w[-1].arrival_s == pytest.approx((raw[-1]["timestamp"] - raw[0]["timestamp"]) / 1000)
+    assert all(r.output_len == 1 and r.session is None for r in w)
+    first: dict[int, tuple[int, int]] = {}  # trace id -> (request, position) where first seen
+    shared = apart = 0
+    for i, (r, obj) in enumerate(zip(w, raw, strict=True)):
+        ids = obj["block_ids"]
+        assert len(ids) == -(-obj["input_length"] // GLM5_BLOCK_SIZE)
+        for j, h in enumerate(ids[:r.prompt_len // GLM5_BLOCK_SIZE]):
+            a, pos = first.setdefault(h, (i, j))
+            if a == i or pos != j:
+                continue
+            k = 4 * j  # the first 64-token key of trace block j
+            same = raw[a]["block_ids"][:j] == ids[:j]
+            assert (r.hashes[k] == w[a].hashes[k]) == same
+            shared += same
+            apart += not same
+    assert shared > 8000 and 0 < apart < shared / 50
 
 
 def test_block_ids_spelling_and_unix_timestamps(tmp_path):
