@@ -93,8 +93,12 @@ def _csv(text: str) -> list[str]:
 def _add_workload_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
     g.add_argument("--workload", default="agent", metavar="NAME|PATH",
-                   help="agent (generator), mooncake or cc_agentic (shipped traces), or a trace "
-                        "file/folder (Mooncake JSONL or kv-cache-tester JSON); default: agent")
+                   help="agent (generator), mooncake, cc_agentic or glm5 (shipped traces), or a "
+                        "trace file/folder (Mooncake JSONL or kv-cache-tester JSON); default: "
+                        "agent")
+    g.add_argument("--trace-block-size", type=_positive_int, default=None,
+                   help="tokens per block id of a Mooncake-format trace given by path (default "
+                        "512)")
     g.add_argument("--block-size", type=_positive_int, default=16,
                    help="simulated block size in tokens (divides the trace's block size)")
     g.add_argument("--limit", type=_positive_int, default=None,
@@ -115,6 +119,7 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
 def load_workload(args: argparse.Namespace):
     """The workload named by ``--workload`` at ``--block-size`` (``kvtriton.sim.workloads``)."""
     from kvtriton.sim.workload import AgentConfig
+    from kvtriton.sim.workloads import WORKLOADS
     from kvtriton.sim.workloads import load_workload as load
 
     agent = None
@@ -125,8 +130,11 @@ def load_workload(args: argparse.Namespace):
         agent = AgentConfig(num_conversations=args.conversations, min_turns=lo, max_turns=hi,
                             system_prompt_tokens=args.system_prompt,
                             think_s_mean=args.think_s, seed=args.seed)
+    if args.trace_block_size is not None and args.workload in WORKLOADS:
+        raise _UsageError(f"--trace-block-size: {args.workload!r} is a shipped trace that knows "
+                          "its block size; give it for a trace file")
     return load(args.workload, block_size=args.block_size, limit=args.limit,
-                time_scale=args.time_scale, agent=agent)
+                time_scale=args.time_scale, agent=agent, trace_block_size=args.trace_block_size)
 
 
 def _capacity(args, prefix: str) -> dict:
@@ -281,10 +289,20 @@ def _cmd_replay(args) -> int:
 
 
 def _cmd_trace_stats(args) -> int:
-    from kvtriton.sim import trace_stats
+    from kvtriton.sim import data_path, trace_stats
+    from kvtriton.sim.workloads import WORKLOADS
 
     _check_output("--json", args.json)
-    stats = trace_stats(args.file, hash_block_size=args.block_size)
+    spec = WORKLOADS.get(args.file)
+    if spec is not None and spec.trace is not None:  # a shipped trace by name
+        if args.trace_block_size is not None:
+            raise _UsageError(f"--trace-block-size: {args.file!r} is a shipped trace that knows "
+                              "its block size; give it for a trace file")
+        stats = trace_stats(data_path(spec.trace), hash_block_size=args.block_size,
+                            trace_block_size=spec.trace_block_size)
+    else:
+        stats = trace_stats(args.file, hash_block_size=args.block_size,
+                            trace_block_size=args.trace_block_size)
     if args.json:
         _write_json(args.json, stats)
     width = max(len(k) for k in stats)
@@ -354,7 +372,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(func=_cmd_replay)
 
     t = sub.add_parser("trace-stats", help="describe a trace file or folder")
-    t.add_argument("file")
+    t.add_argument("file", help="a trace file or folder, or a shipped trace by name (mooncake, "
+                                "cc_agentic, glm5)")
+    t.add_argument("--trace-block-size", type=_positive_int, default=None,
+                   help="tokens per block id of a Mooncake-format file (default 512)")
     t.add_argument("--block-size", type=_positive_int, default=None,
                    help="hash block size (default: the trace's own)")
     t.add_argument("--json", metavar="PATH")

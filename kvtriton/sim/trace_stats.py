@@ -28,19 +28,21 @@ def _summary(values: np.ndarray) -> dict:
 
 
 def trace_stats(path_or_workload: str | Path | Workload, *,
-                hash_block_size: int | None = None) -> dict:
+                hash_block_size: int | None = None, trace_block_size: int | None = None) -> dict:
     """Requests, sessions, models, token totals, prompt/output length percentiles (tokens),
     distinct blocks, the reusable-token fraction with an infinite cache (``max_hit_rate``), the
     arrival span (seconds) and the continuation hints (requests per hint: ``continue``,
     ``close``, ``none``) of a workload, or of the trace at a path (loaded with
-    ``kvtriton.sim.traces.load_trace`` at ``hash_block_size``, default the trace's own)."""
+    ``kvtriton.sim.traces.load_trace`` at ``hash_block_size``, default the trace's own;
+    ``trace_block_size`` as ``load_trace`` takes it)."""
     if isinstance(path_or_workload, Workload):
         if hash_block_size is not None and hash_block_size != path_or_workload.hash_block_size:
             raise ValueError(f"hash_block_size={hash_block_size} given for a workload at "
                              f"{path_or_workload.hash_block_size}")
         w = path_or_workload
     else:
-        w = load_trace(path_or_workload, hash_block_size=hash_block_size)
+        w = load_trace(path_or_workload, hash_block_size=hash_block_size,
+                       trace_block_size=trace_block_size)
     reqs = w.requests
     prompt = np.array([r.prompt_len for r in reqs], dtype=np.int64)
     output = np.array([r.output_len for r in reqs], dtype=np.int64)

@@ -228,7 +228,9 @@ class _Where:
         most = -(-prompt_len // block_size)
         if len(ids) > most:
             raise self.error(where, f"{len(ids)} {name} for a {prompt_len}-token prompt: at "
-                                    f"most ceil({prompt_len} / {block_size}) = {most}")
+                                    f"most ceil({prompt_len} / {block_size}) = {most} (ids of "
+                                    f"smaller blocks? give the trace's block size: "
+                                    f"trace_block_size, --trace-block-size)")
         return ids
 
 

@@ -86,11 +86,14 @@ DEFAULT_AGENT = AgentConfig(num_conversations=24, min_turns=6, max_turns=12, see
 
 def load_workload(name: str, *, block_size: int | None = None, limit: int | None = None,
                   time_scale: float = 1.0, turns: int | None = None,
-                  agent: AgentConfig | None = None) -> Workload:
+                  agent: AgentConfig | None = None,
+                  trace_block_size: int | None = None) -> Workload:
     """The workload called ``name`` (a ``WORKLOADS`` key, or a trace file or folder).
 
     ``block_size``: hash block size in tokens (default: the trace's own; the generator's 16);
     ``agent``: the generator's setting (default ``DEFAULT_AGENT`` at ``block_size``);
+    ``trace_block_size``: the tokens per block id of a Mooncake-format file given by path (a
+    named trace knows its own);
     ``turns``: keep the first ``turns`` turns of every session; ``limit``: then the first
     ``limit`` requests; ``time_scale``: then multiply arrival and think times."""
     if name == "agent":
@@ -102,8 +105,12 @@ def load_workload(name: str, *, block_size: int | None = None, limit: int | None
         spec = WORKLOADS.get(name)
         # An unknown name is read as a path: the trace loader says what is wrong with it.
         path = data_path(spec.trace) if spec is not None else Path(name)
+        if spec is not None and trace_block_size is not None:
+            raise ValueError(f"workload {name!r} knows its block size; trace_block_size is for "
+                             "a trace given by path")
         wl = load_trace(path, hash_block_size=block_size,
-                        trace_block_size=None if spec is None else spec.trace_block_size)
+                        trace_block_size=trace_block_size if spec is None
+                        else spec.trace_block_size)
     if turns is not None:
         wl = first_turns(wl, turns)
     if limit is not None:

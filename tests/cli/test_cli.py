@@ -23,6 +23,7 @@ from kvtriton.sim import data_path
 
 MOONCAKE = str(data_path("mooncake_synthetic_trace.jsonl"))
 CC = str(data_path("cc_agentic_sample"))
+GLM5 = str(data_path("glm5_sample.jsonl"))
 SMALL = ["--conversations", "1", "--turns", "1", "1", "--system-prompt", "64", "--quiet"]
 
 
@@ -312,7 +313,23 @@ ARG_ERRORS = {
                                "every request would be rejected (1 of 1): the smallest needs"),
     "stats-missing-file": (["trace-stats"], "the following arguments are required: file"),
     "workload-name-typo": (["replay", "--workload", "moooncake"], "moooncake: no such file"),
+    "glm5-file-at-512": (["trace-stats", GLM5], "give the trace's block size: trace_block_size, "
+                                                "--trace-block-size"),
+    "trace-block-size-of-a-name": (["trace-stats", "glm5", "--trace-block-size", "256"],
+                                   "'glm5' is a shipped trace that knows its block size"),
+    "trace-block-size-of-a-workload": (["simulate", "--workload", "glm5", "--trace-block-size",
+                                        "256"], "'glm5' is a shipped trace"),
+    "trace-block-size-of-a-tester": (["trace-stats", CC, "--trace-block-size", "256"],
+                                     "a kv-cache-tester trace names its own block size"),
 }
+
+
+def test_shipped_traces_by_name_and_a_file_with_its_block_size(capsys):
+    assert main(["trace-stats", "glm5", "--block-size", "64"]) == 0
+    by_name = capsys.readouterr().out
+    assert "requests                 500" in by_name and "hash_block_size          64" in by_name
+    assert main(["trace-stats", GLM5, "--trace-block-size", "256", "--block-size", "64"]) == 0
+    assert capsys.readouterr().out == by_name
 
 
 @pytest.mark.parametrize("case", list(ARG_ERRORS))
