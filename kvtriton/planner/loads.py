@@ -99,9 +99,10 @@ class Loads:
         waiting-heavy run's time."""
         old = [] if stale is None else _hit_blocks(stale.blocks)
         if old and blocks:
-            kept = set(old).intersection(blocks)
+            old_set, new_set = set(old), set(blocks)
+            kept = old_set & new_set
             # Sets cannot tell multiplicities apart: a hit naming a block twice moves whole.
-            if kept and len(set(old)) == len(old) and len(set(blocks)) == len(blocks):
+            if kept and len(old_set) == len(old) and len(new_set) == len(blocks):
                 old = [b for b in old if b not in kept]
                 blocks = [b for b in blocks if b not in kept]
         if old:
@@ -134,7 +135,12 @@ class Loads:
                 self._unpin_hit(stale)
                 stale = None
             self._refresh_gpu_hit(req, num_computed_tokens)
-        hit = self._find_hit(req, num_computed_tokens)
+        try:
+            hit = self._find_hit(req, num_computed_tokens)
+        except BaseException:
+            if stale is not None:  # as before the lookup: no pin of a hit no longer pending
+                self._unpin_hit(stale)
+            raise
         self._repin(rid, stale, [] if hit is None else _hit_blocks(hit.blocks))
         if hit is None:
             return 0, False

@@ -421,3 +421,29 @@ def test_a_hit_that_grew_between_lookups_pins_each_block_once():
     h.planner.request_finished(w)
     assert sum(h.cpu.ref_cnt) == 0
     h.check_invariants()
+
+
+def test_a_lookup_that_raises_leaves_no_pin_of_the_stale_hit(monkeypatch):
+    """A waiting request's pins are kept across its lookups; a lookup that fails releases the
+    stale hit as a lookup always did, so no pin outlives the hit it belonged to."""
+    import kvtriton.planner.loads as loads_module
+
+    h = PlannerDriver(cpu=48)
+    stored_prompt(h, "a", tokens_for(1, 161))
+    h.finish("a")
+    evict_gpu_cache(h)
+    w = h.request("w", tokens_for(1, 161))
+    assert h.planner.get_num_new_matched_tokens(w, 0) == (160, True)
+    assert sum(h.cpu.ref_cnt) == 10
+
+    def broken(*args, **kwargs):
+        raise ValueError("lookup failed")
+
+    monkeypatch.setattr(loads_module, "find_longest_hit", broken)
+    with pytest.raises(ValueError, match="lookup failed"):
+        h.planner.get_num_new_matched_tokens(w, 0)
+    assert sum(h.cpu.ref_cnt) == 0 and "w" not in h.planner.pending_hits()
+    monkeypatch.undo()
+    assert h.planner.get_num_new_matched_tokens(w, 0) == (160, True)
+    h.planner.request_finished(w)
+    h.check_invariants()
