@@ -33,6 +33,11 @@ def test_the_bounds_sentence_follows_the_rows(build):
     # An online setup above the cache-only figure: the text must say so, not "far from".
     above = build._bounds_intro({"agent": _doc(0.7, {"eager": 0.5, "lazy+hints": 0.8})})
     assert "is passed in 1 run" in above and "-10.0 points" in above
+    # A row given oracle closes knows the future: it is not the best online setup.
+    doc = _doc(0.9, {"eager": 0.5, "lazy+hints": 0.7, "lazy+hints [oracle closes]": 0.85})
+    doc["runs"][0]["rows"][2]["hint_source"] = "oracle closes"
+    closes = build._bounds_intro({"agent": doc})
+    assert "`lazy+hints`" in closes and "20.0 points" in closes and "oracle" not in closes
 
 
 def test_section_references_follow_the_headings(build):
