@@ -7,8 +7,9 @@ shipped traces, the tier-design study (policy ablation, in-loop bounds, re-store
 the quick run the soaks, the vLLM comparisons (which need vLLM) and the scheduler cross-check.
 ``--list`` prints the table; ``--only STUDY[,STUDY]`` runs those studies only. Every part writes
 JSON with the machine's description, and its figures, to ``bench/results/``, and records each
-file in ``bench/results/MANIFEST.json``. ``--quick`` (the default without CUDA) stays under 10
-minutes on 2 cores; ``--full`` is the size for a GPU box: the whole traces through every setup,
+file in ``bench/results/MANIFEST.json``. ``--quick`` (the default without CUDA) is the size for 2
+cores (each study's time is printed, and the run's in the commit that regenerates the results);
+``--full`` is the size for a GPU box: the whole traces through every setup,
 the preset sweeps, the whole-trace Mooncake simulation and the 100,000-step soak. The longer
 runs behind the paper run by name only. A study this run leaves out is one line, ``skipped:
 STUDY: why``.
