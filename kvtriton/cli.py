@@ -119,7 +119,6 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
 def load_workload(args: argparse.Namespace):
     """The workload named by ``--workload`` at ``--block-size`` (``kvtriton.sim.workloads``)."""
     from kvtriton.sim.workload import AgentConfig
-    from kvtriton.sim.workloads import WORKLOADS
     from kvtriton.sim.workloads import load_workload as load
 
     agent = None
@@ -130,9 +129,6 @@ def load_workload(args: argparse.Namespace):
         agent = AgentConfig(num_conversations=args.conversations, min_turns=lo, max_turns=hi,
                             system_prompt_tokens=args.system_prompt,
                             think_s_mean=args.think_s, seed=args.seed)
-    if args.trace_block_size is not None and args.workload in WORKLOADS:
-        raise _UsageError(f"--trace-block-size: {args.workload!r} is a shipped trace that knows "
-                          "its block size; give it for a trace file")
     return load(args.workload, block_size=args.block_size, limit=args.limit,
                 time_scale=args.time_scale, agent=agent, trace_block_size=args.trace_block_size)
 
@@ -289,20 +285,12 @@ def _cmd_replay(args) -> int:
 
 
 def _cmd_trace_stats(args) -> int:
-    from kvtriton.sim import data_path, trace_stats
-    from kvtriton.sim.workloads import WORKLOADS
+    from kvtriton.sim import trace_stats
+    from kvtriton.sim.workloads import trace_source
 
     _check_output("--json", args.json)
-    spec = WORKLOADS.get(args.file)
-    if spec is not None and spec.trace is not None:  # a shipped trace by name
-        if args.trace_block_size is not None:
-            raise _UsageError(f"--trace-block-size: {args.file!r} is a shipped trace that knows "
-                              "its block size; give it for a trace file")
-        stats = trace_stats(data_path(spec.trace), hash_block_size=args.block_size,
-                            trace_block_size=spec.trace_block_size)
-    else:
-        stats = trace_stats(args.file, hash_block_size=args.block_size,
-                            trace_block_size=args.trace_block_size)
+    path, trace_block_size = trace_source(args.file, args.trace_block_size)
+    stats = trace_stats(path, hash_block_size=args.block_size, trace_block_size=trace_block_size)
     if args.json:
         _write_json(args.json, stats)
     width = max(len(k) for k in stats)

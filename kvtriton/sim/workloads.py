@@ -32,7 +32,7 @@ from kvtriton.sim.traces import (
 from kvtriton.sim.workload import AgentConfig, Workload, agent_workload
 
 __all__ = ["WORKLOADS", "WorkloadSpec", "coarsen", "first_turns", "fresh_outputs",
-           "limit_workload", "load_workload", "scale_times", "serving_workload"]
+           "limit_workload", "load_workload", "scale_times", "serving_workload", "trace_source"]
 
 
 @dataclass(frozen=True)
@@ -97,25 +97,34 @@ def load_workload(name: str, *, block_size: int | None = None, limit: int | None
     ``turns``: keep the first ``turns`` turns of every session; ``limit``: then the first
     ``limit`` requests; ``time_scale``: then multiply arrival and think times."""
     if name == "agent":
+        if trace_block_size is not None:
+            raise ValueError(f"trace_block_size={trace_block_size}: the agent generator reads no "
+                             "trace")
         cfg = agent or DEFAULT_AGENT
         if block_size is not None:
             cfg = replace(cfg, hash_block_size=block_size)
         wl = agent_workload(cfg)
     else:
-        spec = WORKLOADS.get(name)
-        # An unknown name is read as a path: the trace loader says what is wrong with it.
-        path = data_path(spec.trace) if spec is not None else Path(name)
-        if spec is not None and trace_block_size is not None:
-            raise ValueError(f"workload {name!r} knows its block size; trace_block_size is for "
-                             "a trace given by path")
-        wl = load_trace(path, hash_block_size=block_size,
-                        trace_block_size=trace_block_size if spec is None
-                        else spec.trace_block_size)
+        path, trace_block_size = trace_source(name, trace_block_size)
+        wl = load_trace(path, hash_block_size=block_size, trace_block_size=trace_block_size)
     if turns is not None:
         wl = first_turns(wl, turns)
     if limit is not None:
         wl = limit_workload(wl, limit)
     return scale_times(wl, time_scale) if time_scale != 1.0 else wl
+
+
+def trace_source(name: str, trace_block_size: int | None = None) -> tuple[Path, int | None]:
+    """The file or folder of the shipped trace called ``name``, or ``name`` read as a path (the
+    trace loader says what is wrong with an unknown one), and the tokens per block id to read it
+    at: ``trace_block_size`` is for a path; a shipped trace knows its own (``ValueError``)."""
+    spec = WORKLOADS.get(name)
+    if spec is None or spec.trace is None:
+        return Path(name), trace_block_size
+    if trace_block_size is not None:
+        raise ValueError(f"trace_block_size={trace_block_size} (--trace-block-size): {name!r} is "
+                         "a shipped trace that knows its block size; give it for a trace file")
+    return data_path(spec.trace), spec.trace_block_size
 
 
 def serving_workload(name: str, **kw: Any) -> tuple[Workload, dict[str, Any]]:
