@@ -56,6 +56,7 @@ def _with_png(*names: str) -> tuple[str, ...]:
 _CROSSCHECK = ("--limit", "mooncake=500", "--limit", "cc_agentic=100", "--json",
                "{results}/crosscheck.json")
 _CC_WHOLE = ("--full", "--only", "ablation", "--workloads", "cc_agentic")
+_MOONCAKE_ABLATION = ("--only", "ablation", "--workloads", "mooncake")
 _MOONCAKE_MAP = ("--only", "map", "--maps", "mooncake")
 _HOLE_REWIND = ("--limit", "800", "--json", "{results}/hole_rewind_800.json")
 _CONV_GAP = ("--json", "{results}/conversational_gap.json")
@@ -79,8 +80,7 @@ STUDIES: tuple[Study, ...] = (
                                            "replay_cc_agentic")), quiet=True),
     Study("policies", "bench.bench_policies",
           "tier designs: the policy ablation, in-loop bounds, the re-store map", (), ("--full",),
-          "cpu", ("policies_agent.json", "policies_cc_agentic.json", "policies_mooncake.json",
-                  "policies_glm5.json",
+          "cpu", ("policies_agent.json", "policies_cc_agentic.json", "policies_glm5.json",
                   *_with_png("restore_map_agent", "restore_map_cc_agentic")),
           ("policies_agent_full.json", "policies_cc_agentic_full.json",
            "policies_mooncake_full.json", "policies_glm5_full.json",
@@ -114,10 +114,14 @@ STUDIES: tuple[Study, ...] = (
     Study("tune_shares", "bench.tune_shares",
           "the protected shares of hints and lookahead, tuned on train, judged on test",
           _TUNE_SHARES, _TUNE_SHARES, "cpu", ("tune_shares.json",), run_in=(), quiet=True),
-    # The longer runs behind the paper's optional sections (30 and 5 minutes on 2 cores).
+    # The longer runs behind the paper's optional sections (30, 3 and 5 minutes on 2 cores).
     Study("cc_agentic_whole", "bench.bench_policies",
           "the whole coding-agent traces, every setup", _CC_WHOLE, _CC_WHOLE, "cpu",
           ("policies_cc_agentic_full.json",), run_in=(), quiet=True),
+    Study("mooncake_ablation", "bench.bench_policies",
+          "the Mooncake trace's ablation at the quick size (every setup of its quick set)",
+          _MOONCAKE_ABLATION, _MOONCAKE_ABLATION, "cpu", ("policies_mooncake.json",), run_in=(),
+          quiet=True),
     Study("mooncake_map", "bench.bench_policies", "the Mooncake re-store map", _MOONCAKE_MAP,
           _MOONCAKE_MAP, "cpu", _with_png("restore_map_mooncake"), run_in=(), quiet=True),
 )
