@@ -30,8 +30,10 @@ EVICTIONS = ("lru", "random")
 
 
 def evict_cpu_blocks(cpu: BlockPool, fraction: float, eviction: str = "lru",
-                     rng: np.random.Generator | None = None) -> list[int]:
-    """Evict ``int(fraction * n)`` of the ``n`` cached free blocks of ``cpu``; return them.
+                     rng: np.random.Generator | None = None, count: int | None = None
+                     ) -> list[int]:
+    """Evict ``int(fraction * n)`` of the ``n`` cached free blocks of ``cpu`` (``count`` of
+    them when given, at most ``n``); return them.
 
     ``lru``: the first ones in ``cpu.iter_free()``, the pool's next victims. ``random``: a
     uniform draw from ``rng`` (needed then).
@@ -41,7 +43,7 @@ def evict_cpu_blocks(cpu: BlockPool, fraction: float, eviction: str = "lru",
     # Listed before evicting: evict_cached moves each victim to the head of the free queue,
     # which would reorder an iteration still in progress.
     cached = [b for b in cpu.iter_free() if cpu.block_hash(b) is not None]
-    n = int(len(cached) * fraction)
+    n = int(len(cached) * fraction) if count is None else min(count, len(cached))
     if eviction == "lru":
         victims = cached[:n]
     else:
@@ -63,14 +65,21 @@ class StepResult(NamedTuple):
 
 class Scenario:
     """R requests of ``blocks`` stored blocks, driven step by step, ``evict_fraction`` of the
-    CPU's cached blocks evicted (``eviction``: ``lru`` or ``random``) before each step."""
+    CPU's cached blocks evicted (``eviction``: ``lru`` or ``random``) before each step, or
+    ``evict_per_request`` blocks per running request when given (the same blocks changed per
+    step whatever the blocks held)."""
 
     def __init__(self, config: PlannerConfig, num_requests: int, blocks: int, steps: int,
-                 evict_fraction: float, seed: int, eviction: str = "lru") -> None:
+                 evict_fraction: float, seed: int, eviction: str = "lru",
+                 evict_per_request: int | None = None) -> None:
         if eviction not in EVICTIONS:
             raise ValueError(f"eviction must be one of {EVICTIONS}, got {eviction!r}")
+        if evict_per_request is not None and evict_per_request < 0:
+            raise ValueError(f"evict_per_request must be >= 0, got {evict_per_request!r}")
         self.rng = np.random.default_rng(seed)
         self.evict_fraction = evict_fraction
+        self.evict_count = None if evict_per_request is None \
+            else evict_per_request * num_requests
         self.eviction = eviction
         total = num_requests * (blocks + steps + 1)
         self.gpu = BlockPool(total + 1)
@@ -85,8 +94,8 @@ class Scenario:
             req = Request(f"r{i}", keys, num_prompt_tokens=blocks * BLOCK,
                           num_tokens=blocks * BLOCK + 1)
             table = self.gpu.get_new_blocks(blocks)
-            for pos, b in enumerate(table):
-                self.gpu.cache_block(b, int(keys[0, pos]))
+            # One call per request: its listeners hear of the whole table at once.
+            self.gpu.cache_blocks(table, keys[0, :blocks, None].tolist())
             self.planner.update_state_after_alloc(req, (table,), 0)
             req.num_computed_tokens = blocks * BLOCK
             self.reqs.append(req)
@@ -103,18 +112,20 @@ class Scenario:
 
     def evict(self) -> list[int]:
         """The step's CPU evictions (untimed); returns the evicted blocks."""
-        return evict_cpu_blocks(self.cpu, self.evict_fraction, self.eviction, self.rng)
+        return evict_cpu_blocks(self.cpu, self.evict_fraction, self.eviction, self.rng,
+                                self.evict_count)
 
     def advance(self) -> StepResult:
         """One step: evictions, one new block per request, the timed build_meta, completion."""
         self.evict()
         new_ids = {}
-        for req, table in zip(self.reqs, self.tables, strict=True):
-            pos = len(table)
-            (b,) = self.gpu.get_new_blocks(1)
-            self.gpu.cache_block(b, int(req.keys[0, pos]))
+        fresh = self.gpu.get_new_blocks(len(self.reqs))
+        keys = []
+        for req, table, b in zip(self.reqs, self.tables, fresh, strict=True):
+            keys.append([int(req.keys[0, len(table)])])
             table.append(b)
             new_ids[req.request_id] = ([b],)
+        self.gpu.cache_blocks(fresh, keys)
         step = StepOutput(num_scheduled_tokens={r.request_id: BLOCK for r in self.reqs},
                           new_block_ids=new_ids)
         stats = self.planner.stats

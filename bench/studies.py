@@ -91,7 +91,7 @@ STUDIES: tuple[Study, ...] = (
     Study("soak_fresh", "bench.bench_soak", "soak with fresh content: distinct blocks unbounded",
           ("--fresh",), ("--fresh",), "cpu", ("soak_fresh.json",), run_in=("full",)),
     Study("vs_vllm", "bench.bench_vs_vllm", "planner cost beside vLLM's, one process",
-          ("--quick",), (), "vllm", ("vs_vllm.json",)),
+          ("--quick",), (), "vllm", ("vs_vllm_quick.json",), ("vs_vllm.json",)),
     Study("connector_soak", "bench.bench_connector_soak", "connector memory over a long run",
           ("--quick",), (), "vllm", _with_png("vllm_soak"), run_in=("full",)),
     Study("vllm", "bench.bench_vllm",

@@ -160,6 +160,30 @@ def plot_planner(doc: dict, path: str | Path, vs_vllm: dict | None = None) -> Pa
     return _save(fig, path, dpi=140)
 
 
+def plot_vs_vllm(doc: dict, path: str | Path) -> Path:
+    """Whole-step time versus running requests, one line per variant and one panel per block
+    count (``bench/results/vs_vllm.json``, every variant measured in one process)."""
+    plt = _pyplot()
+    counts = sorted({r["blocks_per_request"] for r in doc["rows"]})
+    variants = list(dict.fromkeys(r["variant"] for r in doc["rows"]))
+    fig, axes = plt.subplots(1, len(counts), figsize=(5.2 * len(counts), 3.8), sharey=True,
+                             squeeze=False)
+    for ax, blocks in zip(axes[0], counts, strict=True):
+        for v in variants:
+            pts = sorted((r["requests"], r["median_ms"]) for r in doc["rows"]
+                         if r["variant"] == v and r["blocks_per_request"] == blocks)
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker="o", ms=3,
+                        ls="--" if v.startswith("vllm") else "-", label=v)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel(f"running requests ({blocks:,} blocks each)")
+        ax.grid(alpha=0.3, which="both")
+    axes[0][0].set_ylabel("ms per step (whole build)")
+    axes[0][-1].legend(fontsize=7)
+    return _save(fig, path, dpi=140)
+
+
 def plot_capacity(doc: dict, policies: list[str], path: str | Path) -> Path:
     """Token hit rate, recomputed tokens and modeled TTFT p90 versus CPU capacity, one line per
     policy, the Belady bound as a dashed line (``bench/results/sim_<workload>.json``)."""

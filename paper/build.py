@@ -35,6 +35,7 @@ from kvtriton.plots import (  # noqa: E402
     plot_planner,
     plot_restore_map,
     plot_sweep,
+    plot_vs_vllm,
 )
 
 WORKLOADS = (("agent", "agent generator"), ("cc_agentic", "coding-agent traces"),
@@ -42,7 +43,7 @@ WORKLOADS = (("agent", "agent generator"), ("cc_agentic", "coding-agent traces")
 # The workloads with a re-store map (``bench_policies.FULL_MAPS``).
 MAP_TAGS = ("agent", "cc_agentic", "mooncake")
 # Every results file the paper reads, by name (``bench/results/<name>.json``).
-INPUTS = ("hole_demo", "planner", "vs_vllm",
+INPUTS = ("hole_demo", "planner", "vs_vllm", "vs_vllm_quick",
           *(f"policies_{key}" for tag, _ in WORKLOADS for key in (tag, f"{tag}_full")),
           *(f"restore_map_{tag}" for tag in MAP_TAGS),
           "replay_mooncake", "replay_agent", "replay_cc_agentic", "kernel_check", "bench_kernels",
@@ -184,7 +185,7 @@ def planner_section(v: dict) -> None:
                                  "for the same semantics as a per-block loop")
     else:
         v["abstract_planner"] = "see Section 3.2"
-    plot_planner(doc, FIGURES / "planner.png", _load("vs_vllm"))
+    plot_planner(doc, FIGURES / "planner.png", _vs_vllm())
     v["fig_planner"] = "![planner cost per step](figures/planner.png)"
 
 
@@ -208,11 +209,25 @@ VS_VLLM_TARGETS = {
 }
 
 
+def _vs_vllm() -> dict | None:
+    """The planner beside vLLM: the full run (every size) when there is one, else the quick
+    run's (``make bench``: R = 128 only)."""
+    return _load("vs_vllm") or _load("vs_vllm_quick")
+
+
+def _evictions(settings: dict) -> str:
+    """What the scenario evicts before each step, as ``bench_vs_vllm`` recorded it."""
+    if settings.get("evict_per_request") is not None:
+        return (f"{settings['evict_per_request']} of the CPU's cached blocks per running "
+                "request evicted before each step (as many at every block count)")
+    return f"{settings['evict_fraction']:.0%} of the CPU's cached blocks evicted before each step"
+
+
 def vs_vllm_section(v: dict) -> None:
     """Section 3.1's comparison with vLLM's own scheduler, measured in the same process
     (``bench_vs_vllm``): per-step time by part at the targets' sizes, and each target's
     verdict, all from ``vs_vllm.json``."""
-    doc = _load("vs_vllm")
+    doc = _vs_vllm()
     if doc is None:
         v["vs_vllm_text"] = ("*Pending: `python -m bench.bench_vs_vllm` (needs vLLM) has not "
                              "been run.*")
@@ -240,8 +255,8 @@ def vs_vllm_section(v: dict) -> None:
              f"scenario, interleaved step by step: R running requests of "
              f"{' or '.join(f'{b:,}' for b in s['blocks_per_request'])} blocks of "
              f"{s['block_tokens']} tokens, one new block each per step, "
-             f"{s['evict_fraction']:.0%} of the CPU's cached blocks evicted before each step "
-             f"(its LRU victims); median of {s['steps']} timed steps (the verdicts are on "
+             f"{_evictions(s)} (its LRU victims); median of {s['steps']} timed steps "
+             "(the verdicts are on "
              "the medians; on a loaded machine the OS scheduler cuts the longer steps more "
              "often, so each target also gives the ratio of the fastest steps). The parts are "
              "the medians of the "
@@ -257,9 +272,18 @@ def vs_vllm_section(v: dict) -> None:
         bullets.append(f"- Target {label}, R = {t['requests']}, {t['blocks_per_request']} "
                        f"blocks: {t['value']:.3g} (target {t['target']}), "
                        f"{'met' if t['met'] else '**missed**'}; {t['measure']}{low}.")
+    if s.get("skipped"):
+        lines.append("Not run: " + ", ".join(
+            f"R = {k['requests']} at {k['blocks_per_request']:,} blocks" for k in s["skipped"])
+            + f" (more than {s['max_blocks_held']:,} blocks per pool: the seven variants "
+            "hold their pools at once, past this machine's memory).")
     v["vs_vllm_text"] = "\n\n".join(lines) + "\n\n" + "\n".join(bullets)
     v["vs_vllm_table"] = (f"Per-step time and its parts at R = "
                           f"{', '.join(map(str, sizes))}:\n\n" + _table(header, rows))
+    if len({r["requests"] for r in doc["rows"]}) > 1:
+        plot_vs_vllm(doc, FIGURES / "vs_vllm.png")
+        v["vs_vllm_table"] += ("\n\n![whole-step time beside vLLM's, every size run]"
+                               "(figures/vs_vllm.png)")
 
 
 def _gap(x) -> str:

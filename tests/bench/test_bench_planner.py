@@ -159,3 +159,33 @@ def test_vs_vllm_short_run(results, capsys):
     # Past 4,096 blocks of 16 tokens a request outgrows 64K tokens: the model length follows.
     assert bench_vs_vllm.max_model_len(8192, 20, 3) >= (8192 + 43) * 16
     assert (results / "vs_vllm.json").exists()
+
+
+def test_evictions_per_request_change_as_many_blocks_at_every_block_count():
+    """``evict_per_request`` evicts that many blocks per running request, whatever the blocks
+    held: the block-count target compares steps that change as many blocks."""
+    counts = []
+    for blocks in (8, 32):
+        sc = Scenario(VARIANTS["fused_restore"], 3, blocks, steps=4, evict_fraction=0.5,
+                      seed=0, evict_per_request=2)
+        sc.step()
+        counts.append(sc.step()[3])  # a step's re-stores: its evictions, all still running
+        cached = _cached(sc.cpu)
+        assert sc.evict() == cached[:6]  # 2 per request, the LRU head, not half of them
+    assert counts == [6, 6]
+    with pytest.raises(ValueError, match="evict_per_request must be >= 0"):
+        Scenario(VARIANTS["fused_restore"], 1, 4, 1, 0.1, seed=0, evict_per_request=-1)
+
+
+def test_the_setup_stores_every_block_once():
+    """The scenario's batched set-up (one ``cache_blocks`` per request) leaves every GPU block
+    hashed under its request's key and copied to the CPU, as one call per block did."""
+    sc = Scenario(VARIANTS["fused_restore"], 2, 8, steps=2, evict_fraction=0.0, seed=0)
+    for req, table in zip(sc.reqs, sc.tables, strict=True):
+        assert [sc.gpu.block_hash(b) for b in table] == req.keys[0, :8].tolist()
+        assert all(int(k) in sc.cpu for k in req.keys[0, :8])
+    sc.step()
+    for req, table in zip(sc.reqs, sc.tables, strict=True):
+        assert sc.gpu.block_hash(table[-1]) == int(req.keys[0, 8])
+    sc.cpu.check_invariants()
+    sc.gpu.check_invariants()
