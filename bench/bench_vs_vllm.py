@@ -42,10 +42,11 @@ written with the figures and their verdicts to ``bench/results/vs_vllm.json``; t
 planner section is generated from that file.
 
 Run: ``python -m bench.bench_vs_vllm [--quick]`` (needs vLLM). The full run is R = 16 ... 1024
-at 2,048 and 8,192 blocks per request (128K-token contexts), each size's peak memory recorded,
-sizes past ``--max-blocks-held`` blocks per pool skipped and named; ``--sizes`` and
-``--blocks`` pick some. It writes ``vs_vllm.json``; ``--quick`` (R = 128 at 2,048 blocks, the
-``make bench`` size) writes ``vs_vllm_quick.json``, so a quick run leaves a full one in place.
+at 2,048 and 8,192 blocks per request (128K-token contexts), each size's peak memory recorded;
+a size past ``--max-blocks-held`` blocks per pool runs its variants in ``GROUPS`` (each row
+names the variants it was interleaved with); ``--sizes`` and ``--blocks`` pick some. It writes
+``vs_vllm.json``; ``--quick`` (R = 128 at 2,048 blocks, the ``make bench`` size) writes
+``vs_vllm_quick.json``, so a quick run leaves a full one in place.
 """
 
 from __future__ import annotations
@@ -78,9 +79,13 @@ TARGET_RS = (128, 256)
 SIZES = (16, 64, 128, 256, 512, 1024)
 BLOCKS = (2048, 8192)
 EVICT_PER_REQUEST = 20
-# The most blocks held per pool (R x blocks per request) the full run tries: the seven variants
-# hold their pools at once, and past 512 x 8,192 they outgrow a 24 GB machine.
+# The most blocks per pool (R x blocks per request) at which the seven variants hold their pools
+# at once: past 512 x 8,192 they outgrow a 24 GB machine, so a larger size runs them in
+# ``GROUPS``, each group interleaved step by step, one group after the other.
 MAX_BLOCKS_HELD = 512 * 8192
+GROUPS = (("vllm_control", "kvt_fused_control", "kvt_fused_restore"),
+          ("kvt_connector_fused_control", "kvt_connector_fused_restore"),
+          ("kvt_loop_control",), ("vllm_rescan_restore",))
 QUICK_SIZES = (128,)  # the size of the targets; the full run has 16 ... 1024
 PARTS = ("lookup", "tables", "selection", "cpu_alloc", "listeners", "pin", "adapter", "meta")
 
@@ -434,10 +439,36 @@ def max_model_len(blocks: int, steps: int, warmup: int) -> int:
 
 def run_size(r: int, blocks: int, steps: int, warmup: int, evict: float, variants: list[str],
              model_dir: str, model_len: int = 65536,
-             evict_per_request: int | None = None) -> list[dict]:
-    """Every variant at R = ``r``, stepped interleaved; one row per variant. vLLM's parts come
-    from ``steps`` more steps with timers on (``VllmScenario.time_parts``). Evictions per step:
+             evict_per_request: int | None = None, grouped: bool = False) -> list[dict]:
+    """Every variant at R = ``r``, stepped interleaved; one row per variant, with its ratios to
+    the vLLM variants. ``grouped``: the variants of each of ``GROUPS`` interleaved, one group
+    after the other (a size too large for all at once). Evictions per step:
     ``evict_per_request`` blocks per request, or ``evict`` of the cached blocks when None."""
+    if not grouped:
+        rows = _run_interleaved(r, blocks, steps, warmup, evict, variants, model_dir,
+                                model_len, evict_per_request)
+    else:
+        rows = []
+        for group in GROUPS:
+            chosen = [v for v in group if v in variants]
+            if chosen:
+                print(f"  group: {', '.join(chosen)}", flush=True)
+                rows += _run_interleaved(r, blocks, steps, warmup, evict, chosen, model_dir,
+                                         model_len, evict_per_request)
+    base = {row["variant"]: row for row in rows}
+    for row in rows:
+        row["interleaved_with"] = row.pop("_group")
+        for ref in ("vllm_control", "vllm_rescan_restore"):
+            if ref in base:
+                row[f"x_vs_{ref}"] = base[ref]["median_ms"] / row["median_ms"]
+    return rows
+
+
+def _run_interleaved(r: int, blocks: int, steps: int, warmup: int, evict: float,
+                     variants: list[str], model_dir: str, model_len: int,
+                     evict_per_request: int | None) -> list[dict]:
+    """``variants`` at R = ``r``, stepped interleaved; one row per variant. vLLM's parts come
+    from ``steps`` more steps with timers on (``VllmScenario.time_parts``)."""
     scen, setup = {}, {}
     for v in variants:
         gc.collect()
@@ -484,19 +515,14 @@ def run_size(r: int, blocks: int, steps: int, warmup: int, evict: float, variant
                                   for k, x in parts[v].items()},
                      "parts_from": ("extra steps, timers on" if v.startswith("vllm")
                                     else "the timed steps (planner counters)"),
-                     "setup_s": setup[v], "max_rss_gib": rss_gib})
+                     "setup_s": setup[v], "max_rss_gib": rss_gib, "_group": list(variants)})
     del scen
     gc.collect()
-    base = {row["variant"]: row for row in rows}
-    for row in rows:
-        for ref in ("vllm_control", "vllm_rescan_restore"):
-            if ref in base:
-                row[f"x_vs_{ref}"] = base[ref]["median_ms"] / row["median_ms"]
     return rows
 
 
 def _max_rss_gib() -> float:
-    """The process's peak resident memory so far, in GiB (every variant's pools held)."""
+    """The process's peak resident memory so far, in GiB (the variants' pools held)."""
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
@@ -621,7 +647,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="evict this share of the cached CPU blocks instead (grows with the "
                          "blocks held)")
     ap.add_argument("--max-blocks-held", type=int, default=MAX_BLOCKS_HELD,
-                    help="skip a size whose R x blocks per request is larger (memory)")
+                    help="past this R x blocks per request, run the variants in groups, each "
+                         "interleaved (memory)")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     args = ap.parse_args(argv)
     sizes = args.sizes or list(QUICK_SIZES if args.quick else SIZES)
@@ -636,7 +663,9 @@ def main(argv: list[str] | None = None) -> dict:
     per_request = None if args.evict is not None else \
         (EVICT_PER_REQUEST if args.evict_per_request is None else args.evict_per_request)
     fraction = args.evict if args.evict is not None else 0.0
-    skipped = [(r, b) for b in block_counts for r in sizes if r * b > args.max_blocks_held]
+    if args.max_blocks_held < 1:
+        ap.error(f"--max-blocks-held: >= 1, got {args.max_blocks_held}")
+    grouped = [(r, b) for b in block_counts for r in sizes if r * b > args.max_blocks_held]
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import vllm
 
@@ -648,14 +677,12 @@ def main(argv: list[str] | None = None) -> dict:
         model_dir = str(tiny_model_dir(tmp, model_len))
         for blocks in block_counts:
             for r in sizes:
-                if (r, blocks) in skipped:
-                    print(f"\nR = {r}: {blocks} blocks per request skipped: {r * blocks:,} "
-                          f"blocks per pool, past --max-blocks-held {args.max_blocks_held:,}")
-                    continue
-                print(f"\nR = {r}: {blocks} blocks per request, {steps} timed steps",
-                      flush=True)
+                big = (r, blocks) in grouped
+                print(f"\nR = {r}: {blocks} blocks per request, {steps} timed steps"
+                      + (f" (past {args.max_blocks_held:,} blocks per pool: the variants in "
+                         "groups)" if big else ""), flush=True)
                 size_rows = run_size(r, blocks, steps, args.warmup, fraction, args.variants,
-                                     model_dir, model_len, per_request)
+                                     model_dir, model_len, per_request, grouped=big)
                 _print(size_rows)
                 rows += size_rows
     met = targets(rows)
@@ -668,8 +695,9 @@ def main(argv: list[str] | None = None) -> dict:
                             "warmup": args.warmup, "evict_fraction": args.evict,
                             "evict_per_request": per_request,
                             "max_blocks_held": args.max_blocks_held,
-                            "skipped": [{"requests": r, "blocks_per_request": b}
-                                        for r, b in skipped],
+                            "grouped": [{"requests": r, "blocks_per_request": b}
+                                        for r, b in grouped],
+                            "groups": [list(g) for g in GROUPS],
                             "eviction_order": "lru", "cpu_free_order": "head_first",
                             "block_tokens": BLOCK, "parts": list(PARTS),
                             "vllm": vllm.__version__},

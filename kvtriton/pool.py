@@ -9,6 +9,12 @@ again, so it can still be hit ("evictable cached"). Which free block is handed o
 eviction queue's choice (``kvtriton.eviction``; LRU by default). Every operation costs O(1) per
 block named; bad input raises ``ValueError`` before anything is changed.
 
+Per-block state the batch calls read and write (ref counts, whether a block is hashed) lives in
+``array.array``/``bytearray`` buffers with NumPy views over the same memory: a call naming a few
+blocks indexes the buffers at list speed, a call naming many (a step's store batch: thousands of
+CPU blocks allocated, thousands of GPU sources pinned) is a few array operations, with the
+queue's batch calls (``pop_many``, ``push_many``, ``remove_many``) beside them.
+
 Listeners come in two kinds. Per-key listeners (``add_listener``) are called once per key, right
 after that one block's map entry changed: the loop reference reads the pool in that state.
 Batch listeners (``add_batch_listener``) are called once per pool call that changed hashes (an
@@ -20,6 +26,7 @@ call to them, not n.
 from __future__ import annotations
 
 import logging
+from array import array
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -28,6 +35,7 @@ from typing import Protocol
 import numpy as np
 
 from kvtriton.eviction import EvictionQueue, make_eviction_queue
+from kvtriton.eviction.base import EvictionQueue as _QueueBase
 from kvtriton.validation import is_int
 
 __all__ = ["NULL_BLOCK", "AllBlocksCleared", "BlockPool", "BlockRemoved", "BlockStored", "GpuPool"]
@@ -85,6 +93,12 @@ class GpuPool(Protocol):
         """Take one reference on each block (pins; a free block leaves the free queue)."""
         ...
 
+    def pin_held(self, block_ids: Sequence[int] | np.ndarray) -> None:
+        """``touch`` of blocks the caller knows a running request references now (its
+        full-attention table): a pool may keep such pins apart from its own count until that
+        reference is dropped (``VllmGpuPool``)."""
+        ...
+
     def free_blocks(self, block_ids: Sequence[int]) -> None:
         """Drop one reference on each block, in order."""
         ...
@@ -124,6 +138,10 @@ class BlockPool:
     becomes hittable or stops being hittable; the planner keeps its presence tensors with them.
     """
 
+    #: Up to this many blocks a call loops in Python: below it, array calls cost more than they
+    #: save (tests set 0 on an instance to run every batch through the arrays).
+    batch_min = 16
+
     def __init__(
         self,
         num_blocks: int,
@@ -138,7 +156,14 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.medium = medium
         self.enable_events = enable_events
-        self.ref_cnt: list[int] = [0] * num_blocks
+        #: References per block id (0: free); ``_ref`` is a NumPy view of the same memory.
+        self.ref_cnt = array("i", [0]) * num_blocks
+        self._ref = np.frombuffer(self.ref_cnt, dtype=np.intc)
+        # 1 where a block is hashed (its primary key is not None); ``_hashed_np`` views it.
+        self._hashed = bytearray(num_blocks)
+        self._hashed_np = np.frombuffer(self._hashed, dtype=bool)
+        # Scratch of the distinct-ids check (``_distinct``): any content, one slot per block.
+        self._scratch = np.zeros(num_blocks, dtype=np.int64)
         # Primary key per block (None: unhashed) and its aliases (hash boundaries inside it).
         self._primary: list[int | None] = [None] * num_blocks
         self._aliases: list[tuple[int, ...]] = [()] * num_blocks
@@ -152,6 +177,8 @@ class BlockPool:
         # key -> block id, or key -> {block id: None} when several blocks share the key.
         self._map: dict[int, int | dict[int, None]] = {}
         self._eviction = make_eviction_queue(eviction) if isinstance(eviction, str) else eviction
+        # A queue that keeps nothing of evicted keys needs no call per victim.
+        self._tracks_evictions = type(self._eviction).on_evicted is not _QueueBase.on_evicted
         self._fill_free_queue()
         self._events: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
         self._on_insert: list[KeyCallback] = []
@@ -162,8 +189,8 @@ class BlockPool:
     def _fill_free_queue(self) -> None:
         # Unhashed blocks enter at the head, so pushing in descending order hands out 1, 2, ...
         self._eviction.reset(self.num_blocks)
-        for b in range(self.num_blocks - 1, 0, -1):
-            self._eviction.push(b, None)
+        blocks = np.arange(self.num_blocks - 1, 0, -1, dtype=np.int64)
+        self._eviction.push_many(blocks, np.zeros(len(blocks), dtype=bool), self._primary)
 
     # ---- listeners and introspection -------------------------------------------------------
 
@@ -307,33 +334,66 @@ class BlockPool:
             if b == NULL_BLOCK:
                 raise ValueError(f"{what}: block id 0 is the null block")
 
+    def _id_array(self, block_ids: Sequence[int] | np.ndarray, what: str) -> np.ndarray:
+        """``block_ids`` checked (``_check_ids``) as an int64 array."""
+        if type(block_ids) is np.ndarray and block_ids.dtype.kind in "iu" \
+                and block_ids.ndim == 1:
+            self._check_ids(block_ids, what)
+            return block_ids.astype(np.int64, copy=False)
+        block_ids = block_ids.tolist() if type(block_ids) is np.ndarray else block_ids
+        self._check_ids(block_ids, what)
+        return np.array(block_ids, dtype=np.int64)
+
+    def _distinct(self, ids: np.ndarray) -> bool:
+        """Whether no id repeats in ``ids`` (O(n), no sort: each id's scratch slot keeps one of
+        its positions, which differs from another occurrence's)."""
+        at = np.arange(len(ids))
+        self._scratch[ids] = at
+        return bool((self._scratch[ids] == at).all())
+
     # ---- allocation ------------------------------------------------------------------------
 
     def get_new_blocks(self, n: int) -> list[int]:
         """Hand out ``n`` blocks with ref count 1, evicting the hashes they still carried."""
+        out = self._allocate(n)
+        return out if type(out) is list else out.tolist()
+
+    def get_new_block_array(self, n: int) -> np.ndarray:
+        """``get_new_blocks`` as an int64 array (a batch's CPU blocks, without a list)."""
+        out = self._allocate(n)
+        return out if type(out) is np.ndarray else np.array(out, dtype=np.int64)
+
+    def _allocate(self, n: int) -> list[int] | np.ndarray:
         if (type(n) is not int and not is_int(n)) or n < 0:  # the common case first: hot path
             raise ValueError(f"get_new_blocks: n must be a non-negative int, got {n!r}")
         n = int(n)
         if n > len(self._eviction):
             raise ValueError(f"get_new_blocks: asked for {n} blocks, {len(self._eviction)} free")
         out = self._eviction.pop_many(n)
-        primary, ref = self._primary, self.ref_cnt
-        victims = []
+        if type(out) is np.ndarray:
+            self._ref[out] = 1
+            victims = out[self._hashed_np[out]]
+            if len(victims):
+                self._evict_many(victims.tolist())
+            return out
+        hashed, ref = self._hashed, self.ref_cnt
+        victims = [b for b in out if hashed[b]]
         for b in out:
-            if primary[b] is not None:
-                victims.append(b)
             ref[b] = 1
         if victims:
             self._evict_many(victims)
         return out
 
-    def touch(self, block_ids: Sequence[int], user: object = None) -> None:
+    def touch(self, block_ids: Sequence[int] | np.ndarray, user: object = None) -> None:
         """Take one more reference on each block; a free block leaves the free queue (a hit).
 
         ``user`` (a request id, say) names who takes the blocks: a free block taken again by
         the user that took it last is a repeated touch, not reuse, and the eviction queue is
         told so (a waiting request's lookup pins its CPU hit every step it stays waiting).
         ``None``: every touch of a free block counts as reuse."""
+        if len(block_ids) > self.batch_min:
+            self._touch_many(self._id_array(block_ids, "touch"), user)
+            return
         self._check_ids(block_ids, "touch")
         remove, ref, last = self._eviction.remove, self.ref_cnt, self._last_user
         if type(block_ids) is np.ndarray:
@@ -346,14 +406,48 @@ class BlockPool:
                     last[b] = user
             ref[b] = r + 1
 
-    def free_blocks(self, block_ids: Sequence[int]) -> None:
+    def pin_held(self, block_ids: Sequence[int] | np.ndarray) -> None:
+        """``touch``: this pool's counts are arrays, so a pin costs as little either way."""
+        self.touch(block_ids)
+
+    def _touch_many(self, ids: np.ndarray, user: object) -> None:
+        """``touch`` in array operations: the free blocks leave the queue (once each, in the
+        order first named), then every reference is added."""
+        distinct = self._distinct(ids)
+        free = ids[self._ref[ids] == 0]
+        if len(free):
+            if not distinct:
+                _, first = np.unique(free, return_index=True)
+                free = free[np.sort(first)]
+            if user is None:
+                self._eviction.remove_many(free, True)
+            else:
+                remove, last = self._eviction.remove, self._last_user
+                for b in free.tolist():
+                    remove(b, reuse=last[b] != user)
+                    last[b] = user
+        if distinct:
+            self._ref[ids] += 1
+        else:
+            np.add.at(self._ref, ids, 1)
+
+    def free_blocks(self, block_ids: Sequence[int] | np.ndarray) -> None:
         """Drop one reference on each block, in order.
 
         Blocks reaching ref count 0 join the free queue: unhashed ones at the head (reused
         first), hashed ones at the tail in the order given, so pass a chain's tail first to make
         its head the last to go.
         """
-        block_ids = list(block_ids)
+        if type(block_ids) is not np.ndarray:
+            block_ids = list(block_ids)
+        if len(block_ids) > self.batch_min:
+            ids = self._id_array(block_ids, "free_blocks")
+            if self._distinct(ids):
+                self._free_distinct(ids)
+                return
+            block_ids = ids.tolist()
+        elif type(block_ids) is np.ndarray:
+            block_ids = block_ids.tolist()
         self._check_ids(block_ids, "free_blocks")
         ref = self.ref_cnt
         # Distinct ids (the usual case) only need ref >= 1 each, checked in one C-level min;
@@ -370,6 +464,18 @@ class BlockPool:
             ref[b] = left
             if not left:
                 push(b, primary[b])
+
+    def _free_distinct(self, ids: np.ndarray) -> None:
+        """``free_blocks`` of distinct ids in array operations: the blocks reaching 0 are pushed
+        in the order given, as the loop would push them."""
+        left = self._ref[ids] - 1
+        if (left < 0).any():
+            b = int(ids[np.argmax(left < 0)])
+            raise ValueError(f"free_blocks: block {b} freed 1x with ref count 0 (double free)")
+        self._ref[ids] = left
+        zero = ids[left == 0]
+        if len(zero):
+            self._eviction.push_many(zero, self._hashed_np[zero], self._primary)
 
     # ---- hashing ---------------------------------------------------------------------------
 
@@ -417,6 +523,7 @@ class BlockPool:
     def _register(self, block_id: int, key: int, aliases: tuple[int, ...],
                   group_idx: int | None) -> None:
         self._primary[block_id] = key
+        self._hashed[block_id] = 1
         self._group[block_id] = None if group_idx is None else int(group_idx)
         self._aliases[block_id] = aliases
         for k in (key, *aliases):
@@ -460,10 +567,12 @@ class BlockPool:
         # The common case inlined: a block with one key no other block holds, in a pool with
         # no per-key listener and no events (``_register`` then only sets its entries).
         quiet = not self._on_insert and not self.enable_events
-        entries, groups_of, aliases_of = self._map, self._group, self._aliases
+        entries, groups_of, aliases_of, hashed = self._map, self._group, self._aliases, \
+            self._hashed
         for b, key, aliases, g in todo:
             if quiet and not aliases and key not in entries:
                 primary[b] = key
+                hashed[b] = 1
                 groups_of[b] = None if g is None else int(g)
                 aliases_of[b] = ()
                 entries[key] = b
@@ -505,6 +614,7 @@ class BlockPool:
         keys = self.block_keys(b)
         self._eviction.on_evicted(b, keys[0])
         self._primary[b] = None
+        self._hashed[b] = 0
         self._group[b] = None
         self._last_user[b] = None
         self._aliases[b] = ()
@@ -537,13 +647,16 @@ class BlockPool:
         events), ``_evict`` inlined: the simulator's pools evict hundreds of thousands of
         blocks a run, and the per-block calls were a tenth of its time."""
         primary, aliases, group, last = self._primary, self._aliases, self._group, self._last_user
-        on_evicted, entries = self._eviction.on_evicted, self._map
+        on_evicted = self._eviction.on_evicted if self._tracks_evictions else None
+        entries, hashed = self._map, self._hashed
         all_keys: list[int] = []
         all_blocks: list[int] = []
         for b in blocks:
             key, extra = primary[b], aliases[b]
-            on_evicted(b, key)
+            if on_evicted is not None:
+                on_evicted(b, key)
             primary[b] = group[b] = last[b] = None
+            hashed[b] = 0
             if extra:
                 aliases[b] = ()
                 for k in (key, *extra):
@@ -583,6 +696,7 @@ class BlockPool:
         # Listeners see the pool as it is after the reset, as they do for a single eviction.
         self._map.clear()
         self._primary = [None] * self.num_blocks
+        self._hashed_np[:] = False
         self._aliases = [()] * self.num_blocks
         self._group = [None] * self.num_blocks
         self._last_user = [None] * self.num_blocks
@@ -606,6 +720,8 @@ class BlockPool:
             assert (b in self._eviction) == (self.ref_cnt[b] == 0), f"block {b} queue membership"
             assert self._primary[b] is not None or self._group[b] is None, (
                 f"unhashed block {b} keeps group {self._group[b]}")
+            assert bool(self._hashed[b]) == (self._primary[b] is not None), (
+                f"block {b}: hashed flag {self._hashed[b]}, primary {self._primary[b]}")
             for k in self.block_keys(b):
                 assert b in self.cached_blocks(k), f"block {b} key {k:#x} missing from map"
         n_map = 0

@@ -272,11 +272,13 @@ def vs_vllm_section(v: dict) -> None:
         bullets.append(f"- Target {label}, R = {t['requests']}, {t['blocks_per_request']} "
                        f"blocks: {t['value']:.3g} (target {t['target']}), "
                        f"{'met' if t['met'] else '**missed**'}; {t['measure']}{low}.")
-    if s.get("skipped"):
-        lines.append("Not run: " + ", ".join(
-            f"R = {k['requests']} at {k['blocks_per_request']:,} blocks" for k in s["skipped"])
-            + f" (more than {s['max_blocks_held']:,} blocks per pool: the seven variants "
-            "hold their pools at once, past this machine's memory).")
+    if s.get("grouped"):
+        lines.append("Run in groups: " + ", ".join(
+            f"R = {k['requests']} at {k['blocks_per_request']:,} blocks" for k in s["grouped"])
+            + f" (more than {s['max_blocks_held']:,} blocks per pool: the seven variants' pools "
+            "at once outgrow this machine's memory, so each of the groups "
+            + "; ".join(", ".join(f"`{v}`" for v in g) for g in s["groups"])
+            + " was interleaved step by step on its own, one group after the other).")
     v["vs_vllm_text"] = "\n\n".join(lines) + "\n\n" + "\n".join(bullets)
     v["vs_vllm_table"] = (f"Per-step time and its parts at R = "
                           f"{', '.join(map(str, sizes))}:\n\n" + _table(header, rows))

@@ -21,6 +21,9 @@ except ImportError:  # pragma: no cover - torch is a hard dependency
 
 if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Every pin the connector keeps apart from vLLM's counts is checked to be on a block vLLM holds,
+# in this process and in the engines tests start (kvtriton.vllm.gpu_pool.VllmGpuPool.pin_held).
+os.environ.setdefault("KVTRITON_CHECK_HELD_PINS", "1")
 
 from hypothesis import HealthCheck, settings
 

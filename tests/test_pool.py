@@ -72,7 +72,7 @@ def test_allocation_order_and_counts():
     assert pool.get_new_blocks(0) == []
     assert pool.get_new_blocks(3) == [1, 2, 3]
     assert pool.get_new_blocks(2) == [4, 5]
-    assert pool.ref_cnt == [0, 1, 1, 1, 1, 1, 0, 0]
+    assert list(pool.ref_cnt) == [0, 1, 1, 1, 1, 1, 0, 0]
     assert (pool.num_free_blocks, pool.num_used_blocks) == (2, 5)
     assert pool.get_new_blocks(2) == [6, 7]
     assert pool.num_free_blocks == 0 and list(pool.iter_free()) == []
@@ -380,7 +380,8 @@ def test_get_new_blocks_refuses_bools_and_floats(bad):
 
 #: Every attribute and method of the GPU pool that kvtriton/planner/*.py reads or calls.
 PLANNER_USES = {"num_blocks", "ref_cnt", "add_listener", "block_hash", "block_keys",
-                "get_cached_block", "__contains__", "iter_free", "touch", "free_blocks"}
+                "get_cached_block", "__contains__", "iter_free", "touch", "pin_held",
+                "free_blocks"}
 
 
 def protocol_members(proto: type) -> set[str]:
@@ -581,7 +582,7 @@ class PoolModel(RuleBasedStateMachine):
         pool = self.pool
         pool.check_invariants()
         assert all(r >= 0 for r in pool.ref_cnt)
-        assert pool.ref_cnt == self.ref and pool.ref_cnt[NULL_BLOCK] == 0
+        assert list(pool.ref_cnt) == self.ref and pool.ref_cnt[NULL_BLOCK] == 0
         assert list(pool.iter_free()) == self.free
         for b in range(1, M):
             assert pool.is_free(b) == (pool.ref_cnt[b] == 0)
@@ -598,8 +599,22 @@ class PoolModel(RuleBasedStateMachine):
         self.want_events.clear()
 
 
-TestPoolModel = PoolModel.TestCase
+class PoolModelArrays(PoolModel):
+    """The same model, with every batch of the pool and its LRU queue run through the array
+    paths (``batch_min = 0``): the default sends calls of a few blocks, all of this model's,
+    through the per-block loops."""
+
+    def __init__(self):
+        super().__init__()
+        self.pool.batch_min = 0
+        self.pool.eviction.batch_min = 0
+
+
 # More runs than the profile's default: a run needs many steps to build shared keys and free
 # cached blocks. The "long" profile still raises it.
-TestPoolModel.settings = settings(max_examples=max(150, settings.default.max_examples),
-                                  stateful_step_count=50)
+_MODEL_SETTINGS = settings(max_examples=max(150, settings.default.max_examples),
+                           stateful_step_count=50)
+TestPoolModel = PoolModel.TestCase
+TestPoolModel.settings = _MODEL_SETTINGS
+TestPoolModelArrays = PoolModelArrays.TestCase
+TestPoolModelArrays.settings = _MODEL_SETTINGS

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -65,10 +65,25 @@ class EvictionQueue(ABC):
         """Free blocks from the next victim on; starts past ``after`` when it is free."""
         ...
 
-    def pop_many(self, n: int) -> list[int]:
-        """The next ``n`` victims, in order (the caller checked that ``n`` are free)."""
+    def pop_many(self, n: int) -> list[int] | np.ndarray:
+        """The next ``n`` victims, in order (the caller checked that ``n`` are free); a list,
+        or an int64 array from a queue that pops in arrays."""
         pop = self.pop
         return [pop() for _ in range(n)]
+
+    def push_many(self, block_ids: np.ndarray, hashed: np.ndarray,
+                  key_of: Sequence[int | None]) -> None:
+        """``push(b, key_of[b])`` for each of ``block_ids`` in order (``hashed[i]``: whether
+        ``key_of[block_ids[i]]`` is a key, for a queue that needs no more than that)."""
+        push = self.push
+        for b in block_ids.tolist():
+            push(b, key_of[b])
+
+    def remove_many(self, block_ids: np.ndarray, reuse: bool = True) -> None:
+        """``remove(b, reuse)`` for each of ``block_ids`` (distinct, all queued)."""
+        remove = self.remove
+        for b in block_ids.tolist():
+            remove(b, reuse)
 
     def on_evicted(self, block_id: int, key: int) -> None:  # noqa: B027 - optional hook
         """The hashes of ``block_id`` (primary ``key``) are being dropped. Ghost lists use it.

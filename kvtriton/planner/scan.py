@@ -51,6 +51,10 @@ def _grow(a: np.ndarray, axis: int, size: int, fill) -> np.ndarray:
 def _ragged_ranges(starts: np.ndarray, stops: np.ndarray):
     """Flattened ``range(starts[i], stops[i])`` for all i, with the index i of each element."""
     lens = np.maximum(stops - starts, 0)
+    if len(lens) and lens.max() <= 1:
+        # At most one element per range (a decode step's one new block per request).
+        which = np.flatnonzero(lens)
+        return which, starts[which]
     total = int(lens.sum())
     which = np.repeat(np.arange(len(lens)), lens)
     offsets = np.cumsum(lens) - lens
@@ -216,7 +220,7 @@ class FusedSelector(StoreSelector):
     def append_blocks_many(self, group, rows, block_ids):
         counts = np.fromiter(map(len, block_ids), dtype=np.int64, count=len(block_ids))
         if not counts.any():
-            return
+            return counts
         rows = np.asarray(rows, dtype=np.int64)
         total = int(counts.sum())
         flat = np.fromiter(chain.from_iterable(block_ids), dtype=np.int64, count=total)
@@ -226,13 +230,14 @@ class FusedSelector(StoreSelector):
             self._ensure_cols(int(n0.max()) + 1)
             self._block_table[group, rows, n0] = flat
             self._num_blocks[group, rows] = n0 + 1
-            return
+            return counts
         n1 = n0 + counts
         self._ensure_cols(int(n1.max()))
         which, pos = _ragged_ranges(n0, n1)
         self._block_table[group, rows[which], pos] = flat
         # Rows are distinct (one entry per request), so a plain assignment is exact.
         self._num_blocks[group, rows] = n1
+        return counts
 
     def table(self, row, group):
         return self._block_table[group, row, :self._num_blocks[group, row]].tolist()
@@ -459,9 +464,13 @@ class FusedSelector(StoreSelector):
         if self._restore and self._wanted_buf_len:
             r_row, r_key = self._restore_candidates()
             r_rank = self._scan_rank[r_row]
-            r_group = self._key_group[r_key]
             r_pos = self._key_position[r_key]
-            keep = (r_rank >= 0) & (r_pos < self._cursor[r_group, r_row])
+            if G == 1:
+                r_group = np.zeros(len(r_key), dtype=np.int64)
+                keep = (r_rank >= 0) & (r_pos < self._cursor[0][r_row])
+            else:
+                r_group = self._key_group[r_key]
+                keep = (r_rank >= 0) & (r_pos < self._cursor[r_group, r_row])
             if not keep.all():
                 r_rank, r_group, r_pos = r_rank[keep], r_group[keep], r_pos[keep]
             ranks.append(r_rank)

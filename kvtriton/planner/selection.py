@@ -143,10 +143,12 @@ class StoreSelector(ABC):
             self.on_gpu_evict(key, block)
 
     def append_blocks_many(self, group: int, rows: list[int], block_ids: list[list[int]]
-                           ) -> None:
-        """``append_blocks(rows[i], group, block_ids[i])`` for every i (one step's new blocks)."""
+                           ) -> np.ndarray:
+        """``append_blocks(rows[i], group, block_ids[i])`` for every i (one step's new blocks);
+        returns ``len(block_ids[i])`` for every i (int64)."""
         for row, ids in zip(rows, block_ids, strict=True):
             self.append_blocks(row, group, ids)
+        return np.fromiter(map(len, block_ids), dtype=np.int64, count=len(block_ids))
 
     @abstractmethod
     def set_in_flight(self, gpu_blocks: list[int], keys: list[int], value: bool) -> None:

@@ -22,6 +22,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from itertools import chain
+from operator import attrgetter
 
 import numpy as np
 
@@ -37,6 +38,9 @@ __all__ = ["StoreJob", "Stores"]
 
 # The planner's logger: its records carry one name whichever lifecycle emits them.
 logger = logging.getLogger("kvtriton.planner.planner")
+
+_COMPUTED = attrgetter("num_computed_tokens")
+_PLACEHOLDERS = attrgetter("num_output_placeholders")
 
 
 @dataclass(slots=True)
@@ -83,9 +87,13 @@ class Stores:
         hbs = layout.hash_block_size
         self._ratio = [g.block_size // hbs for g in layout.groups]
         self._positional = [g.kind != "mamba" for g in layout.groups]
+        self._full = np.array([g.kind == "full" for g in layout.groups])
         self._align = hbs if config.fine_grained else layout.scheduler_block_size
         self._states: dict[str, _StoreState] = {}
         self._row_req: dict[int, str] = {}
+        # The rows held now (admitted, not finished) by request id: a step's rows are read from
+        # it in one pass over the step's ids.
+        self._rows_of: dict[str, int] = {}
         self._free_rows: list[int] = []
         self._next_row = 0
         # Per row: table length per group, keys per group; arrays, so that a step reads all its
@@ -127,11 +135,13 @@ class Stores:
         self._table_len[:, row] = 0
         self._row_keys[row] = req.keys.shape[1]
         st.admitted = True
+        self._rows_of[self._row_req[row]] = row
 
     def _release_row(self, st: _StoreState) -> None:
         if st.admitted:
             self._selector.release(st.row)
             st.admitted = False
+            del self._rows_of[self._row_req[st.row]]
 
     def _drop_state(self, rid: str) -> None:
         st = self._states.pop(rid)
@@ -171,9 +181,16 @@ class Stores:
                 # Its GPU blocks are gone: table and cursors start over when it resumes.
                 self._release_row(st)
         # One append per group for the whole step: the rows and new ids of every request.
+        new, resumed = step.new_block_ids, step.resumed_req_ids
+        rows = list(map(self._rows_of.get, new)) if not resumed else [None]
+        if None not in rows:
+            # Every request holds its row (a decode step): nothing to admit or release.
+            self._append(rows, list(new.values()))
+            self._stats.tables_s += time.perf_counter() - t0
+            return
         rows, news = [], []
-        states, resumed = self._states, step.resumed_req_ids
-        for rid, new_ids in step.new_block_ids.items():
+        states = self._states
+        for rid, new_ids in new.items():
             st = states.get(rid)
             if st is None or st.finished:
                 continue
@@ -184,14 +201,17 @@ class Stores:
             rows.append(st.row)
             news.append(new_ids)
         if rows:
-            for g, positional in enumerate(self._positional):
-                if positional:
-                    ids = [new[g] for new in news]
-                    self._selector.append_blocks_many(g, rows, ids)
-                    # Rows are distinct (one per request): a plain add is exact.
-                    self._table_len[g, rows] += np.fromiter(map(len, ids), dtype=np.int64,
-                                                            count=len(ids))
+            self._append(rows, news)
         self._stats.tables_s += time.perf_counter() - t0
+
+    def _append(self, rows: list[int], news: list[tuple[list[int], ...]]) -> None:
+        """``news[i][g]`` joins row ``rows[i]``'s table of group g (rows distinct)."""
+        for g, positional in enumerate(self._positional):
+            if positional:
+                ids = [new[g] for new in news]
+                counts = self._selector.append_blocks_many(g, rows, ids)
+                # Rows are distinct (one per request): a plain add is exact.
+                self._table_len[g, rows] += counts
 
     # ---- one step's batch -------------------------------------------------------------------
 
@@ -228,16 +248,24 @@ class Stores:
         if config.scan_idle:
             seen = set(order)
             order = order + [r for r in self._states if r not in seen]
-        rows, tokens = [], []
-        states, scheduled, idle = self._states, step.num_scheduled_tokens, config.scan_idle
-        for rid in order:
-            st = states.get(rid)
-            # A finished request holds no row (check_invariants), so `admitted` covers both.
-            if st is None or not st.admitted or not (idle or scheduled.get(rid, 0)):
-                continue
-            req = requests[rid]
-            rows.append(st.row)
-            tokens.append(req.num_computed_tokens - req.num_output_placeholders)
+        scheduled, idle = step.num_scheduled_tokens, config.scan_idle
+        rows = list(map(self._rows_of.get, order))
+        if None not in rows and (idle or all(map(scheduled.get, order))):
+            # Every request in the order holds a row and runs (the usual step): C-level passes.
+            reqs = list(map(requests.__getitem__, order))
+            tokens = np.fromiter(map(_COMPUTED, reqs), dtype=np.int64, count=len(reqs)) \
+                - np.fromiter(map(_PLACEHOLDERS, reqs), dtype=np.int64, count=len(reqs))
+        else:
+            rows, tokens = [], []
+            states = self._states
+            for rid in order:
+                st = states.get(rid)
+                # A finished request holds no row (check_invariants): `admitted` covers both.
+                if st is None or not st.admitted or not (idle or scheduled.get(rid, 0)):
+                    continue
+                req = requests[rid]
+                rows.append(st.row)
+                tokens.append(req.num_computed_tokens - req.num_output_placeholders)
         if not rows:
             return
         ready_arr = self._ready(rows, tokens)
@@ -268,9 +296,13 @@ class Stores:
             seen = set(job.req_ids)
             rids = [rid for rid in rids if rid not in seen]
         job.req_ids += rids
-        self.allocate(job, start, sel.arrays)
+        # The scanned rows are running: their full-attention table blocks are theirs until
+        # they finish or are preempted (a sliding window's may have left its table).
+        full = self._full
+        held = np.full(len(sel), full[0]) if len(full) == 1 else full[np.asarray(sel.groups)]
+        self.allocate(job, start, sel.arrays, held)
 
-    def _ready(self, rows: list[int], tokens: list[int]) -> np.ndarray:
+    def _ready(self, rows: list[int], tokens: list[int] | np.ndarray) -> np.ndarray:
         """``ready[i, g]``: ``_confirmed_positions`` capped by the table length, for every
         scanned row at once (0 for groups that are not positional); ``tokens[i]``: the
         confirmed tokens of ``rows[i]``'s request."""
@@ -296,10 +328,13 @@ class Stores:
         return cap
 
     def allocate(self, job: StoreJob, start: int = 0,
-                 arrays: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+                 arrays: tuple[np.ndarray, np.ndarray] | None = None,
+                 held: np.ndarray | None = None) -> None:
         """CPU blocks for ``job``'s pairs from ``start`` on; pin their GPU sources.
         ``arrays``: those pairs' GPU blocks and keys as int64 arrays, when the caller has them
-        (pinned and flagged in one vectorized call each)."""
+        (pinned and flagged in one vectorized call each). ``held``: which of those sources a
+        running request holds now (its full-attention table blocks), pinned with the GPU
+        pool's ``pin_held``; None: none is known to be."""
         n = len(job.gpu) - start
         if n <= 0:
             return
@@ -309,7 +344,14 @@ class Stores:
         job.cpu += self._cpu_pool.get_new_blocks(n)
         t1 = time.perf_counter()
         gpu, keys = arrays if arrays is not None else (job.gpu[start:], job.keys[start:])
-        self._gpu_pool.touch(gpu)
+        if held is None:
+            self._gpu_pool.touch(gpu)
+        elif held.all():
+            self._gpu_pool.pin_held(gpu)
+        else:
+            gpu = np.asarray(gpu, dtype=np.int64)
+            self._gpu_pool.pin_held(gpu[held])
+            self._gpu_pool.touch(gpu[~held])
         selector.set_in_flight(gpu, keys, True)
         stats = self._stats
         # The evictions' listeners run inside the allocation; they are counted apart.
@@ -544,6 +586,8 @@ class Stores:
         selector; with ``idle``, also if they hold anything."""
         rows = {st.row: rid for rid, st in self._states.items()}
         assert rows == self._row_req, "row table out of step with the store states"
+        assert self._rows_of == {rid: st.row for rid, st in self._states.items() if st.admitted}, (
+            "the held rows by request id are out of step with the store states")
         assert len(set(self._free_rows)) == len(self._free_rows), "a row freed twice"
         assert not set(self._free_rows) & set(rows), "a row both free and held"
         assert all(0 <= r < self._next_row for r in [*rows, *self._free_rows])

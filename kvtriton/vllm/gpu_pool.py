@@ -24,10 +24,20 @@ that change many blocks at a time (``get_new_blocks``, ``evict_blocks``, ``cache
 per-block changes are kept in order and handed over at its end, hashes turned into ids in one
 pass, as one (keys, block ids) pair of arrays per run of inserts or evictions. A change outside
 those calls is handed over at once, as a batch of one.
+
+Pins of blocks a running request holds (``pin_held``: a store batch's sources, thousands of
+blocks a step when CPU evictions are re-stored) are kept in an array here instead of vLLM's
+counts, which cost a call per block object: while vLLM holds a block, its count is at least 1
+and the block cannot be handed out, so the pin changes nothing yet. vLLM drops references only in
+``free_blocks`` and ``unpin_blocks`` (vLLM 0.32's ``BlockPool``; its other paths only add
+references), and both are wrapped: before vLLM drops one on a block with pins kept here, they
+move into the block's count, where a later ``free_blocks`` of the planner releases them. The
+planner's view of a block's count (``ref_cnt``) is vLLM's plus the pins kept here.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -49,15 +59,16 @@ _INSERT, _EVICT = 0, 1
 
 
 class _RefCounts:
-    """``ref_cnt[b]`` read through to vLLM's block objects."""
+    """``ref_cnt[b]``: vLLM's count on the block object plus the pins kept apart for it."""
 
-    __slots__ = ("_blocks",)
+    __slots__ = ("_blocks", "_kept")
 
-    def __init__(self, blocks: list) -> None:
+    def __init__(self, blocks: list, kept: np.ndarray) -> None:
         self._blocks = blocks
+        self._kept = kept
 
     def __getitem__(self, b: int) -> int:
-        return self._blocks[b].ref_cnt
+        return self._blocks[b].ref_cnt + int(self._kept[b])
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -97,7 +108,11 @@ class VllmGpuPool:
         self._pending: list[tuple[int, bytes, int]] = []
         self._depth = 0
         self.num_blocks: int = pool.num_gpu_blocks
-        self.ref_cnt = _RefCounts(self._blocks)
+        # Pins of ``pin_held`` not yet in vLLM's counts, per block, and their total.
+        self._kept = np.zeros(self.num_blocks, dtype=np.int32)
+        self._num_kept = 0
+        self._scratch = np.zeros(self.num_blocks, dtype=np.int64)  # pin_held's repeat check
+        self.ref_cnt = _RefCounts(self._blocks, self._kept)
         self._hook()
         self._hook_batches()
 
@@ -159,6 +174,19 @@ class VllmGpuPool:
                 self._before_cache(request)
             return cache_partial(request, *args, **kwargs)
 
+        def dropping(call):
+            # vLLM is about to drop references: pins kept apart on those blocks go into their
+            # counts first, so that no block a transfer reads can reach the free queue.
+            def run(blocks, *args, **kwargs):
+                if self._num_kept:
+                    blocks = list(blocks)
+                    self._take_kept(blocks)
+                return call(blocks, *args, **kwargs)
+            return run
+
+        pool.free_blocks = dropping(pool.free_blocks)
+        if callable(getattr(pool, "unpin_blocks", None)):
+            pool.unpin_blocks = dropping(pool.unpin_blocks)
         # Instance attributes shadow the class's methods for this pool only; vLLM's own code
         # calls them through ``self`` (eviction, promotion, moves), so every path sees them.
         pool._insert_block_hash = insert_block_hash
@@ -276,12 +304,85 @@ class VllmGpuPool:
                 block_ids = block_ids.tolist()
             self._pool.touch(list(map(self._blocks.__getitem__, block_ids)))
 
-    def free_blocks(self, block_ids: Sequence[int]) -> None:
+    #: Check at each ``pin_held`` that vLLM holds every block (a read per block object): on
+    #: where ``KVTRITON_CHECK_HELD_PINS=1``, as the test suite sets it for every engine it runs.
+    check_held = os.environ.get("KVTRITON_CHECK_HELD_PINS") == "1"
+
+    def pin_held(self, block_ids: Sequence[int] | np.ndarray) -> None:
+        """One more reference on each block, each one a running request holds now (the caller
+        knows it: a running request's full-attention table blocks). The pins are kept here,
+        not in vLLM's counts (see the module docstring): a batch is two array operations."""
+        ids = np.asarray(block_ids, dtype=np.int64)
+        if not len(ids):
+            return
+        if not (ids.min() >= 1 and ids.max() < self.num_blocks):
+            raise ValueError(f"pin_held: a block id outside [1, {self.num_blocks}) in "
+                             f"{ids.tolist()[:8]}")
+        if self.check_held:
+            free = [b for b in ids.tolist() if not self._blocks[b].ref_cnt]
+            if free:
+                raise AssertionError(f"pin_held: blocks {free[:8]} are not held by vLLM")
+        # A fancy-index add counts a repeated id once: np.add.at does not, at 50x the cost.
+        at = np.arange(len(ids))
+        self._scratch[ids] = at
+        if (self._scratch[ids] == at).all():
+            self._kept[ids] += 1
+        else:
+            np.add.at(self._kept, ids, 1)
+        self._num_kept += len(ids)
+
+    def _take_kept(self, blocks: list) -> None:
+        """Move the pins kept here for any of ``blocks`` into vLLM's counts."""
+        pool = self._pool
+        # vLLM frees another pool's blocks through this one too (``block.pool``): not ours.
+        ids = np.fromiter((b.block_id for b in blocks
+                           if getattr(b, "pool", None) in (None, pool)), dtype=np.int64)
+        kept = self._kept[ids]
+        if not kept.any():
+            return
+        for b in np.unique(ids[kept > 0]).tolist():
+            n = int(self._kept[b])
+            self._blocks[b].ref_cnt += n
+            self._kept[b] = 0
+            self._num_kept -= n
+
+    def free_blocks(self, block_ids: Sequence[int] | np.ndarray) -> None:
         """Drop one reference on each, in order (vLLM's ``free_blocks``: first in, first
-        evicted among the hashed blocks that reach zero)."""
+        evicted among the hashed blocks that reach zero); a pin kept here is dropped here."""
+        if not len(block_ids):
+            return
+        if self._num_kept:
+            block_ids = self._drop_kept(block_ids)
         if block_ids:
             blocks = self._blocks
             self._pool.free_blocks([blocks[b] for b in block_ids])
+
+    def _drop_kept(self, block_ids: Sequence[int] | np.ndarray) -> list[int]:
+        """Release the pins kept here among ``block_ids`` (one per occurrence, while a block
+        has any); returns the rest, in order, for vLLM."""
+        ids = np.asarray(block_ids, dtype=np.int64)
+        kept = self._kept[ids] > 0
+        if not kept.any():
+            return ids.tolist()
+        at = np.arange(len(ids))
+        self._scratch[ids] = at
+        if (self._scratch[ids] == at).all():
+            self._kept[ids[kept]] -= 1
+            self._num_kept -= int(kept.sum())
+            return ids[~kept].tolist()
+        rest = []
+        for b in ids.tolist():
+            if self._kept[b]:
+                self._kept[b] -= 1
+                self._num_kept -= 1
+            else:
+                rest.append(b)
+        return rest
+
+    @property
+    def num_kept_pins(self) -> int:
+        """Pins of ``pin_held`` kept apart from vLLM's counts now."""
+        return self._num_kept
 
     def iter_free(self, after: int | None = None) -> Iterator[int]:
         """Free blocks in vLLM's eviction order (next victim first), after block ``after``."""

@@ -4,7 +4,8 @@
 that exist now). ``RequestMirror`` is the planner's view of an admitted request: its key array
 covers ``prompt + max_tokens`` tokens (capped at the model length), the positions vLLM has not
 hashed yet holding reserved ids (``kvtriton.vllm.keys``), bound as vLLM hashes them; its counters
-are copied from vLLM's request before each planner call.
+are read from vLLM's request whenever the planner reads them (``LiveRequest``), so a step copies
+nothing per running request.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import numpy as np
 from kvtriton.records import Request
 from kvtriton.vllm.keys import KeyIds
 
-__all__ = ["RequestMirror", "lookup_request"]
+__all__ = ["LiveRequest", "RequestMirror", "lookup_request"]
 
 
 def _known_keys(keys: KeyIds, suffixes: list[bytes], block_hashes: list[bytes], n: int,
@@ -45,6 +46,35 @@ def lookup_request(vreq: Any, keys: KeyIds, suffixes: list[bytes]) -> Request:
                    lora_id=_lora_id(vreq))
 
 
+class LiveRequest(Request):
+    """A planner ``Request`` whose token counters are those of the vLLM request ``vreq`` at the
+    moment they are read (``num_tokens`` at least the prompt, as the planner expects). Keys,
+    id, prompt length and LoRA are fixed at construction, and checked as ``Request`` checks
+    them."""
+
+    __slots__ = ("vreq",)
+
+    def __init__(self, vreq: Any, keys: np.ndarray) -> None:
+        self.vreq = vreq
+        self.request_id = vreq.request_id
+        self.keys = keys
+        self.num_prompt_tokens = vreq.num_prompt_tokens
+        self.lora_id = _lora_id(vreq)
+        self.__post_init__()
+
+    @property
+    def num_tokens(self) -> int:  # type: ignore[override]
+        return max(self.vreq.num_tokens, self.num_prompt_tokens)
+
+    @property
+    def num_computed_tokens(self) -> int:  # type: ignore[override]
+        return self.vreq.num_computed_tokens
+
+    @property
+    def num_output_placeholders(self) -> int:  # type: ignore[override]
+        return self.vreq.num_output_placeholders
+
+
 class RequestMirror:
     """The planner's ``Request`` for an admitted vLLM request, and its reserved ids.
 
@@ -52,7 +82,7 @@ class RequestMirror:
     the model length); positions past vLLM's current hashes get reserved ids.
     """
 
-    __slots__ = ("_keys", "_released", "_suffixes", "bound", "req", "unbound", "vreq")
+    __slots__ = ("_keys", "_released", "_suffixes", "bound", "req", "unbound")
 
     def __init__(self, vreq: Any, keys: KeyIds, suffixes: list[bytes], max_tokens: int,
                  hash_block_size: int) -> None:
@@ -64,12 +94,7 @@ class RequestMirror:
         if n > known:
             arr[:, known:] = keys.reserve(len(suffixes) * (n - known)).reshape(
                 len(suffixes), n - known)
-        self.vreq = vreq
-        self.req = Request(vreq.request_id, arr, num_prompt_tokens=vreq.num_prompt_tokens,
-                           num_tokens=vreq.num_tokens,
-                           num_computed_tokens=vreq.num_computed_tokens,
-                           num_output_placeholders=vreq.num_output_placeholders,
-                           lora_id=_lora_id(vreq))
+        self.req = LiveRequest(vreq, arr)
         self._keys = keys
         self._suffixes = suffixes
         self.bound = known  # hash positions whose keys are final
@@ -93,14 +118,19 @@ class RequestMirror:
                     self.unbound.append(kid)
         self.bound = n
 
+    @property
+    def vreq(self) -> Any:
+        """The vLLM request (vLLM may hand over a new object for the same id)."""
+        return self.req.vreq
+
+    @vreq.setter
+    def vreq(self, vreq: Any) -> None:
+        self.req.vreq = vreq
+
     def refresh(self) -> None:
-        """Copy vLLM's counters into the planner's request (and bind new hashes)."""
-        v, r = self.vreq, self.req
-        if len(v.block_hashes) > self.bound:  # else bind() has nothing to bind
+        """Bind the hashes vLLM made since the last bind (the counters need no copy)."""
+        if len(self.req.vreq.block_hashes) > self.bound:  # else bind() has nothing to bind
             self.bind()
-        r.num_tokens = max(v.num_tokens, r.num_prompt_tokens)
-        r.num_computed_tokens = v.num_computed_tokens
-        r.num_output_placeholders = v.num_output_placeholders
 
     def release(self) -> None:
         """Recycle the ids that were never bound; once, after the planner released the row."""

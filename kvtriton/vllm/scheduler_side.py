@@ -183,10 +183,16 @@ class SchedulerSide:
             if self._preemptions.get(r.req_id, 0):
                 resumed.add(r.req_id)  # a preempted request coming back as new request data
         cached = so.scheduled_cached_reqs
-        for rid, ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
-            order.append(rid)
-            if ids is not None:
-                new_ids[rid] = tuple(ids)
+        order += cached.req_ids
+        if len(cached.req_ids) != len(cached.new_block_ids):
+            raise ValueError(f"KVTritonConnector: {len(cached.req_ids)} cached requests, "
+                             f"{len(cached.new_block_ids)} new block lists")
+        # vLLM's entries are tuples of lists already (None: no new block this step).
+        new_ids.update(zip(cached.req_ids, cached.new_block_ids, strict=True))
+        if None in cached.new_block_ids:
+            for rid, ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
+                if ids is None:
+                    del new_ids[rid]
         resumed |= set(cached.resumed_req_ids)
         handoffs: dict[str, list[tuple[int, int, int]]] = {}
         state = so.kv_connector_block_state
@@ -208,8 +214,13 @@ class SchedulerSide:
             if m is not None and self._preemptions.get(rid) != m.vreq.num_preemptions:
                 del self._mirrors[rid]
                 self._retired.append(m)
-        for m in self._mirrors.values():
-            m.refresh()
+        # A scheduled request's new hashes were bound as vLLM cached their blocks in this
+        # step's allocation (``_before_cache``); one the step skipped may hold hashes made
+        # since (a token it produced last step): bound here, before any later lookup interns
+        # them. Touching only those keeps a step from reading every running request's objects.
+        mirrors = self._mirrors
+        for rid in mirrors.keys() - so.num_scheduled_tokens.keys():
+            mirrors[rid].refresh()
         queued = planner.queued_loads()
         meta = planner.build_meta(step)
         for rid, t in queued.items():

@@ -159,6 +159,37 @@ def test_vs_vllm_short_run(results, capsys):
     # Past 4,096 blocks of 16 tokens a request outgrows 64K tokens: the model length follows.
     assert bench_vs_vllm.max_model_len(8192, 20, 3) >= (8192 + 43) * 16
     assert (results / "vs_vllm.json").exists()
+    assert all(row["interleaved_with"] == ["vllm_control", "kvt_fused_restore",
+                                           "kvt_connector_fused_restore"]
+               for row in rows.values())
+
+
+def test_vs_vllm_a_size_past_the_memory_bound_runs_in_groups(results, capsys):
+    """Past ``--max-blocks-held`` the variants run in groups, each interleaved on its own; every
+    row names its group, and the ratios to vLLM's variants are still computed across groups."""
+    pytest.importorskip("vllm")
+    from bench import bench_vs_vllm
+
+    payload = bench_vs_vllm.main(["--sizes", "2", "4", "--blocks", "8", "--steps", "2",
+                                  "--max-blocks-held", "16", "--variants", "vllm_control",
+                                  "kvt_fused_restore", "kvt_connector_fused_restore",
+                                  "vllm_rescan_restore"])
+    assert payload["settings"]["grouped"] == [{"requests": 4, "blocks_per_request": 8}]
+    with_ = {(r["variant"], r["requests"]): r["interleaved_with"] for r in payload["rows"]}
+    everyone = ["vllm_control", "kvt_fused_restore", "kvt_connector_fused_restore",
+                "vllm_rescan_restore"]
+    assert all(with_[v, 2] == everyone for v in everyone)
+    assert with_["vllm_control", 4] == with_["kvt_fused_restore", 4] == [
+        "vllm_control", "kvt_fused_restore"]
+    assert with_["kvt_connector_fused_restore", 4] == ["kvt_connector_fused_restore"]
+    assert with_["vllm_rescan_restore", 4] == ["vllm_rescan_restore"]
+    row = next(r for r in payload["rows"]
+               if (r["variant"], r["requests"]) == ("kvt_connector_fused_restore", 4))
+    assert row["x_vs_vllm_control"] > 0 and row["x_vs_vllm_rescan_restore"] > 0
+    assert "the variants in groups" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:
+        bench_vs_vllm.main(["--max-blocks-held", "0"])
+    assert exc.value.code == 2
 
 
 def test_evictions_per_request_change_as_many_blocks_at_every_block_count():

@@ -311,8 +311,8 @@ class PlannerDriver:
                 for b in table:
                     if b != NULL_BLOCK:
                         gpu_ref[b] += 1
-        assert self.cpu.ref_cnt == cpu_ref, "CPU references not accounted for"
-        assert self.gpu.ref_cnt == gpu_ref, "GPU references not accounted for"
+        assert list(self.cpu.ref_cnt) == cpu_ref, "CPU references not accounted for"
+        assert list(self.gpu.ref_cnt) == gpu_ref, "GPU references not accounted for"
         for c in range(1, self.cpu.num_blocks):
             keys = self.cpu.block_keys(c)
             if keys:

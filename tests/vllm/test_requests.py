@@ -67,13 +67,34 @@ def test_collision_keeps_the_first_id_and_leaves_the_reserved_one_unbound():
     assert keys.num_reserved() == 0
 
 
-def test_refresh_copies_vllm_counters():
+def test_the_planner_request_reads_vllm_counters_as_they_are():
     keys = KeyIds()
     v = FakeVllmRequest("a", [h(1), h(2)], num_tokens=40)
     m = RequestMirror(v, keys, SFX[:1], 4 * HBS, HBS)
-    v.num_computed_tokens, v.num_output_placeholders, v.num_tokens = 35, 1, 48
-    v.block_hashes.append(h(3))
-    m.refresh()
     r = m.req
-    assert (r.num_computed_tokens, r.num_output_placeholders, r.num_tokens, m.bound) == (
-        35, 1, 48, 3)
+    v.num_computed_tokens, v.num_output_placeholders, v.num_tokens = 35, 1, 48
+    assert (r.num_computed_tokens, r.num_output_placeholders, r.num_tokens,
+            r.confirmed_tokens) == (35, 1, 48, 34)
+    # vLLM hands over another object for the same request: the counters follow it.
+    w = FakeVllmRequest("a", list(v.block_hashes), num_tokens=64, num_computed_tokens=50)
+    m.vreq = w
+    assert (r.num_computed_tokens, r.num_tokens) == (50, 64)
+    w.num_tokens = 20  # below the prompt: the planner's count never is
+    assert r.num_tokens == w.num_prompt_tokens == 32
+    w.block_hashes.append(h(3))
+    assert m.bound == 2
+    m.refresh()
+    assert m.bound == 3 and keys.get(h(3) + SFX[0]) == r.keys[0, 2]
+
+
+def test_a_live_request_is_checked_as_a_request_is():
+    import numpy as np
+    import pytest
+
+    from kvtriton.vllm.requests import LiveRequest
+
+    v = FakeVllmRequest("a", num_computed_tokens=-1)
+    with pytest.raises(ValueError, match="num_computed_tokens must be a non-negative int"):
+        LiveRequest(v, np.zeros((1, 2), dtype=np.int64))
+    with pytest.raises(ValueError, match="keys must be non-negative ids"):
+        LiveRequest(FakeVllmRequest("b"), np.full((1, 2), -1, dtype=np.int64))
