@@ -231,6 +231,11 @@ class ServingLoop(ServingClock):
                     self._apply_hint(seq)
                 self._release_successors(seq.req.request_id)
             self.metrics.steps += 1
+        elif sched.last_preempted:
+            # Nothing ran, but the step freed a preempted request's blocks and skipped the
+            # waiting phase, as vLLM does: the next step schedules into that room. No time
+            # passes, and it is not a deadlock for want of an event to wait for.
+            pass
         elif not self._wait_for_next_event(sched.busy, len(sched.seqs)):
             return False
         if self.planner is not None:

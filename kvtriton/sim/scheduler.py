@@ -407,6 +407,9 @@ class BatchScheduler(KVScheduler):
         self.loading: dict[str, SeqBlocks] = {}
         self._landed_unregistered: set[str] = set()  # landed, blocks not yet in the prefix cache
         self._finished_last: set[str] = set()
+        #: The requests the last ``schedule_step`` preempted: a step that preempted changed the
+        #: state even when it scheduled nothing (vLLM skips the waiting phase in such a step).
+        self.last_preempted: set[str] = set()
         self.prompt_tokens = 0
         self.gpu_hit_tokens = 0
         self.cpu_hit_tokens = 0
@@ -617,6 +620,7 @@ class BatchScheduler(KVScheduler):
         """Tokens scheduled per request id this step, and the planner's transfers for it (None
         without a planner). ``build_meta`` runs before the step's tokens count as computed."""
         scheduled, preempted = self._schedule()
+        self.last_preempted = preempted
         finished, self._finished_last = self._finished_last, set()
         step = self.step_output(self.seqs.values(), scheduled, preempted=preempted,
                                 finished=finished)

@@ -236,6 +236,8 @@ class VllmLoop(ServingClock):
         if so.total_num_scheduled_tokens:
             self.now += self._step_seconds(self._chunks(so))
             self.metrics.steps += 1
+        elif so.preempted_req_ids:
+            pass  # a step that only preempted: the next one schedules into the room it freed
         elif not self._wait_for_next_event(s.has_requests(), s.get_num_unfinished_requests()):
             return False
         loads, stores = self._due_reports()

@@ -159,3 +159,34 @@ def test_queueing_delay_is_the_wait_before_admission():
     two = simulate(wl, gpu_blocks=64, cpu_blocks=64, policies=["none"], bound=False,
                    max_running=2).rows[0]
     assert two["queue_delay_mean_s"] == 0.0  # the negative control: nobody waits
+
+
+# ---- a step that only preempts -------------------------------------------------------------------
+
+
+def tight_pool() -> Workload:
+    """24 GPU blocks: ``w`` leaves its prefix on the CPU, ``f`` pushes it off the GPU, ``a``
+    decodes into the last free blocks, and ``b`` (``w``'s prefix and two more blocks) is admitted
+    with a CPU hit whose load lands while ``a`` holds the room ``b`` needs next. When ``a``
+    cannot grow it preempts itself, and that step, as in vLLM, skips the waiting phase: nothing
+    runs, nothing is in flight, no request is still to arrive."""
+    w = chain(1, 8)
+    return Workload([WorkloadRequest("w", 0.0, 8 * BLOCK, 1, w),
+                     WorkloadRequest("f", 0.05, 22 * BLOCK, 1, chain(4, 22)),
+                     WorkloadRequest("a", 0.2, 12 * BLOCK, 160, chain(2, 22)),
+                     WorkloadRequest("b", 0.5805, 9 * BLOCK, 16,
+                                     np.concatenate([w, chain(3, 2)]))], BLOCK, "tight pool")
+
+
+@pytest.mark.parametrize("engine", ["kvtriton", "vllm"])
+def test_a_step_that_only_preempts_is_not_a_deadlock(engine):
+    """The step after it schedules ``b``'s landed load into the room ``a`` freed. Taking the
+    empty step for idle, the loop found no event to wait for and raised a deadlock (it did so
+    in the README's agent example at 32 conversations, for eager+nextuse)."""
+    if engine == "vllm":
+        pytest.importorskip("vllm")
+    res = simulate(tight_pool(), gpu_tokens=24 * BLOCK, cpu_tokens=64 * BLOCK,
+                   policies=["eager"], bound=False, in_loop_bounds=(), engine=engine)
+    row = res.rows[0]
+    assert row["finished"] == 4 and row["preemptions"] == 1
+    assert row["cpu_hit_tokens"] == 8 * BLOCK  # b's load is the one the step had to wait out
