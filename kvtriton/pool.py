@@ -30,6 +30,7 @@ from array import array
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Protocol
 
 import numpy as np
@@ -242,6 +243,14 @@ class BlockPool:
         # Ref count 0 is free-queue membership (check_invariants holds them equal) and cheaper
         # than asking the queue; the null block has ref count 0 and is never free.
         return self.ref_cnt[block_id] == 0 and block_id != NULL_BLOCK
+
+    def count_free(self, block_ids: Sequence[int]) -> int:
+        """How many of ``block_ids`` (a list) are free: ref count 0, the null block excepted."""
+        if len(block_ids) < 2:
+            return sum(1 for b in block_ids if not self.ref_cnt[b] and b != NULL_BLOCK)
+        # One C-level read of every count (an itemgetter over the buffer): a scheduler's
+        # admission asks it of every GPU block a prefix hit touches.
+        return itemgetter(*block_ids)(self.ref_cnt).count(0) - block_ids.count(NULL_BLOCK)
 
     def count_present(self, keys) -> int:
         """How many of ``keys`` are registered (one C-level pass; lookups' hole counts)."""

@@ -6,7 +6,7 @@ import typing
 
 import numpy as np
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -618,3 +618,16 @@ TestPoolModel = PoolModel.TestCase
 TestPoolModel.settings = _MODEL_SETTINGS
 TestPoolModelArrays = PoolModelArrays.TestCase
 TestPoolModelArrays.settings = _MODEL_SETTINGS
+
+
+@settings(max_examples=100)
+@given(refs=st.lists(st.integers(0, 2), min_size=2, max_size=40), data=st.data())
+def test_count_free_matches_a_loop(refs, data):
+    """``count_free`` (one C-level read of the counts) against a loop over ``ref_cnt``."""
+    pool = BlockPool(len(refs) + 1)
+    for b, r in enumerate(refs, start=1):
+        if r:
+            pool.touch([b] * r)
+    ids = data.draw(st.lists(st.integers(0, len(refs)), max_size=30))
+    want = sum(1 for b in ids if b != NULL_BLOCK and pool.ref_cnt[b] == 0)
+    assert pool.count_free(ids) == want

@@ -39,6 +39,8 @@ __all__ = ["StoreJob", "Stores"]
 # The planner's logger: its records carry one name whichever lifecycle emits them.
 logger = logging.getLogger("kvtriton.planner.planner")
 
+# From this many requests in a step's order, its rows and tokens are read in C-level passes.
+_ROW_PASSES_FROM = 32
 _COMPUTED = attrgetter("num_computed_tokens")
 _PLACEHOLDERS = attrgetter("num_output_placeholders")
 
@@ -182,6 +184,9 @@ class Stores:
                 self._release_row(st)
         # One append per group for the whole step: the rows and new ids of every request.
         new, resumed = step.new_block_ids, step.resumed_req_ids
+        if not new:
+            self._stats.tables_s += time.perf_counter() - t0
+            return
         rows = list(map(self._rows_of.get, new)) if not resumed else [None]
         if None not in rows:
             # Every request holds its row (a decode step): nothing to admit or release.
@@ -249,9 +254,10 @@ class Stores:
             seen = set(order)
             order = order + [r for r in self._states if r not in seen]
         scheduled, idle = step.num_scheduled_tokens, config.scan_idle
-        rows = list(map(self._rows_of.get, order))
+        rows = list(map(self._rows_of.get, order)) if len(order) > _ROW_PASSES_FROM else [None]
         if None not in rows and (idle or all(map(scheduled.get, order))):
-            # Every request in the order holds a row and runs (the usual step): C-level passes.
+            # Every request in the order holds a row and runs (a server's usual step, of many
+            # requests): C-level passes, cheaper than the loop below past a few dozen.
             reqs = list(map(requests.__getitem__, order))
             tokens = np.fromiter(map(_COMPUTED, reqs), dtype=np.int64, count=len(reqs)) \
                 - np.fromiter(map(_PLACEHOLDERS, reqs), dtype=np.int64, count=len(reqs))

@@ -510,7 +510,7 @@ class BatchScheduler(KVScheduler):
         hit_blocks = [b for blocks in hit.blocks for b in blocks if b != NULL_BLOCK]
         # Touching a free cached hit block takes it out of the free queue: it counts as taken
         # (vLLM's num_evictable_blocks).
-        touched = list(map(self.gpu.ref_cnt.__getitem__, hit_blocks)).count(0)
+        touched = self.gpu.count_free(hit_blocks)
         free = self.gpu.num_free_blocks
         if self.reserve_full_isl and \
                 sum(self.blocks_to_hold(hit.blocks, req.num_tokens, computed)) + touched > free:

@@ -191,3 +191,38 @@ def test_finish_after_preemption_and_reallocation_flushes_the_final_table():
     assert flush.gpu_blocks == tables[0][:4]
     m = h.step({})  # the flush goes out with the next batch
     assert m.store.gpu_blocks == tables[0][:4]
+
+
+# ---- a step of many requests: rows read in C-level passes -------------------------------------
+
+
+def _many_requests_run(monkeypatch, passes_from: int) -> list[tuple]:
+    """40 requests prefilled over chunks, then decoding, with CPU evictions between steps (so
+    re-stores join the new stores); every step's store pairs, keys and the cursors."""
+    import kvtriton.planner.stores as stores
+
+    monkeypatch.setattr(stores, "_ROW_PASSES_FROM", passes_from)
+    h = PlannerDriver(num_gpu_blocks=1024, cpu=1024, config=PlannerConfig(restore=True))
+    reqs = [h.request(f"r{i:02d}", tokens_for(i + 1, 80 + 16 * (i % 5))) for i in range(40)]
+    for r in reqs:
+        h.admit(r)
+    seen = []
+    for step in range(8):
+        scheduled = {r.request_id: 32 for r in reqs if r.request_id in h.running}
+        meta = h.step(scheduled) if step < 4 else h.step(decode=True)
+        seen.append((meta.store.gpu_blocks, meta.store.cpu_blocks,
+                     [h.planner.cursor(r.request_id) for r in reqs]))
+        h.complete(meta)
+        cached = [b for b in h.cpu.iter_free() if h.cpu.block_hash(b) is not None]
+        for b in cached[::7]:
+            h.cpu.evict_cached(b)
+    return seen
+
+
+def test_rows_of_many_requests_read_in_passes_as_in_the_loop(monkeypatch):
+    """Past ``_ROW_PASSES_FROM`` requests a step's rows and confirmed tokens are read in C-level
+    passes; the same run through the per-request loop selects the same blocks every step."""
+    passes = _many_requests_run(monkeypatch, 32)
+    loop = _many_requests_run(monkeypatch, 10**9)
+    assert passes == loop
+    assert sum(len(g) for g, _, _ in passes) > 40  # stores and re-stores happened

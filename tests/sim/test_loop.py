@@ -164,18 +164,21 @@ def test_queueing_delay_is_the_wait_before_admission():
 # ---- a step that only preempts -------------------------------------------------------------------
 
 
-def tight_pool() -> Workload:
+def tight_pool(later: float | None = None) -> Workload:
     """24 GPU blocks: ``w`` leaves its prefix on the CPU, ``f`` pushes it off the GPU, ``a``
     decodes into the last free blocks, and ``b`` (``w``'s prefix and two more blocks) is admitted
     with a CPU hit whose load lands while ``a`` holds the room ``b`` needs next. When ``a``
     cannot grow it preempts itself, and that step, as in vLLM, skips the waiting phase: nothing
-    runs, nothing is in flight, no request is still to arrive."""
+    runs, nothing is in flight, no request is still to arrive (``later``: one more, ``z``,
+    arrives at that time)."""
     w = chain(1, 8)
-    return Workload([WorkloadRequest("w", 0.0, 8 * BLOCK, 1, w),
-                     WorkloadRequest("f", 0.05, 22 * BLOCK, 1, chain(4, 22)),
-                     WorkloadRequest("a", 0.2, 12 * BLOCK, 160, chain(2, 22)),
-                     WorkloadRequest("b", 0.5805, 9 * BLOCK, 16,
-                                     np.concatenate([w, chain(3, 2)]))], BLOCK, "tight pool")
+    reqs = [WorkloadRequest("w", 0.0, 8 * BLOCK, 1, w),
+            WorkloadRequest("f", 0.05, 22 * BLOCK, 1, chain(4, 22)),
+            WorkloadRequest("a", 0.2, 12 * BLOCK, 160, chain(2, 22)),
+            WorkloadRequest("b", 0.5805, 9 * BLOCK, 16, np.concatenate([w, chain(3, 2)]))]
+    if later is not None:
+        reqs.append(WorkloadRequest("z", later, 2 * BLOCK, 1, chain(5, 2)))
+    return Workload(reqs, BLOCK, "tight pool")
 
 
 @pytest.mark.parametrize("engine", ["kvtriton", "vllm"])
@@ -190,3 +193,19 @@ def test_a_step_that_only_preempts_is_not_a_deadlock(engine):
     row = res.rows[0]
     assert row["finished"] == 4 and row["preemptions"] == 1
     assert row["cpu_hit_tokens"] == 8 * BLOCK  # b's load is the one the step had to wait out
+
+
+@pytest.mark.parametrize("engine", ["kvtriton", "vllm"])
+def test_a_step_that_only_preempts_does_not_wait_for_the_next_event(engine):
+    """With ``z`` due at 100 s, the loop used to move the clock to it after the empty step, as
+    if the engine idled: ``b`` waited 99 s for room it already had. vLLM's engine schedules
+    again at once."""
+    if engine == "vllm":
+        pytest.importorskip("vllm")
+    res = simulate(tight_pool(later=100.0), gpu_tokens=24 * BLOCK, cpu_tokens=64 * BLOCK,
+                   policies=["eager"], bound=False, in_loop_bounds=(), engine=engine)
+    row = res.rows[0]
+    assert row["finished"] == 5 and row["preemptions"] == 1
+    ttft = dict(zip("wfabz", row["ttft_all_s"], strict=True))
+    assert ttft["b"] < 1.0  # 99.4 s when the empty step waited for z
+    assert row["makespan_s"] < 100.5
