@@ -43,10 +43,10 @@ planner section is generated from that file.
 
 Run: ``python -m bench.bench_vs_vllm [--quick]`` (needs vLLM). The full run is R = 16 ... 1024
 at 2,048 and 8,192 blocks per request (128K-token contexts), each size's peak memory recorded;
-a size past ``--max-blocks-held`` blocks per pool runs its variants in ``GROUPS`` (each row
-names the variants it was interleaved with); ``--sizes`` and ``--blocks`` pick some. It writes
-``vs_vllm.json``; ``--quick`` (R = 128 at 2,048 blocks, the ``make bench`` size) writes
-``vs_vllm_quick.json``, so a quick run leaves a full one in place.
+a size whose variants' pools together pass ``--max-blocks-held`` blocks runs them in groups
+(``groups``; each row names the variants it was interleaved with); ``--sizes`` and ``--blocks``
+pick some. It writes ``vs_vllm.json``; ``--quick`` (R = 128 at 2,048 blocks, the ``make bench``
+size) writes ``vs_vllm_quick.json``, so a quick run leaves a full one in place.
 """
 
 from __future__ import annotations
@@ -79,13 +79,16 @@ TARGET_RS = (128, 256)
 SIZES = (16, 64, 128, 256, 512, 1024)
 BLOCKS = (2048, 8192)
 EVICT_PER_REQUEST = 20
-# The most blocks per pool (R x blocks per request) at which the seven variants hold their pools
-# at once: past 512 x 8,192 they outgrow a 24 GB machine, so a larger size runs them in
-# ``GROUPS``, each group interleaved step by step, one group after the other.
-MAX_BLOCKS_HELD = 512 * 8192
-GROUPS = (("vllm_control", "kvt_fused_control", "kvt_fused_restore"),
-          ("kvt_connector_fused_control", "kvt_connector_fused_restore"),
-          ("kvt_loop_control",), ("vllm_rescan_restore",))
+# The most blocks the variants stepped together may hold, summed over them (R x blocks per
+# request each): a variant takes 0.7-1.2 KB per block held (bench/results/vs_vllm.json records
+# each run's peak), so seven variants at 256 x 8,192 blocks need about 13 GB. Past it, a size
+# runs its variants in groups, packed in ``PACKING`` order under the bound, each group
+# interleaved step by step, one group after the other.
+MAX_BLOCKS_HELD = 7 * 256 * 8192
+# The targets' trio first, so that it stays in one group as long as three variants fit.
+PACKING = ("vllm_control", "kvt_fused_control", "kvt_fused_restore",
+           "kvt_connector_fused_control", "kvt_connector_fused_restore", "kvt_loop_control",
+           "vllm_rescan_restore")
 QUICK_SIZES = (128,)  # the size of the targets; the full run has 16 ... 1024
 PARTS = ("lookup", "tables", "selection", "cpu_alloc", "listeners", "pin", "adapter", "meta")
 
@@ -437,24 +440,36 @@ def max_model_len(blocks: int, steps: int, warmup: int) -> int:
     return max(65536, (blocks + 2 * steps + warmup + 2) * BLOCK)
 
 
+def groups(variants: list[str], r: int, blocks: int, max_blocks_held: int) -> list[list[str]]:
+    """``variants`` in groups stepped together: all of them when their pools fit under
+    ``max_blocks_held`` blocks in all, else packed in ``PACKING`` order (each group as many
+    as fit, one at least)."""
+    if len(variants) * r * blocks <= max_blocks_held:
+        return [list(variants)]
+    out: list[list[str]] = []
+    for v in sorted(variants, key=PACKING.index):
+        if out and (len(out[-1]) + 1) * r * blocks <= max_blocks_held:
+            out[-1].append(v)
+        else:
+            out.append([v])
+    return out
+
+
 def run_size(r: int, blocks: int, steps: int, warmup: int, evict: float, variants: list[str],
              model_dir: str, model_len: int = 65536,
-             evict_per_request: int | None = None, grouped: bool = False) -> list[dict]:
-    """Every variant at R = ``r``, stepped interleaved; one row per variant, with its ratios to
-    the vLLM variants. ``grouped``: the variants of each of ``GROUPS`` interleaved, one group
-    after the other (a size too large for all at once). Evictions per step:
-    ``evict_per_request`` blocks per request, or ``evict`` of the cached blocks when None."""
-    if not grouped:
-        rows = _run_interleaved(r, blocks, steps, warmup, evict, variants, model_dir,
-                                model_len, evict_per_request)
-    else:
-        rows = []
-        for group in GROUPS:
-            chosen = [v for v in group if v in variants]
-            if chosen:
-                print(f"  group: {', '.join(chosen)}", flush=True)
-                rows += _run_interleaved(r, blocks, steps, warmup, evict, chosen, model_dir,
-                                         model_len, evict_per_request)
+             evict_per_request: int | None = None,
+             max_blocks_held: int = MAX_BLOCKS_HELD) -> list[dict]:
+    """Every variant at R = ``r``, stepped interleaved with those of its group (``groups``:
+    all of them unless their pools outgrow ``max_blocks_held``); one row per variant, with
+    its ratios to the vLLM variants. Evictions per step: ``evict_per_request`` blocks per
+    request, or ``evict`` of the cached blocks when None."""
+    rows = []
+    parts = groups(variants, r, blocks, max_blocks_held)
+    for group in parts:
+        if len(parts) > 1:
+            print(f"  group: {', '.join(group)}", flush=True)
+        rows += _run_interleaved(r, blocks, steps, warmup, evict, group, model_dir, model_len,
+                                 evict_per_request)
     base = {row["variant"]: row for row in rows}
     for row in rows:
         row["interleaved_with"] = row.pop("_group")
@@ -647,7 +662,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="evict this share of the cached CPU blocks instead (grows with the "
                          "blocks held)")
     ap.add_argument("--max-blocks-held", type=int, default=MAX_BLOCKS_HELD,
-                    help="past this R x blocks per request, run the variants in groups, each "
+                    help="the most blocks the variants stepped together may hold in all "
+                         "(R x blocks per request x variants); past it they run in groups, each "
                          "interleaved (memory)")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     args = ap.parse_args(argv)
@@ -665,7 +681,8 @@ def main(argv: list[str] | None = None) -> dict:
     fraction = args.evict if args.evict is not None else 0.0
     if args.max_blocks_held < 1:
         ap.error(f"--max-blocks-held: >= 1, got {args.max_blocks_held}")
-    grouped = [(r, b) for b in block_counts for r in sizes if r * b > args.max_blocks_held]
+    grouped = [(r, b) for b in block_counts for r in sizes
+               if len(groups(args.variants, r, b, args.max_blocks_held)) > 1]
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import vllm
 
@@ -679,10 +696,10 @@ def main(argv: list[str] | None = None) -> dict:
             for r in sizes:
                 big = (r, blocks) in grouped
                 print(f"\nR = {r}: {blocks} blocks per request, {steps} timed steps"
-                      + (f" (past {args.max_blocks_held:,} blocks per pool: the variants in "
+                      + (f" (past {args.max_blocks_held:,} blocks held in all: the variants in "
                          "groups)" if big else ""), flush=True)
                 size_rows = run_size(r, blocks, steps, args.warmup, fraction, args.variants,
-                                     model_dir, model_len, per_request, grouped=big)
+                                     model_dir, model_len, per_request, args.max_blocks_held)
                 _print(size_rows)
                 rows += size_rows
     met = targets(rows)
@@ -697,7 +714,7 @@ def main(argv: list[str] | None = None) -> dict:
                             "max_blocks_held": args.max_blocks_held,
                             "grouped": [{"requests": r, "blocks_per_request": b}
                                         for r, b in grouped],
-                            "groups": [list(g) for g in GROUPS],
+                            "packing": list(PACKING),
                             "eviction_order": "lru", "cpu_free_order": "head_first",
                             "block_tokens": BLOCK, "parts": list(PARTS),
                             "vllm": vllm.__version__},

@@ -275,10 +275,9 @@ def vs_vllm_section(v: dict) -> None:
     if s.get("grouped"):
         lines.append("Run in groups: " + ", ".join(
             f"R = {k['requests']} at {k['blocks_per_request']:,} blocks" for k in s["grouped"])
-            + f" (more than {s['max_blocks_held']:,} blocks per pool: the seven variants' pools "
-            "at once outgrow this machine's memory, so each of the groups "
-            + "; ".join(", ".join(f"`{v}`" for v in g) for g in s["groups"])
-            + " was interleaved step by step on its own, one group after the other).")
+            + f": the variants' pools together would hold more than {s['max_blocks_held']:,} "
+            "blocks, past this machine's memory, so they ran in groups, each interleaved step by "
+            "step on its own, one group after the other; the table's rows name their group.")
     v["vs_vllm_text"] = "\n\n".join(lines) + "\n\n" + "\n".join(bullets)
     v["vs_vllm_table"] = (f"Per-step time and its parts at R = "
                           f"{', '.join(map(str, sizes))}:\n\n" + _table(header, rows))

@@ -171,7 +171,7 @@ def test_vs_vllm_a_size_past_the_memory_bound_runs_in_groups(results, capsys):
     from bench import bench_vs_vllm
 
     payload = bench_vs_vllm.main(["--sizes", "2", "4", "--blocks", "8", "--steps", "2",
-                                  "--max-blocks-held", "16", "--variants", "vllm_control",
+                                  "--max-blocks-held", "64", "--variants", "vllm_control",
                                   "kvt_fused_restore", "kvt_connector_fused_restore",
                                   "vllm_rescan_restore"])
     assert payload["settings"]["grouped"] == [{"requests": 4, "blocks_per_request": 8}]
@@ -179,10 +179,13 @@ def test_vs_vllm_a_size_past_the_memory_bound_runs_in_groups(results, capsys):
     everyone = ["vllm_control", "kvt_fused_restore", "kvt_connector_fused_restore",
                 "vllm_rescan_restore"]
     assert all(with_[v, 2] == everyone for v in everyone)
+    # 4 x 8 = 32 blocks per variant, 64 in all: two variants a group, in packing order.
     assert with_["vllm_control", 4] == with_["kvt_fused_restore", 4] == [
         "vllm_control", "kvt_fused_restore"]
-    assert with_["kvt_connector_fused_restore", 4] == ["kvt_connector_fused_restore"]
-    assert with_["vllm_rescan_restore", 4] == ["vllm_rescan_restore"]
+    assert with_["kvt_connector_fused_restore", 4] == with_["vllm_rescan_restore", 4] == [
+        "kvt_connector_fused_restore", "vllm_rescan_restore"]
+    assert bench_vs_vllm.groups(["vllm_rescan_restore", "vllm_control"], 4, 8, 16) == [
+        ["vllm_control"], ["vllm_rescan_restore"]]  # one a group at least, even past the bound
     row = next(r for r in payload["rows"]
                if (r["variant"], r["requests"]) == ("kvt_connector_fused_restore", 4))
     assert row["x_vs_vllm_control"] > 0 and row["x_vs_vllm_rescan_restore"] > 0
