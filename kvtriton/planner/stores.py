@@ -41,8 +41,7 @@ logger = logging.getLogger("kvtriton.planner.planner")
 
 # From this many requests in a step's order, its rows and tokens are read in C-level passes.
 _ROW_PASSES_FROM = 32
-_COMPUTED = attrgetter("num_computed_tokens")
-_PLACEHOLDERS = attrgetter("num_output_placeholders")
+_CONFIRMED = attrgetter("confirmed_tokens")
 
 
 @dataclass(slots=True)
@@ -258,9 +257,8 @@ class Stores:
         if None not in rows and (idle or all(map(scheduled.get, order))):
             # Every request in the order holds a row and runs (a server's usual step, of many
             # requests): C-level passes, cheaper than the loop below past a few dozen.
-            reqs = list(map(requests.__getitem__, order))
-            tokens = np.fromiter(map(_COMPUTED, reqs), dtype=np.int64, count=len(reqs)) \
-                - np.fromiter(map(_PLACEHOLDERS, reqs), dtype=np.int64, count=len(reqs))
+            reqs = map(requests.__getitem__, order)
+            tokens = np.fromiter(map(_CONFIRMED, reqs), dtype=np.int64, count=len(order))
         else:
             rows, tokens = [], []
             states = self._states

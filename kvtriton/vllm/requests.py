@@ -74,6 +74,11 @@ class LiveRequest(Request):
     def num_output_placeholders(self) -> int:  # type: ignore[override]
         return self.vreq.num_output_placeholders
 
+    @property
+    def confirmed_tokens(self) -> int:  # type: ignore[override]
+        v = self.vreq  # one read of the vLLM request for both counters
+        return v.num_computed_tokens - v.num_output_placeholders
+
 
 class RequestMirror:
     """The planner's ``Request`` for an admitted vLLM request, and its reserved ids.
