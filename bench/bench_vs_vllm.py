@@ -544,12 +544,15 @@ def _max_rss_gib() -> float:
 
 
 def _target(name: str, r: int, blocks: int | str, value: float, target: str, ok: bool,
-            measure: str, value_min: float | None = None) -> dict:
+            measure: str, value_min: float | None = None,
+            compared: tuple[str, str] | None = None) -> dict:
     """One verdict, judged on the medians; ``value_min`` is the same ratio of the fastest steps,
     beside it: on a loaded machine a long step is more often cut by the OS scheduler, so the
-    medians of the longer variants carry more of others' time than the shorter ones'."""
+    medians of the longer variants carry more of others' time than the shorter ones'.
+    ``compared``: the two variants of the ratio (numerator first), at ``r`` and ``blocks``."""
     return {"name": name, "requests": r, "blocks_per_request": blocks, "value": value,
-            "target": target, "met": ok, "measure": measure, "value_min": value_min}
+            "target": target, "met": ok, "measure": measure, "value_min": value_min,
+            "compared": None if compared is None else list(compared)}
 
 
 def targets(rows: list[dict]) -> list[dict]:
@@ -575,17 +578,20 @@ def targets(rows: list[dict]) -> list[dict]:
             if ctl is not None and fr is not None:
                 out.append(_target("fused_restore_over_vllm_control", r, b, fr / ctl, "<= 1",
                                    fr <= ctl, "per-step time, kvt_fused_restore / vllm_control",
-                                   low("kvt_fused_restore", "vllm_control", r, b)))
+                                   low("kvt_fused_restore", "vllm_control", r, b),
+                                   ("kvt_fused_restore", "vllm_control")))
             if ctl is not None and fc is not None:
                 out.append(_target("fused_control_over_vllm_control", r, b, fc / ctl, "<= 0.6",
                                    fc <= 0.6 * ctl,
                                    "per-step time, kvt_fused_control / vllm_control",
-                                   low("kvt_fused_control", "vllm_control", r, b)))
+                                   low("kvt_fused_control", "vllm_control", r, b),
+                                   ("kvt_fused_control", "vllm_control")))
             if rescan is not None and fr is not None:
                 out.append(_target("rescan_over_fused_restore", r, b, rescan / fr, ">= 100",
                                    rescan >= 100 * fr,
                                    "per-step time, vllm_rescan_restore / kvt_fused_restore",
-                                   low("vllm_rescan_restore", "kvt_fused_restore", r, b)))
+                                   low("vllm_rescan_restore", "kvt_fused_restore", r, b),
+                                   ("vllm_rescan_restore", "kvt_fused_restore")))
             for mode in ("control", "restore"):
                 conn, alone = ms(f"kvt_connector_fused_{mode}", r, b), ms(f"kvt_fused_{mode}", r, b)
                 if conn is not None and alone is not None:
@@ -594,7 +600,8 @@ def targets(rows: list[dict]) -> list[dict]:
                                        f"per-step time, kvt_connector_fused_{mode} / "
                                        f"kvt_fused_{mode}",
                                        low(f"kvt_connector_fused_{mode}", f"kvt_fused_{mode}",
-                                           r, b)))
+                                           r, b),
+                                       (f"kvt_connector_fused_{mode}", f"kvt_fused_{mode}")))
     if len(counts) >= 2:
         lo, hi = counts[0], counts[-1]
         for r in TARGET_RS:

@@ -209,6 +209,17 @@ VS_VLLM_TARGETS = {
 }
 
 
+# The variants of each ratio target, numerator first (a results file written before
+# ``bench_vs_vllm`` recorded them with each target).
+VS_VLLM_COMPARED = {
+    "fused_restore_over_vllm_control": ("kvt_fused_restore", "vllm_control"),
+    "fused_control_over_vllm_control": ("kvt_fused_control", "vllm_control"),
+    "rescan_over_fused_restore": ("vllm_rescan_restore", "kvt_fused_restore"),
+    "connector_over_planner_control": ("kvt_connector_fused_control", "kvt_fused_control"),
+    "connector_over_planner_restore": ("kvt_connector_fused_restore", "kvt_fused_restore"),
+}
+
+
 def _vs_vllm() -> dict | None:
     """The planner beside vLLM: the full run (every size) when there is one, else the quick
     run's (``make bench``: R = 128 only)."""
@@ -219,8 +230,67 @@ def _evictions(settings: dict) -> str:
     """What the scenario evicts before each step, as ``bench_vs_vllm`` recorded it."""
     if settings.get("evict_per_request") is not None:
         return (f"{settings['evict_per_request']} of the CPU's cached blocks per running "
-                "request evicted before each step (as many at every block count)")
-    return f"{settings['evict_fraction']:.0%} of the CPU's cached blocks evicted before each step"
+                "request, its LRU victims, evicted before each step (as many at every block "
+                "count)")
+    return (f"{settings['evict_fraction']:.0%} of the CPU's cached blocks, its LRU victims, "
+            "evicted before each step")
+
+
+def _abstract_vs_vllm(doc: dict) -> str:
+    """The abstract's clause on the planner beside vLLM's own scheduler: the whole step with
+    re-store over vLLM's control step, and the re-scan design over it, at the targets' sizes
+    (each cell as measured, in ``vs_vllm.json``)."""
+    by = {(t["name"], t["requests"], t["blocks_per_request"]): t["value"]
+          for t in doc["targets"]}
+    cells = sorted({(r, b) for n, r, b in by if n == "fused_restore_over_vllm_control"})
+    if not cells:
+        return ""
+    ratio = " / ".join(f"{by['fused_restore_over_vllm_control', r, b]:.2f}" for r, b in cells)
+    where = " / ".join(f"R = {r}, {b:,} blocks" for r, b in cells)
+    text = (f"; beside vLLM {doc['settings']['vllm']}'s own scheduler, in one process, a whole "
+            f"step that also re-stores costs {ratio} of vLLM's control step ({where})")
+    if all(("rescan_over_fused_restore", r, b) in by for r, b in cells):
+        rescan = " / ".join(f"{by['rescan_over_fused_restore', r, b]:.0f}" for r, b in cells)
+        text += f", and re-scanning for the holes instead costs {rescan}x as much"
+    return text
+
+
+def _where_time_went(doc: dict, t: dict) -> str:
+    """For a missed ratio target: the parts (medians) in which its numerator's step exceeds
+    the denominator's most, from the same rows."""
+    compared = t.get("compared") or VS_VLLM_COMPARED.get(t["name"])
+    if not compared:
+        return ""
+    at = {(r["variant"], r["requests"], r["blocks_per_request"]): r for r in doc["rows"]}
+    a, b = (at.get((v, t["requests"], t["blocks_per_request"])) for v in compared)
+    if a is None or b is None:
+        return ""
+    more = sorted(((a["parts_ms"][k] - b["parts_ms"].get(k, 0.0), k) for k in a["parts_ms"]),
+                  reverse=True)
+    named = [f"{k} +{d:.3f} ms" for d, k in more[:3] if d > 0.0005]
+    return "" if not named else (f"; the parts that grew most over `{compared[1]}`: "
+                                 + ", ".join(named))
+
+
+def _sizes_table(doc: dict) -> str:
+    """Whole-step medians (ms) of every variant at every size run, one table per block count;
+    a size whose variants ran in groups is starred."""
+    grouped = {(g["requests"], g["blocks_per_request"])
+               for g in doc["settings"].get("grouped", [])}
+    out = []
+    for blocks in sorted({r["blocks_per_request"] for r in doc["rows"]}):
+        rows = [r for r in doc["rows"] if r["blocks_per_request"] == blocks]
+        sizes = sorted({r["requests"] for r in rows})
+        at = {(r["variant"], r["requests"]): r["median_ms"] for r in rows}
+        header = ["variant"] + [f"R = {n}" + ("*" if (n, blocks) in grouped else "")
+                                for n in sizes]
+        body = [[VS_VLLM_VARIANTS.get(v, v)] + [f"{at[v, n]:.3f}" if (v, n) in at else "-"
+                                                 for n in sizes]
+                for v in dict.fromkeys(r["variant"] for r in rows)]
+        out.append(f"Whole step, ms (median), {blocks:,} blocks per request:\n\n"
+                   + _table(header, body))
+    note = ("\n\n\\* run in groups (see above)." if grouped else "")
+    return "\n\n".join(out) + note
 
 
 def vs_vllm_section(v: dict) -> None:
@@ -228,11 +298,13 @@ def vs_vllm_section(v: dict) -> None:
     (``bench_vs_vllm``): per-step time by part at the targets' sizes, and each target's
     verdict, all from ``vs_vllm.json``."""
     doc = _vs_vllm()
+    v["abstract_vs_vllm"] = ""
     if doc is None:
         v["vs_vllm_text"] = ("*Pending: `python -m bench.bench_vs_vllm` (needs vLLM) has not "
                              "been run.*")
         v["vs_vllm_table"] = ""
         return
+    v["abstract_vs_vllm"] = _abstract_vs_vllm(doc)
     s = doc["settings"]
     parts = s["parts"]
     sizes = sorted({t["requests"] for t in doc["targets"]}) or sorted(
@@ -255,7 +327,7 @@ def vs_vllm_section(v: dict) -> None:
              f"scenario, interleaved step by step: R running requests of "
              f"{' or '.join(f'{b:,}' for b in s['blocks_per_request'])} blocks of "
              f"{s['block_tokens']} tokens, one new block each per step, "
-             f"{_evictions(s)} (its LRU victims); median of {s['steps']} timed steps "
+             f"{_evictions(s)}; median of {s['steps']} timed steps "
              "(the verdicts are on "
              "the medians; on a loaded machine the OS scheduler cuts the longer steps more "
              "often, so each target also gives the ratio of the fastest steps). The parts are "
@@ -271,7 +343,8 @@ def vs_vllm_section(v: dict) -> None:
             f"; the same ratio of the fastest steps: {t['value_min']:.3g}"
         bullets.append(f"- Target {label}, R = {t['requests']}, {t['blocks_per_request']} "
                        f"blocks: {t['value']:.3g} (target {t['target']}), "
-                       f"{'met' if t['met'] else '**missed**'}; {t['measure']}{low}.")
+                       f"{'met' if t['met'] else '**missed**'}; {t['measure']}{low}"
+                       f"{'' if t['met'] else _where_time_went(doc, t)}.")
     if s.get("grouped"):
         lines.append("Run in groups: " + ", ".join(
             f"R = {k['requests']} at {k['blocks_per_request']:,} blocks" for k in s["grouped"])
@@ -283,8 +356,8 @@ def vs_vllm_section(v: dict) -> None:
                           f"{', '.join(map(str, sizes))}:\n\n" + _table(header, rows))
     if len({r["requests"] for r in doc["rows"]}) > 1:
         plot_vs_vllm(doc, FIGURES / "vs_vllm.png")
-        v["vs_vllm_table"] += ("\n\n![whole-step time beside vLLM's, every size run]"
-                               "(figures/vs_vllm.png)")
+        v["vs_vllm_table"] += ("\n\n" + _sizes_table(doc) + "\n\n![whole-step time beside "
+                               "vLLM's, every size run](figures/vs_vllm.png)")
 
 
 def _gap(x) -> str:
@@ -1161,7 +1234,8 @@ def build() -> None:
     (PAPER / "paper.md").write_text(text)
     readme = ROOT / "README.md"
     summary = "\n\n".join(x for x in (
-        f"Abstract figures: {v['abstract_planner']}; {v['abstract_policies']}.",
+        f"Abstract figures: {v['abstract_planner']}{v['abstract_vs_vllm']}; "
+        f"{v['abstract_policies']}.",
         v.get("planner_table", ""), v.get("targets_text", ""),
         v.get("mooncake_claim", ""),
         "**The connector's default.** " + v.get("default_text", ""),

@@ -102,32 +102,48 @@ def test_the_engine_section_states_each_target(build, monkeypatch):
     assert "100 ms per 1,000 prefill tokens" in text and "| `eager` | 50.0% | 50.0% |" in text
 
 
-def test_the_vs_vllm_section_reports_the_same_process_run(build, monkeypatch):
+def test_the_vs_vllm_section_reports_the_same_process_run(build, monkeypatch, tmp_path):
     """Section 3.1's comparison with vLLM: vLLM's version, the machine and commit, the rows at
-    the targets' sizes and every verdict come from ``vs_vllm.json``; none is typed."""
+    the targets' sizes, every size's whole step, every verdict and, for a missed one, the parts
+    that grew come from ``vs_vllm.json``; none is typed."""
     parts = ["lookup", "tables", "selection", "cpu_alloc", "listeners", "pin", "adapter", "meta"]
     rows = [{"variant": v, "requests": r, "blocks_per_request": 2048, "median_ms": ms,
-             "x_vs_vllm_control": 1.3 / ms, "parts_ms": dict.fromkeys(parts, 0.125)}
+             "x_vs_vllm_control": 1.3 / ms,
+             "parts_ms": {**dict.fromkeys(parts, 0.125), "selection": 0.125 + ms / 4}}
             for r in (16, 128) for v, ms in (("vllm_control", 1.3), ("kvt_fused_restore", 2.6))]
     doc = {"machine": {"cpu": "x", "cpu_cores": 2, "gpu": None, "git_sha": "abc123",
                        "torch": "2", "triton": "3", "date_utc": "today", "vllm": "0.32.0"},
            "settings": {"vllm": "0.32.0", "blocks_per_request": [2048], "block_tokens": 16,
-                        "evict_fraction": 0.01, "steps": 20, "parts": parts},
+                        "evict_fraction": 0.01, "steps": 20, "parts": parts,
+                        "grouped": [{"requests": 128, "blocks_per_request": 2048}],
+                        "max_blocks_held": 100},
            "rows": rows,
            "targets": [{"name": "fused_restore_over_vllm_control", "requests": 128,
                         "blocks_per_request": 2048, "value": 2.0, "target": "<= 1",
                         "met": False, "measure": "per-step time"}]}
     monkeypatch.setattr(build, "_load", lambda name: doc)
+    monkeypatch.setattr(build, "FIGURES", tmp_path)  # the repo's figure stays as it is
     v: dict[str, str] = {}
     build.vs_vllm_section(v)
     assert "vLLM 0.32.0" in v["vs_vllm_text"] and "commit abc123" in v["vs_vllm_text"]
     assert "R = 128, 2048 blocks: 2 (target <= 1), **missed**" in v["vs_vllm_text"]
+    # Where the time went: selection is the part that grew (0.325 ms more), named with it.
+    assert "grew most over `vllm_control`: selection +0.325 ms." in v["vs_vllm_text"]
+    assert "Run in groups: R = 128 at 2,048 blocks" in v["vs_vllm_text"]
     table = v["vs_vllm_table"]
     assert "| kvtriton fused re-store | 128 | 2,048 | 2.600 | - | 2.00 |" in table
-    assert "| 16 |" not in table  # only the targets' sizes
+    assert "| 16 |" not in table  # the parts: only the targets' sizes
+    # Every size's whole step, the grouped one starred.
+    assert "| variant | R = 16 | R = 128* |" in table
+    assert "| kvtriton fused re-store | 2.600 | 2.600 |" in table
+    assert (tmp_path / "vs_vllm.png").exists()
+    assert v["abstract_vs_vllm"] == ("; beside vLLM 0.32.0's own scheduler, in one process, a "
+                                     "whole step that also re-stores costs 2.00 of vLLM's "
+                                     "control step (R = 128, 2,048 blocks)")
     monkeypatch.setattr(build, "_load", lambda name: None)
     build.vs_vllm_section(v)
     assert "has not been run" in v["vs_vllm_text"] and v["vs_vllm_table"] == ""
+    assert v["abstract_vs_vllm"] == ""
 
 
 def test_a_file_from_before_the_hint_split_is_read_as_oracle_closes(build):
