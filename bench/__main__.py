@@ -21,6 +21,7 @@ import importlib
 import importlib.util
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -39,6 +40,15 @@ def _skip_reason(study: Study, quick: bool, named: bool, cuda: bool, vllm: bool)
     if "full" in study.run_in:
         return f"not in the quick run (`python -m bench --full`, or `--only {study.name}`)"
     return f"a longer run, made by name (`python -m bench --only {study.name}`)"
+
+
+def _shown(path: Path) -> Path:
+    """``path`` relative to the working directory where it lies under it: the command recorded
+    in the manifest is then one a user can run again from their own clone."""
+    try:
+        return path.resolve().relative_to(Path.cwd().resolve())
+    except ValueError:
+        return path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     vllm = importlib.util.find_spec("vllm") is not None
     quick = args.quick or (not args.full and not cuda)
     via = " ".join(["python -m bench", *(sys.argv[1:] if argv is None else argv)])
-    results = common.RESULTS_DIR
+    results = _shown(common.RESULTS_DIR)
     t0 = time.perf_counter()
     print(f"kvtriton benchmark harness ({'quick' if quick else 'full'} size, "
           f"{'CUDA: ' + torch.cuda.get_device_name(0) if cuda else 'no CUDA device'})")

@@ -244,7 +244,9 @@ def _next_uses(seqs: list[np.ndarray]) -> list[np.ndarray]:
 
 def _cache_model(seqs, nxt_of, capacity: int, rule: str, lookahead: int = 0) -> list[float]:
     """One cache of ``capacity`` blocks: a request hits its longest cached prefix, then all its
-    blocks are cached; the lowest-ranked blocks leave. Block hit share per time half."""
+    blocks are cached; the lowest-ranked blocks leave, among equals the last cached first.
+    ``seqs``: per request, its block keys (int arrays); ``nxt_of``: per request, the index of
+    each block's next request (``len(seqs)`` if none). Block hit share per time half."""
     n_keys = 1 + max((int(s.max()) for s in seqs if len(s)), default=0)
     n, half = len(seqs), (len(seqs) + 1) // 2
     cached = np.zeros(n_keys, bool)
@@ -276,7 +278,9 @@ def _cache_model(seqs, nxt_of, capacity: int, rule: str, lookahead: int = 0) -> 
             k = resident
             rank = {"lru": last[k], "lfu": count[k] * n + last[k], "nextuse": -nxt[k],
                     "lookahead": np.where(nxt[k] - r <= lookahead, 2 * n - nxt[k], last[k])}[rule]
-            out = np.argpartition(rank, over - 1)[:over]
+            # Ties (a request's blocks share their last use) go deepest first, as vLLM frees a
+            # request's blocks tail first; argpartition's own tie order varies with NumPy.
+            out = np.lexsort((-np.arange(len(k)), rank))[:over]
             cached[k[out]] = False
             resident = np.delete(k, out)
     return [round(float(h / t), 4) if t else 0.0 for h, t in zip(hits, total, strict=True)]

@@ -235,3 +235,21 @@ def test_the_commit_is_read_once_before_any_study_runs(monkeypatch):
     first = common._git_sha()
     monkeypatch.setattr(common, "git_sha", lambda *a, **k: "later00+dirty")
     assert common._git_sha() == first and common._git_sha.cache_info().misses == 1
+
+
+def test_the_recorded_command_names_the_results_folder_from_the_clone(tmp_path, monkeypatch):
+    # A run from a worktree's root once recorded /tmp/<worktree>/bench/results/...: a command
+    # no other clone can run again.
+    from bench.__main__ import _shown
+    from bench.studies import BY_NAME
+
+    results = tmp_path / "bench" / "results"
+    results.mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    shown = str(_shown(results))
+    assert BY_NAME["tune_shares"].args(True, False, shown) == \
+        ["--json", "bench/results/tune_shares.json"]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # outside the clone the whole path is the only one that works
+    assert _shown(results) == results
