@@ -46,13 +46,15 @@ at 2,048 and 8,192 blocks per request (128K-token contexts), each size's peak me
 a size whose variants' pools together pass ``--max-blocks-held`` blocks runs them in groups
 (``groups``; each row names the variants it was interleaved with); ``--sizes`` and ``--blocks``
 pick some. It writes ``vs_vllm.json``; ``--quick`` (R = 128 at 2,048 blocks, the ``make bench``
-size) writes ``vs_vllm_quick.json``, so a quick run leaves a full one in place.
+size) writes ``vs_vllm_quick.json``, so a quick run leaves a full one in place; ``--name`` names
+another file (the study ``vs_vllm_evict_share``: evictions as a share of the cached blocks).
 """
 
 from __future__ import annotations
 
 import gc
 import os
+import re
 import statistics
 import tempfile
 import time
@@ -673,7 +675,13 @@ def main(argv: list[str] | None = None) -> dict:
                          "(R x blocks per request x variants); past it they run in groups, each "
                          "interleaved (memory)")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    ap.add_argument("--name", default=None, metavar="STEM",
+                    help="the results file's name without .json (default vs_vllm, "
+                         "vs_vllm_quick with --quick): another setting beside the default one")
     args = ap.parse_args(argv)
+    if args.name is not None and not re.fullmatch(r"[A-Za-z0-9_]+", args.name):
+        ap.error(f"--name: letters, digits and _ only (a file in bench/results/), "
+                 f"got {args.name!r}")
     sizes = args.sizes or list(QUICK_SIZES if args.quick else SIZES)
     block_counts = args.blocks or ([2048] if args.quick else list(BLOCKS))
     steps = args.steps or (5 if args.quick else 20)
@@ -727,7 +735,7 @@ def main(argv: list[str] | None = None) -> dict:
                             "vllm": vllm.__version__},
                "rows": rows, "targets": met}
     # The quick run has a file of its own: make bench keeps the full run's.
-    path = write_result("vs_vllm_quick" if args.quick else "vs_vllm", payload)
+    path = write_result(args.name or ("vs_vllm_quick" if args.quick else "vs_vllm"), payload)
     print(f"wrote {path}")
     return payload
 

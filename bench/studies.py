@@ -61,6 +61,8 @@ _MOONCAKE_MAP = ("--only", "map", "--maps", "mooncake")
 _HOLE_REWIND = ("--limit", "800", "--json", "{results}/hole_rewind_800.json")
 _CONV_GAP = ("--json", "{results}/conversational_gap.json")
 _TUNE_SHARES = ("--json", "{results}/tune_shares.json")
+_EVICT_SHARE = ("--evict", "0.01", "--sizes", "128", "256", "--variants", "vllm_control",
+                "kvt_fused_control", "kvt_fused_restore", "--name", "vs_vllm_evict_share")
 _DIFFERENTIAL = ("--seeds", "3000", "--json", "{results}/differential.json")
 
 STUDIES: tuple[Study, ...] = (
@@ -92,6 +94,11 @@ STUDIES: tuple[Study, ...] = (
           ("--fresh",), ("--fresh",), "cpu", ("soak_fresh.json",), run_in=("full",)),
     Study("vs_vllm", "bench.bench_vs_vllm", "planner cost beside vLLM's, one process",
           ("--quick",), (), "vllm", ("vs_vllm_quick.json",), ("vs_vllm.json",)),
+    # Evictions as a share of the cached blocks (1%), so 4x as many at 8,192 blocks per
+    # request as at 2,048: what re-store costs when what it must redo grows with the context.
+    Study("vs_vllm_evict_share", "bench.bench_vs_vllm",
+          "planner cost beside vLLM's with evictions growing with the blocks held", _EVICT_SHARE,
+          _EVICT_SHARE, "vllm", ("vs_vllm_evict_share.json",), run_in=()),
     Study("connector_soak", "bench.bench_connector_soak", "connector memory over a long run",
           ("--quick",), (), "vllm", _with_png("vllm_soak"), run_in=("full",)),
     Study("vllm", "bench.bench_vllm",
@@ -114,7 +121,7 @@ STUDIES: tuple[Study, ...] = (
     Study("tune_shares", "bench.tune_shares",
           "the protected shares of hints and lookahead, tuned on train, judged on test",
           _TUNE_SHARES, _TUNE_SHARES, "cpu", ("tune_shares.json",), run_in=(), quiet=True),
-    # The longer runs behind the paper's optional sections (30, 3 and 5 minutes on 2 cores).
+    # The longer runs behind the paper's optional sections (11, 1 and 1.5 minutes on 2 cores).
     Study("cc_agentic_whole", "bench.bench_policies",
           "the whole coding-agent traces, every setup", _CC_WHOLE, _CC_WHOLE, "cpu",
           ("policies_cc_agentic_full.json",), run_in=(), quiet=True),

@@ -43,7 +43,7 @@ WORKLOADS = (("agent", "agent generator"), ("cc_agentic", "coding-agent traces")
 # The workloads with a re-store map (``bench_policies.FULL_MAPS``).
 MAP_TAGS = ("agent", "cc_agentic", "mooncake")
 # Every results file the paper reads, by name (``bench/results/<name>.json``).
-INPUTS = ("hole_demo", "planner", "vs_vllm", "vs_vllm_quick",
+INPUTS = ("hole_demo", "planner", "vs_vllm", "vs_vllm_quick", "vs_vllm_evict_share",
           *(f"policies_{key}" for tag, _ in WORKLOADS for key in (tag, f"{tag}_full")),
           *(f"restore_map_{tag}" for tag in MAP_TAGS),
           "replay_mooncake", "replay_agent", "replay_cc_agentic", "kernel_check", "bench_kernels",
@@ -293,6 +293,36 @@ def _sizes_table(doc: dict) -> str:
     return "\n\n".join(out) + note
 
 
+def _evict_share_text(doc: dict | None) -> str:
+    """The same targets with evictions as a share of the cached blocks (``bench_vs_vllm --name
+    vs_vllm_evict_share``): the blocks a re-store step redoes grow with the context there."""
+    if doc is None:
+        return ("\n\nWith evictions as a share of the cached blocks (the study "
+                "`vs_vllm_evict_share`): *not run* (`python -m bench --only vs_vllm_evict_share`).")
+    s = doc["settings"]
+    at = {(r["variant"], r["requests"], r["blocks_per_request"]): r for r in doc["rows"]}
+    by = {(t["name"], t["requests"], t["blocks_per_request"]): t for t in doc["targets"]}
+    cells = sorted({(r, b) for v, r, b in at if v == "kvt_fused_restore"}, key=lambda c: c[::-1])
+    parts = []
+    for r, b in cells:
+        row, t = at["kvt_fused_restore", r, b], by.get(("fused_restore_over_vllm_control", r, b))
+        if t is None:
+            continue
+        parts.append(f"R = {r}, {b:,} blocks: {t['value']:.2f} of vLLM's control "
+                     f"({'met' if t['met'] else '**missed**'}), {row['stored_per_step']:,.0f} "
+                     f"blocks stored per step, {row['us_per_stored_block']:.3f} us each")
+    growth = [f"R = {t['requests']}: {t['measure']}" for t in doc["targets"]
+              if t["name"] == "blocks_2048_to_8192_kvt_fused_restore"]
+    text = (f"\n\nWith evictions as a share of the cached blocks instead "
+            f"({_evictions(s)}; `python -m bench --only vs_vllm_evict_share`, "
+            f"{_machine(doc)}), the blocks evicted per step, and so the blocks re-store redoes, "
+            "grow with the blocks held: the fused re-store step over vLLM's control step, "
+            + "; ".join(parts) + ".")
+    if growth:
+        text += " From 2,048 to 8,192 blocks, " + "; ".join(growth) + "."
+    return text
+
+
 def vs_vllm_section(v: dict) -> None:
     """Section 3.1's comparison with vLLM's own scheduler, measured in the same process
     (``bench_vs_vllm``): per-step time by part at the targets' sizes, and each target's
@@ -351,7 +381,8 @@ def vs_vllm_section(v: dict) -> None:
             + f": the variants' pools together would hold more than {s['max_blocks_held']:,} "
             "blocks, past this machine's memory, so they ran in groups, each interleaved step by "
             "step on its own, one group after the other; the table's rows name their group.")
-    v["vs_vllm_text"] = "\n\n".join(lines) + "\n\n" + "\n".join(bullets)
+    share = _evict_share_text(_load("vs_vllm_evict_share"))
+    v["vs_vllm_text"] = "\n\n".join(lines) + "\n\n" + "\n".join(bullets) + share
     v["vs_vllm_table"] = (f"Per-step time and its parts at R = "
                           f"{', '.join(map(str, sizes))}:\n\n" + _table(header, rows))
     if len({r["requests"] for r in doc["rows"]}) > 1:

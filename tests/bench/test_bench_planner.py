@@ -164,6 +164,27 @@ def test_vs_vllm_short_run(results, capsys):
                for row in rows.values())
 
 
+def test_vs_vllm_another_setting_writes_a_file_of_its_own(results, capsys):
+    """``--name`` writes another setting beside the default run's file, which stays as it is;
+    a name that is not a plain file stem is one line and exit 2, before anything runs."""
+    pytest.importorskip("vllm")
+    from bench import bench_vs_vllm
+
+    (results / "vs_vllm.json").write_text("{}")
+    for bad in ("../x", "a.json", ""):
+        with pytest.raises(SystemExit) as e:
+            bench_vs_vllm.main(["--name", bad])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "--name: letters, digits and _ only" in err
+    bench_vs_vllm.main(["--sizes", "2", "--blocks", "8", "--steps", "2", "--warmup", "1",
+                        "--evict", "0.25", "--variants", "vllm_control", "kvt_fused_restore",
+                        "--name", "vs_vllm_other"])
+    doc = json.loads((results / "vs_vllm_other.json").read_text())
+    assert doc["settings"]["evict_fraction"] == 0.25 and len(doc["rows"]) == 2
+    assert (results / "vs_vllm.json").read_text() == "{}"
+
+
 def test_vs_vllm_a_size_past_the_memory_bound_runs_in_groups(results, capsys):
     """Past ``--max-blocks-held`` the variants run in groups, each interleaved on its own; every
     row names its group, and the ratios to vLLM's variants are still computed across groups."""

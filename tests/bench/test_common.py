@@ -156,7 +156,8 @@ def test_the_quick_run_writes_every_input_the_paper_needs():
         "bench_kernels", "policies_agent_full", "policies_cc_agentic_full",
         "policies_mooncake", "policies_mooncake_full", "policies_glm5_full",
         "restore_map_mooncake",
-        "replay_cc_agentic", "vs_vllm", "vs_vllm_quick", "vllm_engine", "tune_shares",
+        "replay_cc_agentic", "vs_vllm", "vs_vllm_quick", "vs_vllm_evict_share", "vllm_engine",
+        "tune_shares",
         "conversational_gap"}
 
 

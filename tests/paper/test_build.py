@@ -121,7 +121,8 @@ def test_the_vs_vllm_section_reports_the_same_process_run(build, monkeypatch, tm
            "targets": [{"name": "fused_restore_over_vllm_control", "requests": 128,
                         "blocks_per_request": 2048, "value": 2.0, "target": "<= 1",
                         "met": False, "measure": "per-step time"}]}
-    monkeypatch.setattr(build, "_load", lambda name: doc)
+    monkeypatch.setattr(build, "_load", lambda name: None if name == "vs_vllm_evict_share"
+                        else doc)
     monkeypatch.setattr(build, "FIGURES", tmp_path)  # the repo's figure stays as it is
     v: dict[str, str] = {}
     build.vs_vllm_section(v)
@@ -144,6 +145,28 @@ def test_the_vs_vllm_section_reports_the_same_process_run(build, monkeypatch, tm
     build.vs_vllm_section(v)
     assert "has not been run" in v["vs_vllm_text"] and v["vs_vllm_table"] == ""
     assert v["abstract_vs_vllm"] == ""
+
+
+def test_the_evict_share_setting_is_reported_from_its_own_file(build):
+    """The re-store step with evictions that grow with the blocks held: every cell's ratio,
+    verdict, blocks stored and cost per block from ``vs_vllm_evict_share.json``."""
+    doc = {"machine": {"cpu": "x", "cpu_cores": 2, "gpu": None, "git_sha": "abc123",
+                       "torch": "2", "triton": "3", "date_utc": "today"},
+           "settings": {"evict_fraction": 0.01, "evict_per_request": None},
+           "rows": [{"variant": "kvt_fused_restore", "requests": 128, "blocks_per_request": b,
+                     "stored_per_step": 1000.0 * b, "us_per_stored_block": 0.5 / b}
+                    for b in (1, 4)],
+           "targets": [{"name": "fused_restore_over_vllm_control", "requests": 128,
+                        "blocks_per_request": b, "value": 0.5 * b, "met": b == 1}
+                       for b in (1, 4)]
+           + [{"name": "blocks_2048_to_8192_kvt_fused_restore", "requests": 128,
+               "blocks_per_request": "1->4", "measure": "time per stored block: 3.8x"}]}
+    text = build._evict_share_text(doc)
+    assert "1% of the CPU's cached blocks" in text and "commit abc123" in text
+    assert "R = 128, 1 blocks: 0.50 of vLLM's control (met), 1,000 blocks stored" in text
+    assert "R = 128, 4 blocks: 2.00 of vLLM's control (**missed**), 4,000 blocks" in text
+    assert "0.125 us each" in text and "R = 128: time per stored block: 3.8x" in text
+    assert "*not run*" in build._evict_share_text(None)
 
 
 def test_a_file_from_before_the_hint_split_is_read_as_oracle_closes(build):
