@@ -557,6 +557,20 @@ def _target(name: str, r: int, blocks: int | str, value: float, target: str, ok:
             "compared": None if compared is None else list(compared)}
 
 
+# The ratio targets at each of ``TARGET_RS``: name, numerator and denominator variants (per-step
+# medians), the target as written, and its check on (numerator, denominator).
+RATIO_TARGETS = (
+    ("fused_restore_over_vllm_control", "kvt_fused_restore", "vllm_control", "<= 1",
+     lambda x, y: x <= y),
+    ("fused_control_over_vllm_control", "kvt_fused_control", "vllm_control", "<= 0.6",
+     lambda x, y: x <= 0.6 * y),
+    ("rescan_over_fused_restore", "vllm_rescan_restore", "kvt_fused_restore", ">= 100",
+     lambda x, y: x >= 100 * y),
+    *((f"connector_over_planner_{mode}", f"kvt_connector_fused_{mode}", f"kvt_fused_{mode}",
+       "<= 1.10", lambda x, y: x <= 1.10 * y) for mode in ("control", "restore")),
+)
+
+
 def targets(rows: list[dict]) -> list[dict]:
     """The targets at R = 128 and 256, for every block count run, each with its figure and
     verdict. Ratios are of per-step medians of the same run."""
@@ -575,35 +589,12 @@ def targets(rows: list[dict]) -> list[dict]:
 
     for b in counts:
         for r in TARGET_RS:
-            ctl, rescan = ms("vllm_control", r, b), ms("vllm_rescan_restore", r, b)
-            fc, fr = ms("kvt_fused_control", r, b), ms("kvt_fused_restore", r, b)
-            if ctl is not None and fr is not None:
-                out.append(_target("fused_restore_over_vllm_control", r, b, fr / ctl, "<= 1",
-                                   fr <= ctl, "per-step time, kvt_fused_restore / vllm_control",
-                                   low("kvt_fused_restore", "vllm_control", r, b),
-                                   ("kvt_fused_restore", "vllm_control")))
-            if ctl is not None and fc is not None:
-                out.append(_target("fused_control_over_vllm_control", r, b, fc / ctl, "<= 0.6",
-                                   fc <= 0.6 * ctl,
-                                   "per-step time, kvt_fused_control / vllm_control",
-                                   low("kvt_fused_control", "vllm_control", r, b),
-                                   ("kvt_fused_control", "vllm_control")))
-            if rescan is not None and fr is not None:
-                out.append(_target("rescan_over_fused_restore", r, b, rescan / fr, ">= 100",
-                                   rescan >= 100 * fr,
-                                   "per-step time, vllm_rescan_restore / kvt_fused_restore",
-                                   low("vllm_rescan_restore", "kvt_fused_restore", r, b),
-                                   ("vllm_rescan_restore", "kvt_fused_restore")))
-            for mode in ("control", "restore"):
-                conn, alone = ms(f"kvt_connector_fused_{mode}", r, b), ms(f"kvt_fused_{mode}", r, b)
-                if conn is not None and alone is not None:
-                    out.append(_target(f"connector_over_planner_{mode}", r, b, conn / alone,
-                                       "<= 1.10", conn <= 1.10 * alone,
-                                       f"per-step time, kvt_connector_fused_{mode} / "
-                                       f"kvt_fused_{mode}",
-                                       low(f"kvt_connector_fused_{mode}", f"kvt_fused_{mode}",
-                                           r, b),
-                                       (f"kvt_connector_fused_{mode}", f"kvt_fused_{mode}")))
+            for name, num, den, target, ok in RATIO_TARGETS:
+                x, y = ms(num, r, b), ms(den, r, b)
+                if x is not None and y is not None:
+                    out.append(_target(name, r, b, x / y, target, ok(x, y),
+                                       f"per-step time, {num} / {den}", low(num, den, r, b),
+                                       (num, den)))
     if len(counts) >= 2:
         lo, hi = counts[0], counts[-1]
         for r in TARGET_RS:

@@ -36,7 +36,6 @@ from typing import Protocol
 import numpy as np
 
 from kvtriton.eviction import EvictionQueue, make_eviction_queue
-from kvtriton.eviction.base import EvictionQueue as _QueueBase
 from kvtriton.validation import is_int
 
 __all__ = ["NULL_BLOCK", "AllBlocksCleared", "BlockPool", "BlockRemoved", "BlockStored", "GpuPool"]
@@ -48,6 +47,15 @@ NULL_BLOCK = 0
 KeyCallback = Callable[[int, int], None]
 #: ``(keys, block_ids)``: int64 arrays of the same length, pair i is one (key, block).
 BatchCallback = Callable[[np.ndarray, np.ndarray], None]
+
+
+def all_distinct(ids: np.ndarray, scratch: np.ndarray) -> bool:
+    """Whether no id repeats in ``ids`` (int64, each < ``len(scratch)``): O(n), no sort. Each
+    id's slot of ``scratch`` (any content, overwritten) keeps one of its positions, which differs
+    from another occurrence's."""
+    at = np.arange(len(ids))
+    scratch[ids] = at
+    return bool((scratch[ids] == at).all())
 
 
 class GpuPool(Protocol):
@@ -179,7 +187,7 @@ class BlockPool:
         self._map: dict[int, int | dict[int, None]] = {}
         self._eviction = make_eviction_queue(eviction) if isinstance(eviction, str) else eviction
         # A queue that keeps nothing of evicted keys needs no call per victim.
-        self._tracks_evictions = type(self._eviction).on_evicted is not _QueueBase.on_evicted
+        self._tracks_evictions = type(self._eviction).on_evicted is not EvictionQueue.on_evicted
         self._fill_free_queue()
         self._events: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
         self._on_insert: list[KeyCallback] = []
@@ -354,11 +362,7 @@ class BlockPool:
         return np.array(block_ids, dtype=np.int64)
 
     def _distinct(self, ids: np.ndarray) -> bool:
-        """Whether no id repeats in ``ids`` (O(n), no sort: each id's scratch slot keeps one of
-        its positions, which differs from another occurrence's)."""
-        at = np.arange(len(ids))
-        self._scratch[ids] = at
-        return bool((self._scratch[ids] == at).all())
+        return all_distinct(ids, self._scratch)
 
     # ---- allocation ------------------------------------------------------------------------
 

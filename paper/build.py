@@ -26,7 +26,8 @@ FIGURES = PAPER / "figures"
 
 sys.path.insert(0, str(ROOT))
 
-from bench.studies import always_written, writers  # noqa: E402 - the repo root goes first
+from bench.bench_vs_vllm import RATIO_TARGETS  # noqa: E402 - the repo root goes first
+from bench.studies import always_written, writers  # noqa: E402
 from kvtriton.plots import (  # noqa: E402
     PLANNER_VARIANTS,
     plot_gain_over_control,
@@ -211,13 +212,7 @@ VS_VLLM_TARGETS = {
 
 # The variants of each ratio target, numerator first (a results file written before
 # ``bench_vs_vllm`` recorded them with each target).
-VS_VLLM_COMPARED = {
-    "fused_restore_over_vllm_control": ("kvt_fused_restore", "vllm_control"),
-    "fused_control_over_vllm_control": ("kvt_fused_control", "vllm_control"),
-    "rescan_over_fused_restore": ("vllm_rescan_restore", "kvt_fused_restore"),
-    "connector_over_planner_control": ("kvt_connector_fused_control", "kvt_fused_control"),
-    "connector_over_planner_restore": ("kvt_connector_fused_restore", "kvt_fused_restore"),
-}
+VS_VLLM_COMPARED = {name: (num, den) for name, num, den, _, _ in RATIO_TARGETS}
 
 
 def _vs_vllm() -> dict | None:

@@ -164,22 +164,6 @@ class LinkedQueue:
         self.remove(b)
         return b
 
-    def popleft_many(self, n: int) -> list[int]:
-        """Unlink the first ``n`` blocks in one walk."""
-        if n > self._len:
-            raise IndexError(f"pop of {n} from a queue of {self._len}")
-        s, nxt, prv, inq = self._n, self._next, self._prev, self._in
-        out = [0] * n
-        b = nxt[s]
-        for i in range(n):
-            out[i] = b
-            inq[b] = 0
-            b = nxt[b]
-        nxt[s] = b
-        prv[b] = s
-        self._len -= n
-        return out
-
     def first(self) -> int | None:
         b = self._next[self._n]
         return None if b == self._n else b
@@ -194,8 +178,6 @@ class LinkedQueue:
             yield b
             b = following
 
-    def next_of(self, b: int) -> int:
-        return self._next[b]
 
 
 def skip_past(order: Iterator[int], after: int) -> Iterator[int]:

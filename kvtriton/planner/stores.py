@@ -186,8 +186,8 @@ class Stores:
         if not new:
             self._stats.tables_s += time.perf_counter() - t0
             return
-        rows = list(map(self._rows_of.get, new)) if not resumed else [None]
-        if None not in rows:
+        rows = None if resumed else self._held_rows(new)
+        if rows is not None:
             # Every request holds its row (a decode step): nothing to admit or release.
             self._append(rows, list(new.values()))
             self._stats.tables_s += time.perf_counter() - t0
@@ -207,6 +207,12 @@ class Stores:
         if rows:
             self._append(rows, news)
         self._stats.tables_s += time.perf_counter() - t0
+
+    def _held_rows(self, rids) -> list[int] | None:
+        """The rows of ``rids`` in order when every one holds a row now, else None (one C-level
+        pass over the ids)."""
+        rows = list(map(self._rows_of.get, rids))
+        return None if None in rows else rows
 
     def _append(self, rows: list[int], news: list[tuple[list[int], ...]]) -> None:
         """``news[i][g]`` joins row ``rows[i]``'s table of group g (rows distinct)."""
@@ -253,8 +259,8 @@ class Stores:
             seen = set(order)
             order = order + [r for r in self._states if r not in seen]
         scheduled, idle = step.num_scheduled_tokens, config.scan_idle
-        rows = list(map(self._rows_of.get, order)) if len(order) > _ROW_PASSES_FROM else [None]
-        if None not in rows and (idle or all(map(scheduled.get, order))):
+        rows = self._held_rows(order) if len(order) > _ROW_PASSES_FROM else None
+        if rows is not None and (idle or all(map(scheduled.get, order))):
             # Every request in the order holds a row and runs (a server's usual step, of many
             # requests): C-level passes, cheaper than the loop below past a few dozen.
             reqs = map(requests.__getitem__, order)

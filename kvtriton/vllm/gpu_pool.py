@@ -43,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from kvtriton.pool import all_distinct
 from kvtriton.vllm.keys import KeyIds
 
 __all__ = ["VllmGpuPool"]
@@ -111,7 +112,7 @@ class VllmGpuPool:
         # Pins of ``pin_held`` not yet in vLLM's counts, per block, and their total.
         self._kept = np.zeros(self.num_blocks, dtype=np.int32)
         self._num_kept = 0
-        self._scratch = np.zeros(self.num_blocks, dtype=np.int64)  # pin_held's repeat check
+        self._scratch = np.zeros(self.num_blocks, dtype=np.int64)  # all_distinct's
         self.ref_cnt = _RefCounts(self._blocks, self._kept)
         self._hook()
         self._hook_batches()
@@ -323,9 +324,7 @@ class VllmGpuPool:
             if free:
                 raise AssertionError(f"pin_held: blocks {free[:8]} are not held by vLLM")
         # A fancy-index add counts a repeated id once: np.add.at does not, at 50x the cost.
-        at = np.arange(len(ids))
-        self._scratch[ids] = at
-        if (self._scratch[ids] == at).all():
+        if all_distinct(ids, self._scratch):
             self._kept[ids] += 1
         else:
             np.add.at(self._kept, ids, 1)
@@ -364,9 +363,7 @@ class VllmGpuPool:
         kept = self._kept[ids] > 0
         if not kept.any():
             return ids.tolist()
-        at = np.arange(len(ids))
-        self._scratch[ids] = at
-        if (self._scratch[ids] == at).all():
+        if all_distinct(ids, self._scratch):
             self._kept[ids[kept]] -= 1
             self._num_kept -= int(kept.sum())
             return ids[~kept].tolist()
