@@ -93,7 +93,8 @@ def _csv(text: str) -> list[str]:
 def _add_workload_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
     g.add_argument("--workload", default="agent", metavar="NAME|PATH",
-                   help="agent (generator), mooncake, cc_agentic or glm5 (shipped traces), or a "
+                   help="agent (generator), chat (the generator's sequential-chat shape, fixed), "
+                        "mooncake, cc_agentic or glm5 (shipped traces), or a "
                         "trace file/folder (Mooncake JSONL or kv-cache-tester JSON); default: "
                         "agent")
     g.add_argument("--trace-block-size", type=_positive_int, default=None,

@@ -1,7 +1,8 @@
 """The workloads by name: one registry for the CLI, the benchmarks and the cross-check.
 
-A name is ``agent`` (the generator), ``mooncake``, ``cc_agentic`` or ``glm5`` (traces shipped
-in ``kvtriton/sim/data``); anything else is read as a trace file or folder. Each named workload
+A name is ``agent`` (the generator), ``chat`` (the generator's sequential-chat shape,
+``SEQUENTIAL_CHAT``), ``mooncake``, ``cc_agentic`` or ``glm5`` (traces shipped in
+``kvtriton/sim/data``); anything else is read as a trace file or folder. Each named workload
 carries the serving setting the benchmarks run it at (``WorkloadSpec.serving``), so a setting is
 written once. The transformations every experiment applies are here too: ``limit_workload``
 (the first N requests), ``scale_times`` (arrivals and think times stretched),
@@ -31,8 +32,9 @@ from kvtriton.sim.traces import (
 )
 from kvtriton.sim.workload import AgentConfig, Workload, agent_workload
 
-__all__ = ["WORKLOADS", "WorkloadSpec", "coarsen", "first_turns", "fresh_outputs",
-           "limit_workload", "load_workload", "scale_times", "serving_workload", "trace_source"]
+__all__ = ["SEQUENTIAL_CHAT", "WORKLOADS", "WorkloadSpec", "coarsen", "first_turns",
+           "fresh_outputs", "limit_workload", "load_workload", "scale_times", "serving_workload",
+           "trace_source"]
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,10 @@ WORKLOADS: Mapping[str, WorkloadSpec] = MappingProxyType({
     "agent": WorkloadSpec("agent", "agent generator (multi-turn sessions, shared system prompt)",
                           None, {"block_size": 16, "time_scale": 1.0, "gpu_tokens": 32_768,
                                  "cpu_tokens": 65_536}),
+    # Where frequency-first eviction loses to recency (SEQUENTIAL_CHAT): a tier of 300 blocks.
+    "chat": WorkloadSpec("chat", "sequential chat (about one conversation at a time, small tier)",
+                         None, {"block_size": 16, "time_scale": 1.0, "gpu_tokens": 4_096,
+                                "cpu_tokens": 4_800}),
     # Recorded on a cluster: its arrivals are spread 4x, or it overruns one modeled GPU.
     # 64-token blocks keep the whole trace within minutes on 2 cores (its own are 512).
     "mooncake": WorkloadSpec("mooncake", "Mooncake's synthetic conversation trace",
@@ -83,6 +89,21 @@ WORKLOADS: Mapping[str, WorkloadSpec] = MappingProxyType({
 #: The agent generator's setting where an experiment names only ``agent``.
 DEFAULT_AGENT = AgentConfig(num_conversations=24, min_turns=6, max_turns=12, seed=0)
 
+#: Sequential chat: 40 conversations of 6-12 short turns starting over 2,000 s, so that about
+#: one runs at a time (a conversation lasts about 40 s), each growing to at most 3,000 tokens
+#: over a 512-token shared system prompt. The shape of a finding in the real engine (a long
+#: chat-like run on a tier of 150 blocks, where ``lfu:64`` kept 17-29% of the CPU-hit tokens
+#: of ``eager``): a finished conversation's blocks were counted at every one of its turns, the
+#: next conversation's fresh blocks once, so a frequency sketch keeps the dead conversation and
+#: evicts the live one. The sizes were chosen to show that effect (``bench/lfu_recency.py``
+#: reports it on other seeds than the one they were chosen on).
+SEQUENTIAL_CHAT = AgentConfig(num_conversations=40, min_turns=6, max_turns=12,
+                              system_prompt_tokens=512, first_user_tokens=256, user_tokens=128,
+                              output_tokens=128, max_context_tokens=3_000, start_window_s=2_000.0,
+                              think_s_mean=2.0, seed=1)
+
+_GENERATED = {"agent": DEFAULT_AGENT, "chat": SEQUENTIAL_CHAT}
+
 
 def load_workload(name: str, *, block_size: int | None = None, limit: int | None = None,
                   time_scale: float = 1.0, turns: int | None = None,
@@ -91,16 +112,17 @@ def load_workload(name: str, *, block_size: int | None = None, limit: int | None
     """The workload called ``name`` (a ``WORKLOADS`` key, or a trace file or folder).
 
     ``block_size``: hash block size in tokens (default: the trace's own; the generator's 16);
-    ``agent``: the generator's setting (default ``DEFAULT_AGENT`` at ``block_size``);
+    ``agent``: the generator's setting (default ``DEFAULT_AGENT`` for ``agent``,
+    ``SEQUENTIAL_CHAT`` for ``chat``, at ``block_size``);
     ``trace_block_size``: the tokens per block id of a Mooncake-format file given by path (a
     named trace knows its own);
     ``turns``: keep the first ``turns`` turns of every session; ``limit``: then the first
     ``limit`` requests; ``time_scale``: then multiply arrival and think times."""
-    if name == "agent":
+    if name in _GENERATED:
         if trace_block_size is not None:
-            raise ValueError(f"trace_block_size={trace_block_size}: the agent generator reads no "
-                             "trace")
-        cfg = agent or DEFAULT_AGENT
+            raise ValueError(f"trace_block_size={trace_block_size}: the {name} generator reads "
+                             "no trace")
+        cfg = agent or _GENERATED[name]
         if block_size is not None:
             cfg = replace(cfg, hash_block_size=block_size)
         wl = agent_workload(cfg)

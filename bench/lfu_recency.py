@@ -1,0 +1,227 @@
+"""Where frequency-first eviction loses: the sequential-chat shape (``SEQUENTIAL_CHAT``).
+
+A finding in the real engine: on a long chat-like run with a 150-block CPU tier, ``eager+lfu:64``
+and ``eager+lfu:64+waiting`` kept 17-29% of the CPU-hit tokens of ``eager``. This study replays
+the same shape in the simulator and measures why. The sketch counts every admitted request's
+keys. A conversation's early blocks are in every one of its later prompts, so they reach high
+counts; when that conversation ends, they stay ranked above the next conversation's fresh blocks,
+which have been counted once or twice. The tier then evicts the live conversation's blocks
+(``running_evictions``: CPU copies of running requests' blocks evicted) and keeps the dead one.
+
+Each setup runs on the shape's own seed (the one its sizes were chosen on) and on held-out seeds.
+Two changes to the sketch are measured beside it, each on this shape and on the tier study's
+workloads, split into train and test parts as ``bench_policies`` does:
+
+- ``lfu:4``: a shorter aging window (4 tier sizes of sightings instead of 64), so that counts
+  of a finished conversation are halved sooner;
+- ``lfu:64`` counting only the keys past the request's GPU prefix hit (``MISS_ONLY``), so that a
+  prefix the GPU keeps serving gains no rank in the CPU tier. It is a setting of the study
+  (``miss_only``), not a setup name: it is reported, not offered.
+
+Run: ``python -m bench.lfu_recency [--seeds N] [--json out.json]`` (about 3 minutes on 2 cores
+with ``--no-study-workloads``; the tier study's workloads add about 10).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+#: The setups on the chat shape: the control, the study's frequency setups, the shorter window,
+#: and the references (next use: an oracle; a tier that holds everything).
+CHAT_SETUPS = ("eager", "eager+lfu:64", "eager+lfu:64+waiting", "eager+lfu:4")
+REFERENCES = ("eager+nextuse", "eager+inf")
+#: The setups re-run with the sketch counting only GPU misses.
+MISS_ONLY_SETUPS = ("eager+lfu:64", "eager+lfu:4")
+#: The tier study's workloads (``bench.tier_study.workloads``) the changes are checked on, at
+#: CPU = GPU, the capacity where ``lfu:64`` was chosen.
+STUDY_WORKLOADS = ("cc_agentic", "mooncake", "agent")
+STUDY_SETUPS = ("eager", "eager+lfu:64", "eager+lfu:4")
+HELD_OUT_SEEDS = 5
+
+
+@contextlib.contextmanager
+def miss_only() -> Iterator[None]:
+    """While open, a demand-learning CPU eviction counts only the keys of an admitted request
+    past its GPU prefix hit (the ``num_computed_tokens`` of its last lookup)."""
+    from kvtriton.planner.planner import OffloadPlanner
+    from kvtriton.planner.stores import Stores
+
+    lookup, admit = OffloadPlanner.get_num_new_matched_tokens, Stores.admit
+    gpu_hit: dict[str, int] = {}
+
+    def recording_lookup(self, req, num_computed_tokens):
+        gpu_hit[req.request_id] = int(num_computed_tokens)
+        return lookup(self, req, num_computed_tokens)
+
+    def admit_counting_misses(self, req):
+        demand = self._demand
+        if demand is None or req.request_id in self._states:
+            return admit(self, req)
+        skip = gpu_hit.pop(req.request_id, 0) // self._align
+
+        def missed(_keys):
+            demand(np.unique(np.concatenate([k[skip:] for k in self._primary_keys(req)])))
+
+        self._demand = missed
+        try:
+            return admit(self, req)
+        finally:
+            self._demand = demand
+
+    OffloadPlanner.get_num_new_matched_tokens = recording_lookup
+    Stores.admit = admit_counting_misses
+    try:
+        yield
+    finally:
+        OffloadPlanner.get_num_new_matched_tokens = lookup
+        Stores.admit = admit
+
+
+_FIELDS = ("token_hit_rate", "cpu_hit_tokens", "gpu_hit_tokens", "recomputed_tokens",
+           "stored_blocks", "running_evictions", "ttft_p50_s", "ttft_p90_s")
+
+
+def _row(row: dict) -> dict:
+    out = {k: row[k] for k in _FIELDS}
+    if "parts" in row:
+        out["parts"] = {p: {k: v[k] for k in ("token_hit_rate", "cpu_hit_tokens")}
+                        for p, v in row["parts"].items()}
+    return out
+
+
+def _task(task: tuple) -> tuple:
+    """One simulation in a worker process: ``(key, workload, simulate kwargs, miss_only)``."""
+    key, wl, kw, miss = task
+    from kvtriton.sim import simulate
+
+    with miss_only() if miss else contextlib.nullcontext():
+        res = simulate(wl, bound=False, in_loop_bounds=(), **kw)
+    return key, {r["policy"]: _row(r) for r in res.rows}
+
+
+def run_tasks(tasks: list[tuple], progress: bool) -> dict:
+    workers = max(1, min(len(tasks), os.cpu_count() or 1))
+    out = {}
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        for n, (key, rows) in enumerate(pool.map(_task, tasks), 1):
+            out[key] = rows
+            if progress:
+                print(f"  lfu recency: {n}/{len(tasks)} done ({'/'.join(key)})", flush=True)
+    return out
+
+
+def chat_tasks(seeds: list[int]) -> list[tuple]:
+    from kvtriton.sim.workload import agent_workload
+    from kvtriton.sim.workloads import SEQUENTIAL_CHAT, WORKLOADS
+
+    caps = WORKLOADS["chat"].capacities()
+    tasks = []
+    for s in seeds:
+        wl = agent_workload(replace(SEQUENTIAL_CHAT, seed=s))
+        tasks.append(((f"chat/{s}", "all"), wl,
+                      {**caps, "policies": [*CHAT_SETUPS, *REFERENCES]}, False))
+        tasks.append(((f"chat/{s}", "miss_only"), wl,
+                      {**caps, "policies": list(MISS_ONLY_SETUPS)}, True))
+    return tasks
+
+
+def study_tasks(tags: tuple[str, ...]) -> list[tuple]:
+    from bench.tier_study import SPLITS, workloads
+    from kvtriton.sim.splits import split_named
+
+    wls = workloads(quick=False) if tags else {}
+    tasks = []
+    for tag in tags:
+        wl, gpu, _ = wls[tag]
+        caps = {"gpu_tokens": gpu, "cpu_tokens": gpu, "parts": split_named(SPLITS[tag], wl)}
+        for p in STUDY_SETUPS:
+            tasks.append(((tag, "all", p), wl, {**caps, "policies": [p]}, False))
+            if "lfu" in p:
+                tasks.append(((tag, "miss_only", p), wl, {**caps, "policies": [p]}, True))
+    return tasks
+
+
+def summarise(results: dict, seeds: list[int], chosen_seed: int) -> dict:
+    """Per seed: each setup's CPU-hit tokens over the control's; over the held-out seeds: the
+    setups' totals and the verdict (frequency loses where its total is below the control's)."""
+    held = [s for s in seeds if s != chosen_seed]
+
+    def total(seeds_, setup, variant):
+        return sum(results[(f"chat/{s}", variant)][setup]["cpu_hit_tokens"] for s in seeds_)
+
+    control = total(held, "eager", "all")
+    share = {}
+    for setup in CHAT_SETUPS[1:] + REFERENCES:
+        share[setup] = total(held, setup, "all") / control if control else None
+    for setup in MISS_ONLY_SETUPS:
+        share[f"{setup} (miss only)"] = (total(held, setup, "miss_only") / control
+                                         if control else None)
+    return {"held_out_seeds": held, "control_cpu_hit_tokens": control,
+            "cpu_hit_share_of_control": share,
+            "running_evictions": {setup: sum(results[(f"chat/{s}", "all")][setup]
+                                             ["running_evictions"] for s in held)
+                                  for setup in (*CHAT_SETUPS, *REFERENCES)},
+            "lfu_loses": bool(share["eager+lfu:64"] is not None and share["eager+lfu:64"] < 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bench.common import OneLineParser, write_result
+    from kvtriton.sim.workloads import SEQUENTIAL_CHAT, WORKLOADS
+
+    ap = OneLineParser(prog="python -m bench.lfu_recency", description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", type=int, default=HELD_OUT_SEEDS,
+                    help=f"held-out seeds of the chat shape (default {HELD_OUT_SEEDS})")
+    ap.add_argument("--no-study-workloads", action="store_true",
+                    help="skip the tier study's workloads (the chat shape only)")
+    ap.add_argument("--json", default="bench/results/lfu_recency.json")
+    ap.add_argument("--quiet", action="store_true", help="no progress lines")
+    args = ap.parse_args(argv)
+    if args.seeds < 1:
+        ap.error(f"--seeds {args.seeds}: give at least one held-out seed")
+    t0 = time.perf_counter()
+    chosen = SEQUENTIAL_CHAT.seed
+    seeds = [chosen, *range(chosen + 1, chosen + 1 + args.seeds)]
+    tags = () if args.no_study_workloads else STUDY_WORKLOADS
+    # The longest simulations first: the study workloads', then the chat seeds.
+    tasks = study_tasks(tags) + chat_tasks(seeds)
+    results = run_tasks(tasks, not args.quiet)
+    summary = summarise(results, seeds, chosen)
+    chat = {str(s): {**results[(f"chat/{s}", "all")],
+                     **{f"{p} (miss only)": r
+                        for p, r in results[(f"chat/{s}", "miss_only")].items()}}
+            for s in seeds}
+    study = {tag: {(p if v == "all" else f"{p} (miss only)"): rows[p]
+                   for (t, v, p), rows in results.items() if t == tag}
+             for tag in tags}
+    payload = {"shape": {"config": {k: getattr(SEQUENTIAL_CHAT, k)
+                                    for k in SEQUENTIAL_CHAT.__dataclass_fields__},
+                         "capacities": WORKLOADS["chat"].capacities(),
+                         "chosen_seed": chosen},
+               "chat": chat, "summary": summary, "study_workloads": study,
+               "study_split": {tag: "train/test as bench_policies" for tag in tags},
+               "elapsed_s": round(time.perf_counter() - t0, 1)}
+    path = Path(args.json)
+    write_result(path.stem, payload, path.parent)
+    sh = summary["cpu_hit_share_of_control"]
+    print(f"chat shape, held-out seeds {summary['held_out_seeds']}: CPU-hit tokens over eager's "
+          + ", ".join(f"{k} {v:.2f}" for k, v in sh.items() if v is not None))
+    for tag, rows in study.items():
+        hit = {p: [r["parts"][part]["token_hit_rate"] for part in ("train", "test")]
+               for p, r in rows.items()}
+        print(f"{tag}: " + ", ".join(f"{p} {a:.4f}/{b:.4f}" for p, (a, b) in hit.items())
+              + " (train/test hit rate)")
+    print(f"wrote {path} ({payload['elapsed_s']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
