@@ -46,6 +46,16 @@ MISS_ONLY_SETUPS = ("eager+lfu:64", "eager+lfu:4")
 STUDY_WORKLOADS = ("cc_agentic", "mooncake", "agent")
 STUDY_SETUPS = ("eager", "eager+lfu:64", "eager+lfu:4")
 HELD_OUT_SEEDS = 5
+#: A change recovers the chat shape's hits when, on the held-out seeds together, it keeps at
+#: least this share of the control's CPU-hit tokens.
+RECOVERS_SHARE = 0.9
+#: A change keeps ``lfu:64``'s gain when on no study workload's part it is more than this many
+#: points of token hit rate below ``lfu:64``. Judged on the train parts; the test parts report.
+KEEPS_GAIN_POINTS = 1.0
+#: The changes: (name in the results, setup, miss only).
+CHANGES = (("eager+lfu:4", "eager+lfu:4", False),
+           ("eager+lfu:64 (miss only)", "eager+lfu:64", True),
+           ("eager+lfu:4 (miss only)", "eager+lfu:4", True))
 
 
 @contextlib.contextmanager
@@ -173,6 +183,28 @@ def summarise(results: dict, seeds: list[int], chosen_seed: int) -> dict:
             "lfu_loses": bool(share["eager+lfu:64"] is not None and share["eager+lfu:64"] < 1)}
 
 
+def verdicts(summary: dict, study: dict) -> list[dict]:
+    """Per change: whether it recovers the chat shape's hits (held-out seeds) and, per part,
+    its points against ``lfu:64`` on every study workload, worst first; chosen (``adopt``) only
+    if it recovers and keeps the gain on the train parts."""
+    out = []
+    for name, _, _ in CHANGES:
+        share = summary["cpu_hit_share_of_control"].get(name)
+        worst = {}
+        for part in ("train", "test"):
+            pts = {tag: round(100 * (rows[name]["parts"][part]["token_hit_rate"]
+                                     - rows["eager+lfu:64"]["parts"][part]["token_hit_rate"]), 2)
+                   for tag, rows in study.items() if name in rows}
+            worst[part] = dict(sorted(pts.items(), key=lambda kv: kv[1]))
+        recovers = share is not None and share >= RECOVERS_SHARE
+        keeps = {part: bool(worst[part]) and min(worst[part].values()) >= -KEEPS_GAIN_POINTS
+                 for part in worst}
+        out.append({"change": name, "chat_cpu_hit_share_of_control": share,
+                    "recovers_chat": recovers, "points_vs_lfu64": worst,
+                    "keeps_gain": keeps, "adopt": recovers and keeps["train"]})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     from bench.common import OneLineParser, write_result
     from kvtriton.sim.workloads import SEQUENTIAL_CHAT, WORKLOADS
@@ -207,6 +239,9 @@ def main(argv: list[str] | None = None) -> int:
                          "capacities": WORKLOADS["chat"].capacities(),
                          "chosen_seed": chosen},
                "chat": chat, "summary": summary, "study_workloads": study,
+               "rule": {"recovers_share": RECOVERS_SHARE,
+                        "keeps_gain_points": KEEPS_GAIN_POINTS, "judged_on": "train"},
+               "verdicts": verdicts(summary, study) if study else [],
                "study_split": {tag: "train/test as bench_policies" for tag in tags},
                "elapsed_s": round(time.perf_counter() - t0, 1)}
     path = Path(args.json)
@@ -219,6 +254,10 @@ def main(argv: list[str] | None = None) -> int:
                for p, r in rows.items()}
         print(f"{tag}: " + ", ".join(f"{p} {a:.4f}/{b:.4f}" for p, (a, b) in hit.items())
               + " (train/test hit rate)")
+    for v in payload["verdicts"]:
+        print(f"{v['change']}: recovers chat {v['recovers_chat']}, keeps lfu:64's gain "
+              f"train {v['keeps_gain']['train']} / test {v['keeps_gain']['test']}, adopt "
+              f"{v['adopt']}")
     print(f"wrote {path} ({payload['elapsed_s']:.0f} s)")
     return 0
 

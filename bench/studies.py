@@ -118,6 +118,10 @@ STUDIES: tuple[Study, ...] = (
           "the conversational gap: candidates chosen on Mooncake's train half, judged on its "
           "test half and on the other workloads' test parts", _CONV_GAP, _CONV_GAP, "cpu",
           ("conversational_gap.json",), run_in=()),
+    Study("lfu_recency", "bench.lfu_recency",
+          "where frequency-first eviction loses: the sequential-chat shape on held-out seeds, "
+          "and the sketch's two changes on the tier study's workloads by part", (), (), "cpu",
+          ("lfu_recency.json",), run_in=(), quiet=True),
     Study("tune_shares", "bench.tune_shares",
           "the protected shares of hints and lookahead, tuned on train, judged on test",
           _TUNE_SHARES, _TUNE_SHARES, "cpu", ("tune_shares.json",), run_in=(), quiet=True),
