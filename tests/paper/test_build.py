@@ -183,3 +183,41 @@ def test_a_file_from_before_the_hint_split_is_read_as_oracle_closes(build):
     # A file written after the split is left as it is.
     build._legacy_hints(doc)
     assert rows[2]["policy"] == "lazy+hints [oracle closes]"
+
+
+def test_the_lfu_section_formats_the_studys_verdicts(build, monkeypatch):
+    """``lfu_recency.json``: the held-out share table and each change's verdict as the study
+    wrote it; without the file, a line saying how to run it."""
+    machine = {"cpu": "x", "cpu_cores": 2, "gpu": None, "git_sha": "abc123", "torch": "2",
+               "triton": "3", "date_utc": "today"}
+    cfg = {"num_conversations": 40, "min_turns": 6, "max_turns": 12, "start_window_s": 2000.0,
+           "system_prompt_tokens": 512}
+
+    def row(train, test):
+        return {"parts": {"train": {"token_hit_rate": train}, "test": {"token_hit_rate": test}}}
+
+    doc = {"machine": machine,
+           "shape": {"config": cfg, "capacities": {"gpu_tokens": 4096, "cpu_tokens": 4800},
+                     "chosen_seed": 1},
+           "summary": {"held_out_seeds": [2, 3], "control_cpu_hit_tokens": 1234,
+                       "cpu_hit_share_of_control": {"eager+lfu:64": 0.25},
+                       "running_evictions": {"eager": 10, "eager+lfu:64": 99},
+                       "lfu_loses": True},
+           "study_workloads": {"cc_agentic": {"eager+lfu:64": row(0.5, 0.6)}},
+           "rule": {"recovers_share": 0.9, "keeps_gain_points": 1.0, "judged_on": "train"},
+           "verdicts": [{"change": "eager+lfu:4", "chat_cpu_hit_share_of_control": 0.97,
+                         "recovers_chat": True, "adopt": False,
+                         "points_vs_lfu64": {"train": {"cc_agentic": -3.5},
+                                             "test": {"cc_agentic": -2.0}}}]}
+    monkeypatch.setattr(build, "_load", lambda name: doc if name == "lfu_recency" else None)
+    v: dict = {}
+    build.lfu_recency_section(v)
+    text = v["lfu_recency_text"]
+    assert "held-out seeds 2-3" in text and "1,234 CPU-hit tokens" in text
+    assert "| `eager+lfu:64` | 0.25 | 99 |" in text
+    assert "`eager+lfu:4` recovers the chat hits (0.97 of `eager`'s)" in text
+    assert "train -3.50 points (coding-agent traces)" in text and "not adopted" in text
+    assert "`lfu:64` stays as chosen" in text
+    monkeypatch.setattr(build, "_load", lambda name: None)
+    build.lfu_recency_section(v)
+    assert "--only lfu_recency" in v["lfu_recency_text"]
