@@ -7,7 +7,7 @@ GPU_CHECK_ARGS ?=
 
 .PHONY: bench test lint paper clean gpu-check gpu-check-dry-run
 
-$(VENV)/.installed: pyproject.toml tools/bootstrap.sh
+$(VENV)/.installed: pyproject.toml setup.py tools/bootstrap.sh
 	@bash tools/bootstrap.sh $(PYTHON) $(VENV)
 	@touch $@
 
