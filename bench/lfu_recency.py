@@ -131,12 +131,12 @@ def run_tasks(tasks: list[tuple], progress: bool) -> dict:
 
 def chat_tasks(seeds: list[int]) -> list[tuple]:
     from kvtriton.sim.workload import agent_workload
-    from kvtriton.sim.workloads import SEQUENTIAL_CHAT, WORKLOADS
+    from kvtriton.sim.workloads import WORKLOADS
 
     caps = WORKLOADS["chat"].capacities()
     tasks = []
     for s in seeds:
-        wl = agent_workload(replace(SEQUENTIAL_CHAT, seed=s))
+        wl = agent_workload(replace(chat_shape(), seed=s))
         tasks.append(((f"chat/{s}", "all"), wl,
                       {**caps, "policies": [*CHAT_SETUPS, *REFERENCES]}, False))
         tasks.append(((f"chat/{s}", "miss_only"), wl,
@@ -144,11 +144,25 @@ def chat_tasks(seeds: list[int]) -> list[tuple]:
     return tasks
 
 
+def chat_shape():
+    """The shape's generator setting (a function: tests run the study on a smaller one)."""
+    from kvtriton.sim.workloads import SEQUENTIAL_CHAT
+
+    return SEQUENTIAL_CHAT
+
+
+def study_workloads() -> dict:
+    """The tier study's full-size workloads (``bench.tier_study.workloads``)."""
+    from bench.tier_study import workloads
+
+    return workloads(quick=False)
+
+
 def study_tasks(tags: tuple[str, ...]) -> list[tuple]:
-    from bench.tier_study import SPLITS, workloads
+    from bench.tier_study import SPLITS
     from kvtriton.sim.splits import split_named
 
-    wls = workloads(quick=False) if tags else {}
+    wls = study_workloads() if tags else {}
     tasks = []
     for tag in tags:
         wl, gpu, _ = wls[tag]
@@ -207,7 +221,7 @@ def verdicts(summary: dict, study: dict) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     from bench.common import OneLineParser, write_result
-    from kvtriton.sim.workloads import SEQUENTIAL_CHAT, WORKLOADS
+    from kvtriton.sim.workloads import WORKLOADS
 
     ap = OneLineParser(prog="python -m bench.lfu_recency", description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=HELD_OUT_SEEDS,
@@ -220,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.seeds < 1:
         ap.error(f"--seeds {args.seeds}: give at least one held-out seed")
     t0 = time.perf_counter()
-    chosen = SEQUENTIAL_CHAT.seed
+    shape = chat_shape()
+    chosen = shape.seed
     seeds = [chosen, *range(chosen + 1, chosen + 1 + args.seeds)]
     tags = () if args.no_study_workloads else STUDY_WORKLOADS
     # The longest simulations first: the study workloads', then the chat seeds.
@@ -232,10 +247,9 @@ def main(argv: list[str] | None = None) -> int:
                         for p, r in results[(f"chat/{s}", "miss_only")].items()}}
             for s in seeds}
     study = {tag: {(p if v == "all" else f"{p} (miss only)"): rows[p]
-                   for (t, v, p), rows in results.items() if t == tag}
+                   for (t, v, *p_), rows in results.items() if t == tag for p in p_}
              for tag in tags}
-    payload = {"shape": {"config": {k: getattr(SEQUENTIAL_CHAT, k)
-                                    for k in SEQUENTIAL_CHAT.__dataclass_fields__},
+    payload = {"shape": {"config": {k: getattr(shape, k) for k in shape.__dataclass_fields__},
                          "capacities": WORKLOADS["chat"].capacities(),
                          "chosen_seed": chosen},
                "chat": chat, "summary": summary, "study_workloads": study,

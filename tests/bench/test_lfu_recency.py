@@ -100,3 +100,37 @@ def test_a_change_is_adopted_only_if_it_recovers_and_keeps_the_gain_on_train():
     assert got["eager+lfu:4"]["points_vs_lfu64"]["test"] == {"cc_agentic": -10.0}
     assert not got["eager+lfu:64 (miss only)"]["adopt"]  # 5 points down on train
     assert not got["eager+lfu:4 (miss only)"]["adopt"]  # does not recover the chat hits
+
+
+def test_the_study_runs_end_to_end_on_small_workloads(monkeypatch, tmp_path):
+    """``main`` on a small chat shape and one small study workload writes every section the
+    paper reads (the chat seeds' keys and the study's keys differ in shape)."""
+    import json
+
+    from bench import tier_study
+    from kvtriton.sim import without_closes
+
+    small = replace(SEQUENTIAL_CHAT, num_conversations=4)
+    wl = without_closes(agent_workload(num_conversations=6, min_turns=2, max_turns=4, seed=2))
+    monkeypatch.setattr(lfu_recency, "chat_shape", lambda: small)
+    monkeypatch.setattr(lfu_recency, "STUDY_WORKLOADS", ("agent",))
+    monkeypatch.setattr(lfu_recency, "study_workloads", lambda: {"agent": (wl, 4096, None)})
+    monkeypatch.setitem(tier_study.SPLITS, "agent", "sessions")
+    out = tmp_path / "lfu_recency.json"
+    assert lfu_recency.main(["--seeds", "1", "--quiet", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert sorted(doc["chat"]) == [str(small.seed), str(small.seed + 1)]
+    assert set(doc["study_workloads"]["agent"]) == {
+        "eager", "eager+lfu:64", "eager+lfu:4", "eager+lfu:64 (miss only)",
+        "eager+lfu:4 (miss only)"}
+    assert [v["change"] for v in doc["verdicts"]] == [c for c, _, _ in lfu_recency.CHANGES]
+    assert doc["summary"]["held_out_seeds"] == [small.seed + 1]
+
+
+def test_bad_seed_count_is_one_line(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit) as e:
+        lfu_recency.main(["--seeds", "0"])
+    assert e.value.code == 2
+    assert "--seeds 0" in capsys.readouterr().err
