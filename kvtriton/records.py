@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvtriton.validation import is_int
+from kvtriton.validation import check_request_keys, is_int
 
 __all__ = ["PlannerMeta", "Request", "StepOutput", "Transfer"]
 
@@ -48,15 +48,7 @@ class Request:
         if self.num_tokens < self.num_prompt_tokens:
             raise ValueError(f"request {rid!r}: num_tokens={self.num_tokens} < "
                              f"num_prompt_tokens={self.num_prompt_tokens}")
-        keys = self.keys
-        if not isinstance(keys, np.ndarray) or keys.dtype != np.int64 or keys.ndim != 2:
-            got = (f"dtype {keys.dtype}, shape {keys.shape}" if isinstance(keys, np.ndarray)
-                   else type(keys).__name__)
-            raise ValueError(f"request {rid!r}: keys must be an int64 array [groups, n], "
-                             f"got {got}")
-        # Keys index the pools' and the planner's per-key arrays: a negative one would wrap.
-        if keys.size and (low := int(keys.min())) < 0:
-            raise ValueError(f"request {rid!r}: keys must be non-negative ids, got {low}")
+        check_request_keys(rid, self.keys)
 
     @property
     def confirmed_tokens(self) -> int:

@@ -5,10 +5,12 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
-__all__ = ["block_id_array", "check_block_ids", "is_finite_number", "is_int"]
+__all__ = ["block_id_array", "check_block_ids", "check_request_keys", "is_finite_number",
+           "is_int"]
 
 
 def is_int(value: object) -> bool:
@@ -62,6 +64,19 @@ def block_id_array(ids: Sequence[int] | np.ndarray, num_blocks: int, what: str) 
     """``ids`` checked by ``check_block_ids``, as an int64 array."""
     check_block_ids(ids, num_blocks, what)
     return np.asarray(ids, dtype=np.int64) if len(ids) else np.zeros(0, dtype=np.int64)
+
+
+def check_request_keys(rid: str, keys: Any) -> None:
+    """``ValueError`` unless ``keys`` is a 2-D int64 array of key ids >= 0: keys index the pools'
+    and the planner's per-key arrays, where a negative one would wrap to another key's entry."""
+    if not isinstance(keys, np.ndarray) or keys.dtype != np.int64 or keys.ndim != 2:
+        got = (f"dtype {keys.dtype}, shape {keys.shape}" if isinstance(keys, np.ndarray)
+               else type(keys).__name__)
+        raise ValueError(f"request {rid!r}: keys must be an int64 array [groups, n], got {got}")
+    if keys.size and (low := int(keys.min())) < 0:
+        g, j = np.argwhere(keys == low)[0].tolist()
+        raise ValueError(f"request {rid!r}: keys must be non-negative ids, got {low} "
+                         f"(group {g}, position {j})")
 
 
 _INT = {int}

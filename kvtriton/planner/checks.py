@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from itertools import chain
+from typing import Any
 
 import numpy as np
 
 from kvtriton.records import StepOutput
 from kvtriton.validation import check_block_ids, is_int
 
-__all__ = ["check_reports", "check_step"]
+__all__ = ["check_key_ids", "check_reports", "check_request_ids", "check_step"]
 
 _SEQUENCES = {tuple, list}
 _ID_SEQUENCES = {tuple, list, np.ndarray}
@@ -20,7 +21,9 @@ _ID_SEQUENCES = {tuple, list, np.ndarray}
 def check_step(step: StepOutput, num_groups: int, num_gpu_blocks: int) -> None:
     """``ValueError`` for a step whose new blocks or hand-offs are not block ids of the GPU
     pool (``num_gpu_blocks``) in the layout's ``num_groups`` groups. The step's new blocks are
-    checked all at once, with no Python-level loop over them."""
+    checked all at once, with no Python-level loop over them, and so are its scheduled-token
+    counts (ints >= 0: a float or a negative count is refused, not truncated)."""
+    _check_scheduled_tokens(step.num_scheduled_tokens)
     G, n_gpu = num_groups, num_gpu_blocks
     new = step.new_block_ids.values()
     if new:
@@ -42,6 +45,22 @@ def check_step(step: StepOutput, num_groups: int, num_gpu_blocks: int) -> None:
             if not is_int(g) or not 0 <= g < G:
                 raise ValueError(f"{what}: group {g!r} out of range [0, {G})")
             check_block_ids([gb], n_gpu, what)
+
+
+def _check_scheduled_tokens(scheduled: Any) -> None:
+    if not isinstance(scheduled, Mapping):
+        raise ValueError("step.num_scheduled_tokens must map request ids to token counts, got "
+                         f"{type(scheduled).__name__}")
+    counts = scheduled.values()
+    if not counts:
+        return
+    # The set of the counts' types and their minimum are C-level passes; the loop naming the
+    # request runs only on the way to the error.
+    if set(map(type, counts)) - _INT or min(counts) < 0:
+        for rid, n in scheduled.items():
+            if not is_int(n) or n < 0:
+                raise ValueError(f"step.num_scheduled_tokens[{rid!r}] must be an int >= 0, "
+                                 f"got {n!r}")
 
 
 def _explain_new_blocks(step: StepOutput, G: int, n_gpu: int) -> None:
@@ -79,6 +98,9 @@ def check_reports(completed: Mapping[int, int] | Iterable[int], failed: Iterable
                              f"{count!r}")
         ev = event(ev)
         out[ev] = out.get(ev, 0) + int(count)
+    if isinstance(failed, Mapping | str | bytes):
+        raise ValueError("failed_stores must be a collection of store events, got a "
+                         f"{type(failed).__name__}: {failed!r:.80}")
     failed = [event(ev) for ev in failed]
     both = sorted(set(out) & set(failed))
     if both:
@@ -89,11 +111,41 @@ def check_reports(completed: Mapping[int, int] | Iterable[int], failed: Iterable
 
 def check_request_ids(ids: Iterable[str], what: str) -> list[str]:
     """``ids`` as a list of request ids; ``ValueError`` for a single string (it would be read
-    letter by letter) or an id that is not a string."""
+    letter by letter), a mapping (its keys would be read as the ids, its values dropped) or an
+    id that is not a string."""
     if isinstance(ids, str | bytes):
         raise ValueError(f"{what} must be a collection of request ids, got the string {ids!r}")
+    if isinstance(ids, Mapping):
+        raise ValueError(f"{what} must be a collection of request ids, got a "
+                         f"{type(ids).__name__}: {ids!r:.80}")
     out = list(ids)
     bad = [r for r in out if not isinstance(r, str)]
     if bad:
         raise ValueError(f"{what}: request ids are strings, got {bad[0]!r}")
     return out
+
+
+def check_key_ids(keys: Iterable[int] | np.ndarray, what: str) -> np.ndarray:
+    """``keys`` as an int64 array; ``ValueError`` naming the first bad one unless every key is
+    an int >= 0 (a float is refused, not truncated; a negative id would wrap)."""
+    if isinstance(keys, np.ndarray):
+        if keys.ndim != 1 or (keys.size and keys.dtype.kind not in "iu"):
+            raise ValueError(f"{what}: expected a 1-D array of integer key ids, got dtype "
+                             f"{keys.dtype} and shape {keys.shape}")
+        out = keys.astype(np.int64, copy=False)
+    else:
+        if isinstance(keys, Mapping | str | bytes):
+            raise ValueError(f"{what}: expected a collection of key ids, got a "
+                             f"{type(keys).__name__}: {keys!r:.80}")
+        ids = list(keys)
+        bad = next((k for k in ids if not is_int(k)), None) if set(map(type, ids)) - _INT \
+            else None
+        if bad is not None:
+            raise ValueError(f"{what}: key id {bad!r} is not an int")
+        out = np.array(ids, dtype=np.int64) if ids else np.zeros(0, dtype=np.int64)
+    if out.size and (low := int(out.min())) < 0:
+        raise ValueError(f"{what}: key ids must be non-negative, got {low}")
+    return out
+
+
+_INT = {int}

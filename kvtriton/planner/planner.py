@@ -40,7 +40,7 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
-from kvtriton.planner.checks import check_reports, check_request_ids, check_step
+from kvtriton.planner.checks import check_key_ids, check_reports, check_request_ids, check_step
 from kvtriton.planner.config import PlannerConfig
 from kvtriton.planner.lazy import LazyOffload
 from kvtriton.planner.loads import Loads
@@ -51,7 +51,7 @@ from kvtriton.planner.stores import StoreJob, Stores
 from kvtriton.pool import BlockPool, GpuPool
 from kvtriton.records import PlannerMeta, Request, StepOutput, Transfer
 from kvtriton.specs import KVLayout
-from kvtriton.validation import block_id_array, is_int
+from kvtriton.validation import block_id_array, check_request_keys, is_int
 
 __all__ = ["OffloadPlanner"]
 
@@ -134,6 +134,9 @@ class OffloadPlanner:
             raise ValueError(f"{what}: request {rid!r} is running (scheduled, not preempted or "
                              "finished since); a preempted request is looked up again once "
                              "a step or preempted() reported it")
+        # Checked at construction; checked again here because a caller may have replaced or
+        # written into them since (one vectorized pass over the request's keys).
+        check_request_keys(rid, req.keys)
         if req.keys.shape[0] != self.layout.num_groups:
             raise ValueError(f"{what}: request {req.request_id!r} has keys for "
                              f"{req.keys.shape[0]} groups, the layout has "
@@ -262,6 +265,7 @@ class OffloadPlanner:
         else is a ``ValueError``."""
         rid = req.request_id
         self._request(rid)
+        check_request_keys(rid, req.keys)
         if hint not in _HINTS:
             raise ValueError(f"request {rid!r}: hint must be one of {_HINTS}, got {hint!r}")
         tables = None
@@ -302,9 +306,9 @@ class OffloadPlanner:
     def forget_keys(self, keys: Iterable[int] | np.ndarray) -> None:
         """``keys`` will name other blocks: drop what the planner remembers of them (re-store
         counts). The caller checked that neither pool holds any of them; one the planner still
-        refers to (``referenced_keys``) is a ``ValueError`` and nothing changes."""
-        keys = np.fromiter(keys, dtype=np.int64) if not isinstance(keys, np.ndarray) \
-            else keys.astype(np.int64, copy=False)
+        refers to (``referenced_keys``) is a ``ValueError`` and nothing changes, as is a key id
+        that is not an int >= 0 (a negative one would wrap to another key's entry)."""
+        keys = check_key_ids(keys, "forget_keys")
         held = np.intersect1d(keys, self.referenced_keys())
         if len(held):
             raise ValueError(f"forget_keys: keys {held[:5].tolist()} are still referenced")

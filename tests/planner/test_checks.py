@@ -10,7 +10,13 @@ import numpy as np
 import pytest
 
 from helpers.planner_driver import SCANS, PlannerDriver, pool_snapshot, stored_prompt, tokens_for
-from helpers.planner_state import assert_unchanged, finish_and_drain, snapshot
+from helpers.planner_state import (
+    assert_unchanged,
+    cpu_hit,
+    finish_and_drain,
+    run_hit,
+    snapshot,
+)
 from kvtriton.planner import PlannerConfig, StepOutput
 
 
@@ -163,3 +169,108 @@ def test_the_same_running_request_may_be_allocated_again():
     a = _running(h, "a", 1)
     h.planner.update_state_after_alloc(a, tuple(h.running["a"].tables), 0)
     h.check_invariants()
+
+
+# (what the step schedules for "a", the message naming it); "a" runs with its prompt half done
+BAD_SCHEDULED = {
+    "negative": (-16, "step.num_scheduled_tokens['a'] must be an int >= 0, got -16"),
+    "float": (16.0, "step.num_scheduled_tokens['a'] must be an int >= 0, got 16.0"),
+    "bool": (True, "step.num_scheduled_tokens['a'] must be an int >= 0, got True"),
+    "numpy-float": (np.float64(16), "got np.float64(16.0)"),
+    "str": ("16", "step.num_scheduled_tokens['a'] must be an int >= 0, got '16'"),
+}
+
+
+@pytest.mark.parametrize("bad", list(BAD_SCHEDULED), ids=list(BAD_SCHEDULED))
+def test_scheduled_token_counts_that_are_not_ints_ge_0_are_refused_with_nothing_changed(bad):
+    # A negative or float count used to be taken: the step ran, its stores issued.
+    h = PlannerDriver()
+    _running(h, "a", 1)
+    _running(h, "b", 2)
+    value, text = BAD_SCHEDULED[bad]
+    step = StepOutput(num_scheduled_tokens={"b": 16, "a": value}, order=["b", "a"])
+    before = snapshot(h)
+    with pytest.raises(ValueError, match=re.escape(text)):
+        h.planner.build_meta(step)
+    assert_unchanged(h, before)
+    h.complete(h.step())
+    finish_and_drain(h)
+
+
+def test_numpy_and_zero_scheduled_token_counts_are_taken_as_ints():
+    metas = []
+    for count in (int, np.int64):
+        h = PlannerDriver()
+        _running(h, "a", 1)
+        _running(h, "b", 2)
+        metas.append(h.step({"a": count(97), "b": count(0)}))
+        h.complete(metas[-1])
+        finish_and_drain(h)
+    assert metas[0] == metas[1] and len(metas[0].store) > 0
+
+
+@pytest.mark.parametrize("field", ["finished_loads", "failed_loads", "failed_stores"])
+def test_a_mapping_as_a_list_of_ids_is_refused_with_nothing_changed(field):
+    # {"b": 1} as finished_loads used to finish b's load (its keys read as the ids).
+    h = PlannerDriver()
+    b = cpu_hit(h)
+    assert h.admit(b, ext=160) == (0, 160)
+    m = h.step()
+    assert m.load.event >= 0 and h.planner.load_pending("b")
+    bad = {m.store.event: 1} if field == "failed_stores" else {"b": 1}
+    if field == "failed_stores":
+        h.step({"b": 0})  # a store event to name: b's load is in flight, its stores are not
+    before = snapshot(h)
+    with pytest.raises(ValueError, match=re.escape(f"{field} must be a collection") + ".*dict"):
+        h.planner.update_connector_output(**{field: bad})
+    assert_unchanged(h, before)
+    assert h.planner.load_pending("b")
+    h.complete(m)
+    finish_and_drain(h)
+
+
+BAD_KEY_IDS = {
+    "negative-list": ([-1], "key ids must be non-negative, got -1"),
+    "negative-array": (np.array([3, -2]), "key ids must be non-negative, got -2"),
+    "float-array": (np.array([1.5]), "expected a 1-D array of integer key ids, got dtype float64"),
+    "float": ([2.0], "key id 2.0 is not an int"),
+    "bool": ([True], "key id True is not an int"),
+    "dict": ({7: 1}, "expected a collection of key ids, got a dict"),
+}
+
+
+@pytest.mark.parametrize("bad", list(BAD_KEY_IDS), ids=list(BAD_KEY_IDS))
+def test_forget_keys_refuses_ids_that_are_not_ints_ge_0_with_nothing_changed(bad):
+    # -1 used to reach the selector's per-key arrays, where it names the last key's entry.
+    h = PlannerDriver()
+    _running(h, "a", 1)
+    keys, text = BAD_KEY_IDS[bad]
+    before = snapshot(h)
+    with pytest.raises(ValueError, match=re.escape("forget_keys: " + text)):
+        h.planner.forget_keys(keys)
+    assert_unchanged(h, before)
+    finish_and_drain(h)
+
+
+@pytest.mark.parametrize("call", ["lookup", "allocation", "finish"])
+def test_a_request_whose_keys_were_written_negative_is_refused_with_nothing_changed(call):
+    # Request checks its keys when built; one written into since used to be taken.
+    h = PlannerDriver()
+    b = cpu_hit(h)
+    if call == "finish":
+        run_hit(h, b)
+    before, key = snapshot(h), b.keys[0, 3]
+    b.keys[0, 3] = -7
+    with pytest.raises(ValueError, match=re.escape(
+            "request 'b': keys must be non-negative ids, got -7 (group 0, position 3)")):
+        if call == "lookup":
+            h.planner.get_num_new_matched_tokens(b, 0)
+        elif call == "allocation":
+            h.planner.update_state_after_alloc(b, ([],), 0)
+        else:
+            h.planner.request_finished(b)
+    b.keys[0, 3] = key  # the planner holds this array too: its invariants read it
+    assert_unchanged(h, before)
+    if call != "finish":
+        run_hit(h, b)  # the hit is still pending, whole
+    finish_and_drain(h)
