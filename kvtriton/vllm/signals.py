@@ -11,7 +11,10 @@ hints. "Held last" is counted per key from admissions: a block a later request w
 with belongs to that request's future, not to the closed one. That scopes a close without a
 session id, so the connector takes none. Hinted admission (``lazy+hinted``) gets the hint from
 here too. A hint that is not one of the two is a warning naming the request, counted in
-``malformed_hints``; the request is served as if it had none.
+``malformed_hints``; the request is served as if it had none. A hint sent to a setup that uses
+none (neither ``hints`` nor ``hinted`` admission) changes nothing: it is counted in
+``hints_ignored``, not as applied, with one warning per connector. Client values in a warning are
+cut to ``LOGGED_CHARS`` characters (``shorten``): a log line's length must not be the client's.
 
 Lookahead. vLLM calls ``on_new_request`` when a request joins the waiting queue,
 ``update_state_after_alloc`` when it leaves it admitted and ``request_finished`` when it leaves
@@ -37,13 +40,25 @@ from kvtriton.setups import TierPolicy
 from kvtriton.vllm.keys import KeyIds
 from kvtriton.vllm.requests import lookup_request
 
-__all__ = ["HINTS", "HINT_KEY", "TierSignals", "request_hint"]
+__all__ = ["HINTS", "HINT_KEY", "LOGGED_CHARS", "TierSignals", "request_hint", "shorten"]
 
 logger = logging.getLogger(__name__)
 
 #: The ``kv_transfer_params`` key of a request's continuation hint, and its values.
 HINT_KEY = "kvtriton_hint"
 HINTS = ("continue", "close")
+
+#: How much of one client-supplied value a log line shows.
+LOGGED_CHARS = 200
+
+
+def shorten(text: str, limit: int = LOGGED_CHARS) -> str:
+    """``text`` cut to ``limit`` characters, saying how long it was: what a log line shows of a
+    value a client chose (a request id, a hint), so that one request cannot write a megabyte of
+    log per request."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text):,} characters, cut at {limit})"
 
 
 def request_hint(vreq: Any) -> tuple[str | None, bool]:
@@ -54,9 +69,9 @@ def request_hint(vreq: Any) -> tuple[str | None, bool]:
     hint = params[HINT_KEY]
     if isinstance(hint, str) and hint in HINTS:
         return hint, False
-    logger.warning("KVTritonConnector: request %s: kv_transfer_params[%r] = %r is not one of "
-                   "%s; served without a hint", vreq.request_id, HINT_KEY, hint,
-                   ", ".join(map(repr, HINTS)))
+    logger.warning("KVTritonConnector: request %s: kv_transfer_params[%r] = %s is not one of "
+                   "%s; served without a hint", shorten(str(vreq.request_id)), HINT_KEY,
+                   shorten(repr(hint)), ", ".join(map(repr, HINTS)))
     return None, True
 
 
@@ -82,6 +97,11 @@ class TierSignals:
     def __init__(self, policy: TierPolicy, keys: KeyIds, suffixes: list[bytes]) -> None:
         self.hints_on = policy.hints
         self.lookahead_on = policy.lookahead
+        #: Whether the setup does anything with a hint: the hints axis or hinted admission.
+        self.uses_hints = self.hints_on or (policy.planner is not None
+                                            and policy.planner.admission == "hinted")
+        self._setup = policy.composition or policy.name
+        self._warned_ignored = False
         self._keys = keys
         self._suffixes = suffixes
         self._queue: HintedQueue | None = None
@@ -99,7 +119,10 @@ class TierSignals:
         self._waiting: dict[str, np.ndarray] = {}  # rid -> its distinct keys while it waits
         self._depths: dict[str, np.ndarray] = {}
         self._count = np.zeros(0, dtype=np.int32)  # key -> waiting requests holding it
-        self.counters = {"hints_continue": 0, "hints_close": 0, "malformed_hints": 0}
+        # hints_continue / hints_close: hints the setup applied; hints_ignored: well-formed hints
+        # a setup without hints received (kvtriton.vllm.stats.STATS says what each counts).
+        self.counters = {"hints_continue": 0, "hints_close": 0, "hints_ignored": 0,
+                         "malformed_hints": 0}
 
     def cpu_pool(self, num_blocks: int, *, enable_events: bool) -> BlockPool:
         """The CPU tier's pool, with the hinted queue when a setup uses one."""
@@ -159,7 +182,10 @@ class TierSignals:
         hint, malformed = request_hint(vreq)
         self.counters["malformed_hints"] += malformed
         if hint is not None:
-            self.counters[f"hints_{hint}"] += 1
+            if self.uses_hints:
+                self.counters[f"hints_{hint}"] += 1
+            else:
+                self._ignored(rid, hint)
         serial = self._serial.pop(rid, None)
         if not self.hints_on or keys is None or not keys.size:
             return hint
@@ -173,6 +199,16 @@ class TierSignals:
         else:
             self._set(uniq, PROTECTED if hint == "continue" else NORMAL, depths)
         return hint
+
+    def _ignored(self, rid: str, hint: str) -> None:
+        self.counters["hints_ignored"] += 1
+        if self._warned_ignored:
+            return
+        self._warned_ignored = True
+        logger.warning("KVTritonConnector: request %s: kv_transfer_params[%r] = %r, but setup %r "
+                       "uses no hints (add 'hints', or 'hinted' with 'lazy'); hints are ignored "
+                       "and counted in the stats' hints_ignored (warned once)",
+                       shorten(str(rid)), HINT_KEY, hint, self._setup)
 
     # ---- key ids -------------------------------------------------------------------------------
 

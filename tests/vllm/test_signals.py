@@ -9,6 +9,7 @@ without the signal, where the tier's plain eviction order keeps the other blocks
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 
@@ -20,7 +21,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 from helpers.vllm_driver import BS, assert_idle, build, cpu_hashes, run, tokens
 from kvtriton.setups import ABLATION, COMBINED, tier_policy
 from kvtriton.sim.vllm_scheduler import tiny_model_dir, vllm_request
-from kvtriton.vllm.signals import HINT_KEY
+from kvtriton.vllm.signals import HINT_KEY, LOGGED_CHARS, shorten
 
 PROMPT_BLOCKS = 4
 TIER_BLOCKS = 2 * PROMPT_BLOCKS  # holds two finished prompts, nothing more
@@ -36,6 +37,25 @@ def request(rid, seed, n_blocks, max_tokens=2, hint=None):
     if hint is not None:
         r.kv_transfer_params = {HINT_KEY: hint}  # what SamplingParams.extra_args gives
     return r
+
+
+@contextlib.contextmanager
+def kvtriton_warnings():
+    """The warnings kvtriton's loggers emit inside the block, as log records. Our own handler on
+    kvtriton's logger: what reaches the root (caplog) depends on the handlers vLLM and earlier
+    tests installed, which once showed a warning twice."""
+    records: list[logging.LogRecord] = []
+    catch = logging.Handler(logging.WARNING)
+    catch.emit = records.append
+    ours = logging.getLogger("kvtriton")
+    level = ours.level
+    ours.addHandler(catch)
+    ours.setLevel(logging.WARNING)
+    try:
+        yield records
+    finally:
+        ours.removeHandler(catch)
+        ours.setLevel(level)
 
 
 def serve(drv, side, req) -> set[bytes]:
@@ -89,20 +109,8 @@ HINT_CASES = [
 def test_hints_decide_which_blocks_the_tier_keeps(model_dir, old_hint, new_hint, evicted):
     s, side, drv = build(model_dir, cpu_blocks=TIER_BLOCKS, extra_config={"setup": "eager+hints"})
     older = serve(drv, side, request("older", 1, PROMPT_BLOCKS, hint=old_hint))
-    # Our own handler on kvtriton's logger: what reaches the root (caplog) depends on the
-    # handlers vLLM and earlier tests installed, which once showed this warning twice.
-    records: list[logging.LogRecord] = []
-    catch = logging.Handler(logging.WARNING)
-    catch.emit = records.append
-    ours = logging.getLogger("kvtriton")
-    level = ours.level
-    ours.addHandler(catch)
-    ours.setLevel(logging.WARNING)
-    try:
+    with kvtriton_warnings() as records:
         newer = serve(drv, side, request("newer", 2, PROMPT_BLOCKS, hint=new_hint))
-    finally:
-        ours.removeHandler(catch)
-        ours.setLevel(level)
     assert len(older) == len(newer) == PROMPT_BLOCKS
     serve(drv, side, request("filler", 3, PROMPT_BLOCKS - 1))  # evicts 3 of the 8 blocks
     held = cpu_hashes(side)
@@ -122,15 +130,55 @@ def test_hints_decide_which_blocks_the_tier_keeps(model_dir, old_hint, new_hint,
     assert_idle(s, side)
 
 
-def test_without_the_hints_axis_a_hint_changes_nothing(model_dir):
-    """Hints are counted but not applied by a setup without the axis: LRU as without them."""
-    _, side, drv = build(model_dir, cpu_blocks=TIER_BLOCKS, extra_config={"setup": "eager"})
-    older = serve(drv, side, request("older", 1, PROMPT_BLOCKS, hint="continue"))
-    newer = serve(drv, side, request("newer", 2, PROMPT_BLOCKS, hint="close"))
-    serve(drv, side, request("filler", 3, PROMPT_BLOCKS - 1))
-    held = cpu_hashes(side)
-    assert (len(older & held), len(newer & held)) == (1, PROMPT_BLOCKS)
-    assert side.signals.counters["hints_close"] == 1
+@pytest.mark.parametrize("setup", ["eager", "lazy+hinted"])
+def test_hints_to_a_setup_without_hints_are_counted_as_ignored_and_warned_once(model_dir, setup):
+    """A setup without the hints axis or hinted admission does nothing with a hint: LRU as
+    without them, the hints counted as ignored (not as applied), one warning per connector.
+    With hinted admission (the positive control) they are applied and nothing is warned."""
+    _, side, drv = build(model_dir, cpu_blocks=TIER_BLOCKS, extra_config={"setup": setup})
+    with kvtriton_warnings() as records:
+        older = serve(drv, side, request("older", 1, PROMPT_BLOCKS, hint="continue"))
+        newer = serve(drv, side, request("newer", 2, PROMPT_BLOCKS, hint="close"))
+        serve(drv, side, request("again", 4, PROMPT_BLOCKS - 1, hint="close"))
+    counts = side.signals.counters
+    warned = [r.getMessage() for r in records if HINT_KEY in r.getMessage()]
+    if setup == "eager":
+        held = cpu_hashes(side)  # "again" filled the tier: LRU evicted the older blocks
+        assert (len(older & held), len(newer & held)) == (1, PROMPT_BLOCKS)
+        assert (counts["hints_continue"], counts["hints_close"], counts["hints_ignored"]) \
+            == (0, 0, 3)
+        assert len(warned) == 1, warned
+        assert "request older" in warned[0] and "setup 'eager' uses no hints" in warned[0]
+        assert "hints_ignored" in warned[0]
+    else:
+        assert (counts["hints_continue"], counts["hints_close"], counts["hints_ignored"]) \
+            == (1, 2, 0)
+        assert not warned
+
+
+def test_a_huge_hint_or_request_id_is_warned_in_a_bounded_line(model_dir):
+    """A client's 100,000-character hint (under a 5,000-character request id) is still one
+    warning naming the request and the problem, but a few hundred characters long: it used to
+    be 100,202."""
+    _, side, drv = build(model_dir, cpu_blocks=TIER_BLOCKS, extra_config={"setup": "eager+hints"})
+    rid = "r" * 5_000
+    with kvtriton_warnings() as records:
+        serve(drv, side, request(rid, 1, PROMPT_BLOCKS, hint="x" * 100_000))
+    warned = [r.getMessage() for r in records]
+    assert len(warned) == 1, [w[:300] for w in warned]
+    line = warned[0]
+    assert len(line) < 3 * LOGGED_CHARS + 200, len(line)
+    assert f"kv_transfer_params[{HINT_KEY!r}] = 'xxx" in line and "is not one of" in line
+    assert "(100,002 characters, cut at 200)" in line  # the hint's repr
+    assert "rrr" in line and "(5,000 characters, cut at 200)" in line
+    assert side.signals.counters["malformed_hints"] == 1
+
+
+def test_shorten_keeps_short_text_and_cuts_long_text_saying_how_long():
+    assert shorten("abc") == "abc"
+    assert shorten("a" * LOGGED_CHARS) == "a" * LOGGED_CHARS
+    cut = shorten("ab" * 150, limit=10)
+    assert cut == "ababababab... (300 characters, cut at 10)"
 
 
 def test_close_spares_blocks_a_later_request_was_admitted_with(model_dir):
