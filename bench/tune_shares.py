@@ -19,7 +19,7 @@ import time
 
 from bench.common import OneLineParser, write_result
 from bench.tier_study import SPLITS, run_all, slim, ttft_ok, ttft_tolerance_s, workloads
-from kvtriton.setups import DEFAULT_PROTECT_SHARE
+from kvtriton.setups import DEFAULT_PROTECT_SHARE, canonical_number
 from kvtriton.sim.splits import TEST, TRAIN, split_named
 
 SHARES = (0.25, 0.5, 0.75)
@@ -31,7 +31,7 @@ TUNED = {"agent": ("eager+hints", "lazy+hints", "eager+waiting"),
 
 def _with_share(setup: str, share: float) -> str:
     axis = "hints" if "hints" in setup.split("+") else "waiting"
-    return setup.replace(axis, f"{axis}:{share:g}")
+    return setup.replace(axis, f"{axis}:{canonical_number(share)}")
 
 
 def tune(tag: str, progress: bool = False) -> dict:

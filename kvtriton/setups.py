@@ -40,13 +40,16 @@ defaults, from which the CLI's help is generated) and ``REFUSED`` (the combinati
 nothing, each with its reason, e.g. ``lazy`` with ``restore``: a lazy tier stores only blocks
 on the GPU free queue, where a running request's blocks never are). A share ``F`` (in [0, 1])
 and a window ``W`` (>= 0) are written with digits and a point only; a composition has no
-spaces.
+spaces. The canonical name writes each number the same way (``canonical_number``: the shortest
+decimal that reads back as the same float, never an exponent), so every name printed parses
+back to the setup it names: ``eager+restore:0.00001``, not ``restore:1e-05``.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
+from decimal import Decimal
 
 from kvtriton.eviction.lfu import DEFAULT_WINDOW_TIERS
 from kvtriton.planner import PlannerConfig
@@ -62,6 +65,7 @@ __all__ = [
     "REFUSED",
     "TIER_POLICIES",
     "TierPolicy",
+    "canonical_number",
     "grammar_help",
     "parse_policy",
     "tier_policy",
@@ -183,6 +187,23 @@ class TierPolicy:
     def lookahead(self) -> bool:
         return self.waiting_protect_share is not None
 
+    def eviction_bytes(self, num_blocks: int) -> int:
+        """Host bytes the CPU tier's eviction allocates for a pool of ``num_blocks`` blocks (the
+        null block included) besides the blocks: the ``lfu`` sketch; 0 for the others."""
+        if self.planner is None or self.cpu_eviction in ORACLE_EVICTIONS:
+            return 0
+        from kvtriton.eviction import make_eviction_queue
+
+        return make_eviction_queue(self.cpu_eviction).memory_bytes(num_blocks)
+
+
+def canonical_number(value: float) -> str:
+    """``value`` (finite, >= 0) as a composition writes it: digits and a point only, the
+    shortest decimal that reads back as the same float (``repr``'s digits without its exponent),
+    an integer without a point: ``1e-05`` is ``0.00001``, ``1e+06`` is ``1000000``."""
+    text = format(Decimal(repr(float(value))), "f")
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
 
 def _share(token: str, value: str) -> float:
     """``value`` as a share in [0, 1]: digits and a point only (no sign, space or exponent)."""
@@ -206,7 +227,7 @@ def _canonical(store: str, restore: bool, share: float | None, free: str, evicti
                waiting: float | None) -> str:
     parts = [store]
     if restore:
-        parts.append("restore" if share is None else f"restore:{share:g}")
+        parts.append("restore" if share is None else f"restore:{canonical_number(share)}")
     if free == "tail_first":
         parts.append("tail")
     if eviction != "lru":
@@ -216,9 +237,11 @@ def _canonical(store: str, restore: bool, share: float | None, free: str, evicti
     if refresh:
         parts.append("refresh")
     if protect is not None:
-        parts.append("hints" if protect == DEFAULT_PROTECT_SHARE else f"hints:{protect:g}")
+        parts.append("hints" if protect == DEFAULT_PROTECT_SHARE
+                     else f"hints:{canonical_number(protect)}")
     if waiting is not None:
-        parts.append("waiting" if waiting == DEFAULT_PROTECT_SHARE else f"waiting:{waiting:g}")
+        parts.append("waiting" if waiting == DEFAULT_PROTECT_SHARE
+                     else f"waiting:{canonical_number(waiting)}")
     if infinite:
         parts.append("inf")
     return "+".join(parts)
@@ -296,7 +319,7 @@ def parse_policy(spec: str, name: str | None = None) -> TierPolicy:
     # The queue's name carries its window (``make_eviction_queue`` reads it); the default window
     # is spelled without one.
     if windows.get("eviction", DEFAULT_WINDOW_TIERS) != DEFAULT_WINDOW_TIERS:
-        eviction = f"{eviction}:{windows['eviction']:g}"
+        eviction = f"{eviction}:{canonical_number(windows['eviction'])}"
     admission = resolved["admission"]
     restore = resolved["re-store"] is not None
     share = shares.get("re-store")

@@ -5,8 +5,14 @@ the CLI's help text."""
 
 from __future__ import annotations
 
-import pytest
+import re
+from decimal import Decimal
 
+import pytest
+from hypothesis import given, reject
+from hypothesis import strategies as st
+
+from kvtriton.eviction.lfu import DEFAULT_WINDOW_TIERS
 from kvtriton.planner import PlannerConfig
 from kvtriton.setups import (
     ABLATION,
@@ -14,6 +20,7 @@ from kvtriton.setups import (
     BOUNDS,
     REFUSED,
     TIER_POLICIES,
+    canonical_number,
     parse_policy,
     tier_policy,
 )
@@ -190,3 +197,90 @@ def test_lfu_carries_its_window_in_the_queue_name():
     p = parse_policy("eager+lfu:4+waiting")
     assert (p.cpu_eviction, p.composition, p.oracle) == ("lfu:4", "eager+lfu:4+waiting", False)
     assert "no aging" in parse_policy("eager+lfu:0").description
+
+
+# ---- names that parse back (issue 36, item 6) ----------------------------------------------------
+
+#: What a canonical name may hold: axis words, digits and points, '+' and ':' (no exponent, sign
+#: or space), each number after a ':'.
+_NAME = re.compile(r"[a-z0-9.]+(?:\+[a-z0-9.:]+)*")
+_NUMBER = re.compile(r"\d+(?:\.\d+)?")
+
+
+def _written(value: float | Decimal) -> str:
+    """A number as a user may write it: digits and a point, exact (Decimal's positional form)."""
+    return format(Decimal(value), "f")
+
+
+#: Numbers in digits and a point: random floats written out exactly (0.1 is
+#: 0.1000000000000000055511151231257827021181583404541015625), short decimals, and the tiny and
+#: huge ones a general format writes with an exponent.
+_SHARES = st.one_of(st.floats(0, 1).map(_written),
+                    st.decimals(0, 1, places=6).map(_written),
+                    st.sampled_from(["0.00001", "0.0000001", "1", "0", "0.1234567"]))
+_WINDOWS = st.one_of(st.floats(0, 1e20).map(_written),
+                     st.integers(0, 10**12).map(str),
+                     st.sampled_from(["1000000", "0.00001", "16", "16.0", "64"]))
+
+
+@st.composite
+def _setups(draw) -> str:
+    """A composition of random axis values, in random order (some refused: skipped)."""
+    tokens = [draw(st.sampled_from(["eager", "lazy"]))]
+    for axis in AXES[1:]:
+        if not draw(st.booleans()):
+            continue
+        value = draw(st.sampled_from(axis.values))
+        if value.endswith(":F"):
+            value = value[:-1] + draw(_SHARES)
+        elif value.endswith(":W"):
+            value = value[:-1] + draw(_WINDOWS)
+        tokens.append(value)
+    return "+".join(draw(st.permutations(tokens)))
+
+
+@given(spec=_setups())
+def test_every_name_printed_parses_back_to_its_setup(spec):
+    try:
+        policy = parse_policy(spec)
+    except ValueError as e:
+        if not any(reason in str(e) for _, reason in REFUSED):
+            raise
+        reject()
+    name = policy.composition
+    assert _NAME.fullmatch(name), name
+    for token in name.split("+"):
+        _, colon, number = token.partition(":")
+        assert not colon or _NUMBER.fullmatch(number), name
+    again = parse_policy(name)
+    assert again == policy and again.composition == name and again.name == name
+    # The name says the numbers written, not a rounding of them.
+    shares = {t.partition(":")[0]: float(t.partition(":")[2]) for t in spec.split("+")
+              if ":" in t}
+    if "restore" in shares:
+        assert policy.planner.restore_share == shares["restore"]
+    if "hints" in shares:
+        assert policy.hint_protect_share == shares["hints"]
+    if "waiting" in shares:
+        assert policy.waiting_protect_share == shares["waiting"]
+    if "lfu" in shares:
+        assert float(policy.cpu_eviction.partition(":")[2] or DEFAULT_WINDOW_TIERS) == shares["lfu"]
+
+
+@pytest.mark.parametrize(("spec", "canonical"), [
+    ("eager+restore:0.00001", "eager+restore:0.00001"),  # '1e-05' with a general format
+    ("eager+lfu:1000000", "eager+lfu:1000000"),  # '1e+06'
+    ("eager+lfu:1000000.0", "eager+lfu:1000000"),
+    ("eager+restore:0.1234567", "eager+restore:0.1234567"),  # '0.123457' with six digits
+    ("lazy+hints:0.0000001", "lazy+hints:0.0000001"),
+    ("eager+waiting:0.000125", "eager+waiting:0.000125"),
+])
+def test_small_and_large_numbers_are_written_in_digits(spec, canonical):
+    assert parse_policy(spec).composition == canonical
+
+
+@pytest.mark.parametrize(("value", "text"), [(0.0, "0"), (1.0, "1"), (1e-5, "0.00001"),
+                                             (1e6, "1000000"), (1e16, "10000000000000000"),
+                                             (0.1, "0.1"), (64.0, "64"), (2.5, "2.5")])
+def test_canonical_number_is_the_shortest_exact_decimal(value, text):
+    assert canonical_number(value) == text and float(text) == value

@@ -40,6 +40,11 @@ class EvictionQueue(ABC):
     def reset(self, num_blocks: int) -> None:
         ...
 
+    def memory_bytes(self, num_blocks: int) -> int:
+        """Host bytes ``reset(num_blocks)`` allocates beyond a few words per block (LFU's
+        sketch; 0 here): what the host-memory checks at start-up count before building it."""
+        return 0
+
     @abstractmethod
     def push(self, block_id: int, key: int | None) -> None:
         ...

@@ -16,7 +16,11 @@ halved (TinyLFU's reset), so that demand that stopped fades. Units: a sighting i
 request, distinct key) pair; ``window`` is in sightings.
 
 Memory: ``depth`` bytes per counter column; the width is the window in sightings (at least 8
-per tier block), so ``lfu:W`` costs about 4 W bytes per tier block (64 at the default W = 16).
+per tier block) rounded up to a power of two, so ``lfu:W`` costs 4 max(W, 8) to 8 max(W, 8) bytes
+per tier block (64 to 128 at the default W = 16), a window of W tier sizes needing W tier sizes of
+counters. ``LFUQueue.memory_bytes`` says how much for a pool before it is built: the connector's
+and the simulator's host-memory checks count it (``lfu:4096`` on an 8 GiB tier of a small model
+is a 4 GiB sketch).
 
 ``LFUQueue``: the free blocks ordered by the sketch's estimate of their key's demand, lowest
 first; among equals the one freed longest ago (LRU). Unhashed blocks go first. A block whose key
@@ -35,7 +39,7 @@ import numpy as np
 
 from kvtriton.eviction.base import EvictionQueue, LinkedQueue
 
-__all__ = ["DEFAULT_WINDOW_TIERS", "FrequencySketch", "LFUQueue"]
+__all__ = ["DEFAULT_WINDOW_TIERS", "SKETCH_DEPTH", "FrequencySketch", "LFUQueue"]
 
 #: The aging window ``lfu`` means without ``:W``, in tier sizes (TinyLFU samples about ten
 #: times the cache; a power of two). ``bench/conversational_gap.py`` chooses among 4, 16 and 64
@@ -45,6 +49,8 @@ DEFAULT_WINDOW_TIERS = 16
 # Odd 64-bit multipliers (splitmix64's and two golden-ratio variants): one hash per row.
 _SEEDS = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 0xD6E8FEB86659FD93)
 _MASK64 = (1 << 64) - 1
+#: Rows of ``LFUQueue``'s sketch (one byte each per column).
+SKETCH_DEPTH = 4
 
 
 class FrequencySketch:
@@ -60,7 +66,7 @@ class FrequencySketch:
         if width < 1 or window < 0 or not 1 <= cap <= 255:
             raise ValueError(f"width must be >= 1, window >= 0 and cap in [1, 255], got "
                              f"{width!r}, {window!r}, {cap!r}")
-        self.width = 1 << max(0, int(width - 1).bit_length())
+        self.width = self.rounded_width(width)
         self._bits = self.width.bit_length() - 1
         self.window = window
         self.cap = cap
@@ -72,6 +78,11 @@ class FrequencySketch:
         self._estimates: dict[int, int] = {}
         #: How many times the counters were halved.
         self.agings = 0
+
+    @staticmethod
+    def rounded_width(width: int) -> int:
+        """The counters per row a sketch asked for ``width`` has (the next power of two)."""
+        return 1 << max(0, int(width - 1).bit_length())
 
     def _columns(self, keys: np.ndarray) -> np.ndarray:
         """[depth, n] column of each key in each row (multiplicative hashing, top bits)."""
@@ -135,7 +146,8 @@ class LFUQueue(EvictionQueue):
         self.window_tiers = window_tiers
         self.width_per_block = width_per_block
 
-    def reset(self, num_blocks: int) -> None:
+    def _sketch_size(self, num_blocks: int) -> tuple[int, int]:
+        """(width, window) of the sketch for a pool of ``num_blocks`` blocks."""
         tier = max(1, num_blocks - 1)  # block 0 of a pool is the null block
         window = int(self.window_tiers * tier)
         # Most keys of chat traffic are seen once, so a window holds nearly as many distinct
@@ -143,7 +155,15 @@ class LFUQueue(EvictionQueue):
         # estimates of cold keys (at least 8 per block when the sketch never ages).
         width = (self.width_per_block * tier if self.width_per_block is not None
                  else max(8 * tier, window))
-        self.sketch = FrequencySketch(width, window=window)
+        return width, window
+
+    def memory_bytes(self, num_blocks: int) -> int:
+        width, _ = self._sketch_size(num_blocks)
+        return SKETCH_DEPTH * FrequencySketch.rounded_width(width)
+
+    def reset(self, num_blocks: int) -> None:
+        width, window = self._sketch_size(num_blocks)
+        self.sketch = FrequencySketch(width, depth=SKETCH_DEPTH, window=window)
         self._unhashed = LinkedQueue(num_blocks)
         # Entries (estimate, freed order, stamp, block); a stale entry's stamp is not its
         # block's current one.

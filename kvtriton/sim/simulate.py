@@ -42,9 +42,11 @@ def machine_memory_bytes() -> int | None:
 
 
 def _check_memory(layout: KVLayout, n_gpu: int, n_cpu: int, integrity: bool,
-                  engine: str) -> None:
+                  engine: str, policies: Sequence[TierPolicy] = ()) -> None:
     """``ValueError`` naming the capacities if the pools (and integrity tensors) they need are
-    more than this machine's memory: refused before anything is allocated."""
+    more than this machine's memory, or naming the setup of ``policies`` whose eviction memory
+    (the ``lfu`` sketch) on top of them is: refused before anything is allocated. The setups
+    run one after another, so only the largest sketch is held at once."""
     need = ServingLoop.bytes_needed(n_gpu, n_cpu)
     what = "block pools need"
     if engine == "vllm":
@@ -56,10 +58,21 @@ def _check_memory(layout: KVLayout, n_gpu: int, n_cpu: int, integrity: bool,
         need += IntegrityChecker.bytes_needed(layout, n_gpu, n_cpu)
         what = "block pools and integrity tensors need"
     have = machine_memory_bytes()
-    if have is not None and need > have:
+    if have is None:
+        return
+    if need > have:
         raise ValueError(f"GPU {n_gpu:,} blocks, CPU {n_cpu:,} blocks: the simulator's {what} "
                          f"about {need / GiB:,.1f} GiB, more than this machine's "
                          f"{have / GiB:,.1f} GiB of memory")
+    # The CPU pool has a null block besides the n_cpu blocks of the tier.
+    sketch, pol = max(((p.eviction_bytes(n_cpu + 1), p) for p in policies),
+                      default=(0, None), key=lambda t: t[0])
+    if need + sketch > have:
+        raise ValueError(f"policy {pol.name!r}: its LFU sketch for the CPU tier of {n_cpu:,} "
+                         f"blocks takes {sketch / GiB:,.1f} GiB, which with the simulator's "
+                         f"{what} about {need / GiB:,.1f} GiB is more than this machine's "
+                         f"{have / GiB:,.1f} GiB of memory; use a smaller window W (lfu:W takes "
+                         "4 to 8 x max(W, 8) bytes per tier block)")
 
 
 def _admitted(workload: Workload, rejected: set[str]) -> Workload:
@@ -344,7 +357,7 @@ def simulate(
     n_gpu, n_cpu = tier_blocks(layout, gpu_blocks=gpu_blocks, gpu_tokens=gpu_tokens,
                                gpu_gib=gpu_gib, cpu_blocks=cpu_blocks, cpu_tokens=cpu_tokens,
                                cpu_gib=cpu_gib)
-    _check_memory(layout, n_gpu, n_cpu, integrity, engine)
+    _check_memory(layout, n_gpu, n_cpu, integrity, engine, chosen)
     need = {wr.request_id: gpu_blocks_for(layout, wr) for wr in workload}
     rejected = {rid for rid, n in need.items() if n > n_gpu}
     if len(rejected) == len(workload):

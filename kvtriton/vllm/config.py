@@ -30,7 +30,13 @@ from typing import Any
 
 from kvtriton.eviction import EVICTION_QUEUES
 from kvtriton.planner import PlannerConfig
-from kvtriton.setups import DEFAULT_SETUP, ORACLE_EVICTIONS, TierPolicy, tier_policy
+from kvtriton.setups import (
+    DEFAULT_SETUP,
+    ORACLE_EVICTIONS,
+    TierPolicy,
+    canonical_number,
+    tier_policy,
+)
 from kvtriton.validation import is_int
 
 __all__ = ["DEFAULT_CPU_BYTES_PER_RANK", "DEFAULT_SETUP", "ConnectorConfig", "check_host_memory",
@@ -115,13 +121,18 @@ class ConnectorConfig:
             refresh_on_gpu_hit=p.refresh_on_gpu_hit,
         )
 
-    def describe(self) -> str:
-        """One line for the start-up log: the setup by name and in words, then the rest."""
+    def describe(self, cpu_blocks: int | None = None) -> str:
+        """One line for the start-up log: the setup by name and in words, then the rest;
+        with the tier's ``cpu_blocks`` (the null block included), its eviction's own memory
+        where it has some (the ``lfu`` sketch)."""
         extra = [f"{k}={getattr(self, k)}" for k in
                  ("max_restores_per_step", "max_restores_per_key", "lazy_target_blocks")
                  if getattr(self, k) is not None]
+        sketch = self.policy.eviction_bytes(cpu_blocks) if cpu_blocks is not None else 0
         return (f"setup {self.setup} ({self.policy.description}), "
-                f"CPU {self.cpu_bytes_per_rank / 2**30:.2f} GiB/rank, scan {self.scan}"
+                f"CPU {self.cpu_bytes_per_rank / 2**30:.2f} GiB/rank"
+                + (f" + LFU sketch {sketch / 2**20:.1f} MiB" if sketch else "")
+                + f", scan {self.scan}"
                 + (" (idle too)" if self.scan_idle else "")
                 + (f", {', '.join(extra)}" if extra else ""))
 
@@ -194,9 +205,8 @@ def _composition(policy: TierPolicy, axes: Mapping[str, Any]) -> str:
         restore = policy.planner.restore or share is not None
     parts = [store]
     if restore:
-        # Digits and a point only, as the grammar writes a share (repr may use an exponent).
         parts.append("restore" if share is None
-                     else "restore:" + f"{float(share):.17f}".rstrip("0").rstrip("."))
+                     else f"restore:{canonical_number(share)}")
     if axes.get("cpu_free_order", policy.planner.cpu_free_order) == "tail_first":
         parts.append("tail")
     parts.append(axes.get("cpu_eviction", policy.cpu_eviction))
@@ -327,15 +337,29 @@ def host_memory_bytes() -> int:
 
 
 def check_host_memory(config: ConnectorConfig, ranks_on_host: int = 1,
-                      total_bytes: int | None = None) -> None:
+                      total_bytes: int | None = None, *, cpu_blocks: int | None = None,
+                      setup_as_written: str | None = None) -> None:
     """``ValueError`` naming ``cpu_bytes_per_rank`` when the CPU tiers of ``ranks_on_host``
-    ranks would not fit in the machine's memory (``total_bytes``: the machine's, by default).
-    Checked at start-up, before anything is allocated: past it the allocation fails deep down
-    (``OverflowError`` from ``mmap``, or a bare ``ENOMEM``) or the machine swaps."""
+    ranks would not fit in the machine's memory (``total_bytes``: the machine's, by default),
+    or naming ``setup`` when they fit but not with the setup's eviction memory for a tier of
+    ``cpu_blocks`` blocks (the null block included; the ``lfu`` sketch, one per engine: the
+    scheduler's). That error names ``setup_as_written``, the ``setup`` value as the user wrote
+    it, or else the canonical one. Checked at start-up, before anything is allocated: past it
+    the allocation fails deep down (``OverflowError`` from ``mmap``, a bare ``ENOMEM`` or
+    ``MemoryError``) or the machine swaps."""
     total = host_memory_bytes() if total_bytes is None else total_bytes
     need = config.cpu_bytes_per_rank * ranks_on_host
+    ranks = f" x {ranks_on_host} ranks on this host" if ranks_on_host > 1 else ""
     if need > total:
-        ranks = f" x {ranks_on_host} ranks on this host" if ranks_on_host > 1 else ""
         raise ValueError(f"{_PREFIX}['cpu_bytes_per_rank'] = {config.cpu_bytes_per_rank} "
                          f"({config.cpu_bytes_per_rank / 2**30:.4g} GiB){ranks} exceeds this "
                          f"machine's memory ({total / 2**30:.1f} GiB); give less")
+    sketch = config.policy.eviction_bytes(cpu_blocks) if cpu_blocks is not None else 0
+    if need + sketch > total:
+        written = setup_as_written or config.setup
+        raise ValueError(
+            f"{_PREFIX}['setup'] = {written!r}: its LFU sketch for the {cpu_blocks - 1:,}-block "
+            f"CPU tier takes {sketch} bytes ({sketch / 2**30:.4g} GiB), which with the tier's "
+            f"{need} bytes ({need / 2**30:.4g} GiB{ranks}) exceeds this machine's memory "
+            f"({total / 2**30:.1f} GiB); use a smaller window W (lfu:W takes 4 to 8 x max(W, "
+            "8) bytes per tier block)")

@@ -27,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtriton.vllm.config import check_host_memory, parse_extra_config
+from kvtriton.vllm.layout import cpu_blocks_for_bytes
 from kvtriton.vllm.metadata import KVTritonMetadata, KVTritonWorkerMetadata
 from kvtriton.vllm.scheduler_side import SchedulerSide
 from kvtriton.vllm.stats import KVTritonStats
@@ -103,11 +104,16 @@ class KVTritonConnector(KVConnectorBase_V1, SupportsHMA):
                  kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         _log_through_vllm()
-        self.config = parse_extra_config(self._kv_transfer_config.kv_connector_extra_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config
+        self.config = parse_extra_config(extra)
         pc = vllm_config.parallel_config
-        # Every rank of this host allocates its own tier: their sum must fit, checked before
-        # anything is allocated (a bare ENOMEM from mmap otherwise, much later).
-        check_host_memory(self.config, max(1, pc.world_size // max(1, getattr(pc, "nnodes", 1))))
+        # Every rank of this host allocates its own tier, and the scheduler the tier's eviction
+        # state (the lfu sketch): their sum must fit, checked before anything is allocated (a
+        # bare ENOMEM from mmap or a MemoryError otherwise, much later).
+        check_host_memory(self.config, max(1, pc.world_size // max(1, getattr(pc, "nnodes", 1))),
+                          cpu_blocks=cpu_blocks_for_bytes(kv_cache_config,
+                                                          self.config.cpu_bytes_per_rank),
+                          setup_as_written=(extra or {}).get("setup"))
         if not vllm_config.cache_config.enable_prefix_caching:
             raise ValueError("KVTritonConnector needs prefix caching: set "
                              "enable_prefix_caching=True")

@@ -85,7 +85,7 @@ class SchedulerSide:
         #: Sweep for unreferenced key ids by itself (off only as a soak's control run).
         self.auto_recycle = True
         logger.info("KVTritonConnector: %d CPU blocks per rank (%s), world_size %d, layout %s",
-                    self.num_cpu_blocks - 1, config.describe(), self.world_size,
+                    self.num_cpu_blocks - 1, config.describe(self.num_cpu_blocks), self.world_size,
                     self.layout.describe())
 
     # ---- binding -------------------------------------------------------------------------------

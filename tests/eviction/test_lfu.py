@@ -263,6 +263,24 @@ def test_sketch_width_covers_one_window_of_sightings():
     assert (q.sketch.width, q.sketch.window) == (8192, 0)
 
 
+@pytest.mark.parametrize(("window_tiers", "num_blocks"), [(16, 1025), (0, 1025), (64, 301),
+                                                          (4, 2), (0.5, 100), (1000, 7)],
+                         ids=["w16", "never_ages", "w64_rounds_up", "one_block", "half", "w1000"])
+def test_memory_bytes_is_what_reset_allocates(window_tiers, num_blocks):
+    """The host-memory checks count a sketch before it exists: the count must be its bytes."""
+    q = LFUQueue(window_tiers)
+    said = q.memory_bytes(num_blocks)
+    q.reset(num_blocks)
+    assert said == q.sketch._rows.nbytes
+    assert make_eviction_queue("lru").memory_bytes(num_blocks) == 0
+
+
+def test_memory_bytes_of_a_wide_window_is_known_without_allocating_it():
+    # lfu:1000000 on the 262,143-block tier of 8 GiB of a small model's KV: a 1 TiB sketch.
+    assert make_eviction_queue("lfu:1000000").memory_bytes(262_144) == 1 << 40
+    assert make_eviction_queue("lfu:4096").memory_bytes(262_144) == 4 << 30
+
+
 def test_a_cache_only_replay_refuses_lfu():
     # No planner admits requests there: the queue would run as LRU without saying so.
     from kvtriton.sim.replay import _check_eviction

@@ -131,6 +131,52 @@ def test_capacities_beyond_this_machine_are_refused_before_allocating(monkeypatc
         simulate(wl, gpu_blocks=8, cpu_blocks=10**12)
 
 
+def test_an_lfu_sketch_beyond_this_machine_is_refused_naming_the_setup(monkeypatch):
+    """The simulator counts the ``lfu:W`` sketch of its CPU tier (issue 36, item 7): a sketch
+    that does not fit beside the pools is one error naming the setup, before any run."""
+    sim_module = importlib.import_module("kvtriton.sim.simulate")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("allocated before the memory check")
+
+    monkeypatch.setattr(sim_module.ServingLoop, "__init__", refuse)
+    monkeypatch.setattr(sim_module, "machine_memory_bytes", lambda: 64 << 30)
+    wl = Workload([_req("a", 1, 64)], B)
+    with pytest.raises(ValueError, match=r"^policy 'eager\+lfu:1000000': its LFU sketch for the "
+                                         r"CPU tier of 262,143 blocks takes 1,024.0 GiB, which "
+                                         r"with the simulator's block pools need about 0.0 GiB "
+                                         r"is more than this machine's 64.0 GiB of memory; use "
+                                         r"a smaller window W"):
+        simulate(wl, gpu_blocks=8, cpu_blocks=262_143, policies=["eager", "eager+lfu:1000000"])
+    # A moderate window's sketch is counted too: 4 rows of 64 x 1,000 counters, rounded up to
+    # 2^16, beside the pools it must fit with.
+    pools = sim_module.ServingLoop.bytes_needed(8, 1000)
+    sketch = 4 << 16
+    monkeypatch.setattr(sim_module, "machine_memory_bytes", lambda: pools + sketch - 1)
+    with pytest.raises(ValueError, match=r"^policy 'eager\+lfu:64\+waiting': its LFU sketch"):
+        simulate(wl, gpu_blocks=8, cpu_blocks=1000, policies=["eager", "eager+lfu:64+waiting"],
+                 check_only=True)
+    monkeypatch.setattr(sim_module, "machine_memory_bytes", lambda: pools + sketch)
+    simulate(wl, gpu_blocks=8, cpu_blocks=1000, policies=["eager+lfu:64+waiting"],
+             check_only=True)
+
+
+def test_a_setup_with_tiny_or_huge_numbers_is_printed_as_written():
+    """The names the simulator's rows and table print parse back to the setups that ran (issue
+    36, item 6: ``restore:1e-05`` and ``lfu:1e+06`` did not)."""
+    from kvtriton.setups import tier_policy
+    from kvtriton.sim.metrics import format_table
+
+    wl = Workload([_req("a", 1, 64), _req("b", 1, 64, after="a")], B)
+    names = ["eager+restore:0.00001", "eager+lfu:1000000"]
+    res = simulate(wl, gpu_blocks=8, cpu_blocks=8, policies=names, bound=False)
+    assert [r["policy"] for r in res.rows] == names
+    assert [r["composition"] for r in res.rows] == names
+    table = format_table(res.rows)
+    for name in names:
+        assert name in table and tier_policy(name).composition == name
+
+
 def test_restore_policies_are_reported_side_by_side():
     wl = agent_workload(num_conversations=4, min_turns=3, max_turns=4, system_prompt_tokens=256,
                         first_user_tokens=128, user_tokens=64, output_tokens=32, seed=2)

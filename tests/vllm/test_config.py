@@ -228,3 +228,81 @@ def test_lfu_runs_in_the_connector_by_name():
     cfg = parse_extra_config({"setup": "eager+lfu:4+waiting"})
     assert cfg.setup == "eager+lfu:4+waiting" and cfg.cpu_eviction == "lfu:4"
     assert extra_config_for(tier_policy("eager+lfu")) == {"setup": "eager+lfu"}
+
+
+# ---- setups whose numbers a general format writes with an exponent (issue 36, item 6) -----------
+
+
+@pytest.mark.parametrize("setup", ["eager+restore:0.00001", "eager+lfu:1000000",
+                                   "lazy+hints:0.0000001", "eager+restore:0.1234567"])
+def test_a_setup_with_tiny_or_huge_numbers_runs_as_written(setup):
+    """The stored setup is the canonical name, which must parse again wherever the connector
+    reads it (planner switches, the start-up line) and name the same numbers."""
+    cfg = parse_extra_config({"setup": setup})
+    assert cfg.setup == setup and cfg.policy == tier_policy(setup)
+    assert cfg.planner_config(world_size=1, max_num_batched_tokens=8192) == cfg.policy.planner
+    assert cfg.describe().startswith(f"setup {setup} (")
+    assert parse_extra_config(extra_config_for(cfg.policy)) == cfg
+
+
+def test_a_per_axis_share_composes_a_setup_that_parses():
+    cfg = parse_extra_config({"restore_share": 0.00001})
+    assert cfg.setup == "eager+restore:0.00001+tail" and cfg.restore_share == 0.00001
+    assert cfg.describe().startswith("setup eager+restore:0.00001+tail (")
+
+
+# ---- the lfu sketch is counted at start-up (issue 36, item 7) ---------------------------------
+
+
+TIER = 1 << 30  # bytes per rank
+BLOCKS = 3001  # the tier's blocks, the null block included
+
+
+def _sketch(setup: str) -> int:
+    return tier_policy(setup).eviction_bytes(BLOCKS)
+
+
+def test_a_sketch_that_does_not_fit_beside_the_tier_names_the_setup_as_written():
+    written = "lfu:64+eager"  # not the canonical spelling: the error names what the user wrote
+    cfg = parse_extra_config({"setup": written, "cpu_bytes_per_rank": TIER})
+    sketch = _sketch(written)
+    assert sketch == 4 << 18  # 4 rows of 64 x 3,000 counters, rounded up to 2^18
+    check_host_memory(cfg, 1, total_bytes=TIER + sketch, cpu_blocks=BLOCKS)  # counted, fits
+    with pytest.raises(ValueError) as e:
+        check_host_memory(cfg, 1, total_bytes=TIER + sketch - 1, cpu_blocks=BLOCKS,
+                          setup_as_written=written)
+    msg = str(e.value)
+    assert msg.startswith("KVTritonConnector: kv_connector_extra_config['setup'] = "
+                          "'lfu:64+eager': its LFU sketch for the 3,000-block CPU tier takes "
+                          f"{sketch} bytes"), msg
+    assert f"with the tier's {TIER} bytes" in msg and "\n" not in msg, msg
+    assert "use a smaller window W" in msg, msg
+
+
+def test_the_sketch_of_lfu_1000000_is_one_error_not_a_memory_error():
+    # The default 8 GiB tier of a small model: 262,143 blocks of 32 KiB, a 1 TiB sketch.
+    cfg = parse_extra_config({"setup": "eager+lfu:1000000"})
+    with pytest.raises(ValueError) as e:
+        check_host_memory(cfg, 1, total_bytes=64 << 30, cpu_blocks=262_144)
+    msg = str(e.value)
+    assert msg.startswith("KVTritonConnector: kv_connector_extra_config['setup'] = "
+                          "'eager+lfu:1000000': its LFU sketch for the 262,143-block CPU tier "
+                          f"takes {1 << 40} bytes (1024 GiB)"), msg
+
+
+def test_other_evictions_and_the_tier_alone_count_no_sketch():
+    for setup in ("eager", "eager+arc", "lazy+s3fifo+hints"):
+        assert _sketch(setup) == 0
+        cfg = parse_extra_config({"setup": setup, "cpu_bytes_per_rank": TIER})
+        check_host_memory(cfg, 1, total_bytes=TIER, cpu_blocks=BLOCKS)
+        assert "sketch" not in cfg.describe(BLOCKS)
+    # Without the tier's blocks the check is the tier's bytes alone, as before.
+    check_host_memory(parse_extra_config({"setup": "eager+lfu:64", "cpu_bytes_per_rank": TIER}),
+                      1, total_bytes=TIER)
+
+
+def test_the_start_up_line_gives_the_sketch_size():
+    cfg = parse_extra_config({"setup": "eager+lfu:64", "cpu_bytes_per_rank": TIER})
+    line = cfg.describe(BLOCKS)
+    assert "CPU 1.00 GiB/rank + LFU sketch 1.0 MiB, scan fused" in line, line
+    assert "sketch" not in cfg.describe()
