@@ -247,6 +247,12 @@ class BlockPool:
     def num_cached_keys(self) -> int:
         return len(self._map)
 
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks holding cached data (hashed), referenced or free: the pool's fill, which
+        ``num_used_blocks`` is not (a cached block nothing references is free)."""
+        return int(np.count_nonzero(self._hashed_np))
+
     def is_free(self, block_id: int) -> bool:
         # Ref count 0 is free-queue membership (check_invariants holds them equal) and cheaper
         # than asking the queue; the null block has ref count 0 and is never free.

@@ -221,6 +221,24 @@ def test_evict_cached():
     pool.check_invariants()
 
 
+def test_cached_blocks_count_the_hashed_blocks_referenced_or_free():
+    """``num_cached_blocks`` is the pool's fill: hashed blocks whether referenced or not, where
+    ``num_used_blocks`` counts the referenced ones, cached or not."""
+    pool, _ = busy_pool()
+
+    def hashed():
+        return sum(pool.block_hash(b) is not None for b in range(pool.num_blocks))
+
+    counts = [(pool.num_cached_blocks, hashed(), pool.num_used_blocks)]
+    pool.free_blocks([3, 1, 2, 3])  # every reference dropped: the cached blocks stay
+    counts.append((pool.num_cached_blocks, hashed(), pool.num_used_blocks))
+    pool.evict_cached(4)
+    counts.append((pool.num_cached_blocks, hashed(), pool.num_used_blocks))
+    pool.reset_prefix_cache()
+    counts.append((pool.num_cached_blocks, hashed(), pool.num_used_blocks))
+    assert counts == [(3, 3, 3), (3, 3, 0), (2, 2, 0), (0, 0, 0)]
+
+
 def test_iter_free_after():
     pool, _ = busy_pool()
     assert list(pool.iter_free(after=6)) == [7, 4]

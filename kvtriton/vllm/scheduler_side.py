@@ -34,7 +34,7 @@ from kvtriton.vllm.layout import cpu_blocks_for_bytes, layout_from_vllm
 from kvtriton.vllm.metadata import KVTritonMetadata, KVTritonWorkerMetadata
 from kvtriton.vllm.requests import RequestMirror, lookup_request
 from kvtriton.vllm.signals import TierSignals
-from kvtriton.vllm.stats import GAUGES, KVTritonStats, counter_deltas
+from kvtriton.vllm.stats import KVTritonStats, counter_deltas
 
 __all__ = ["SchedulerSide"]
 
@@ -369,16 +369,28 @@ class SchedulerSide:
         return self.planner is not None and self.planner.has_pending_stores()
 
     def get_stats(self) -> KVTritonStats | None:
+        """The counters since the last call (non-zero ones) and the gauges now."""
         if self.planner is None:
             return None
-        now = dict(self.planner.stats.as_dict())
+        now = self.counters()
+        data = counter_deltas(now, self._stats_before)
+        self._stats_before = now
+        data.update(self.gauges())
+        return KVTritonStats(data=data)
+
+    def counters(self) -> dict[str, int | float]:
+        """Every counter so far, by ``kvtriton.vllm.stats.STATS`` name."""
+        now = dict(self._planner().stats.as_dict())
         now["key_collisions"] = self.keys.collisions
         now["key_ids_recycled"] = self.keys.recycled
         now.update(self.signals.counters)
         now["protect_overflow"] = self.signals.protect_overflow
-        data = counter_deltas(now, self._stats_before)
-        self._stats_before = now
-        data[GAUGES[0]] = self.cpu_pool.num_used_blocks
-        data[GAUGES[1]] = self.planner.pending_store_blocks()
-        data[GAUGES[2]] = self.keys.num_bound
-        return KVTritonStats(data=data)
+        return now
+
+    def gauges(self) -> dict[str, int]:
+        """The tier now, by ``kvtriton.vllm.stats.GAUGES`` name (``STATS`` says what each
+        counts)."""
+        return {"cpu_cached_blocks": self.cpu_pool.num_cached_blocks,
+                "cpu_blocks_pinned_by_transfers": self.cpu_pool.num_used_blocks,
+                "pending_store_blocks": self._planner().pending_store_blocks(),
+                "key_ids_bound": self.keys.num_bound}

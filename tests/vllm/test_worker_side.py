@@ -58,6 +58,9 @@ def test_worker_role_refuses_kv_tensors_it_cannot_address(model_dir):
     conn.clear_connector_metadata()
     stats = conn.get_kv_connector_stats().data
     assert stats["worker_blocks_stored"] == 1 and stats["worker_store_bytes"] == 2 * BS * 8 * 4
+    from kvtriton.vllm.stats import STATS
+
+    assert set(stats) <= set(STATS)  # every name the worker reports says what it counts there
     assert torch.equal(conn.worker_side.engine.cpu_pool[1].view(torch.float32),
                        torch.full((2 * BS * 8,), 7.0))
     with pytest.raises(RuntimeError, match="scheduler-role call on the worker role"):
