@@ -24,40 +24,56 @@ differences (``KVTritonConnector``'s docstring) are accepted only with their evi
   did not make and its cursor has not passed that block (vLLM defers it).
 - ``in_flight_duplicate``: vLLM copies a GPU block whose hash kvtriton has in flight, or stores
   this step, from *another* GPU block (vLLM dedups by GPU block id, kvtriton by hash too).
-- ``key_collision``: vLLM stores (or flushes) a block at a position whose key kvtriton reserved
-  and could not bind, another request having made the same hash first (``kvtriton.vllm.keys``:
-  that position is never stored for this request).
+- ``key_collision``: vLLM stores (or flushes) a block at a position kvtriton cannot bind
+  (``kvtriton.vllm.keys``: that position is never stored for this request). The evidence is
+  taken from vLLM's requests, never from kvtriton's own list of unbound ids (a position it
+  failed to bind would excuse itself): the request hashed that position while admitted, after
+  another request had made the same hash (``HashOrigins``).
+- ``failed_store``: the driver reports some of kvtriton's stores failed (in a share of the
+  seeds; vLLM's worker has no failure report, so its stores complete): kvtriton's tier lacks
+  those blocks.
 
 Anything else is *unrecognised*, and fails the test. After a recognised difference the tiers
-hold different blocks: the pair is *apart*. kvtriton is then checked against its own tier with
-the rules both must share (a lookup hit is the longest cached run, capped to recompute the last
-token; a store copies hashed blocks neither cached nor in flight, within the free blocks; a
-cursor passes only cached, in-flight or stored positions; a load reads the hashes of its
-request's positions) and fed answers it can serve (an accepted hit no longer than its own). The
-pair is *in step* again, and compared again, as soon as both hold the same CPU contents in the
-same eviction order, the same stores in flight, the same loads in flight and the same cursors.
+hold different blocks: the pair is *apart*. Every step, in step or apart, kvtriton is held to
+models kept from what crosses the connector's boundary alone (``bench.differential_models``):
+its CPU tier's contents, pins and free queue against ``TierModel`` (the tier's LRU rules:
+stores take the head, completions free head first, failures free unhashed); a lookup hit is the
+longest run the model holds, capped to recompute the last token; a step's load is exactly the
+hits accepted since the last step, CPU blocks of the hit into the GPU blocks past the local
+hit; a store copies hashed blocks neither cached nor in flight onto the head of the free queue,
+within the free blocks, and a scan that spent its budget moves no later cursor; a finish flush
+is every confirmed block past the cursor that the model does not hold (``expected_flush``); and
+the planner's and the pool's stated invariants hold. kvtriton is fed answers it can serve (an
+accepted hit no longer than its own). The pair is *in step* again, and compared again, as soon
+as both hold the same CPU contents in the same eviction order, the same stores in flight, the
+same loads in flight and the same cursors.
 
 ``run_seed`` runs one seed, ``main`` many (the bench study: outcome counts per seed in JSON);
-``MUTATIONS`` are known bug classes, each of which the comparison must catch.
+``MUTATIONS`` (``bench.differential_mutations``) are known bug classes, each of which the
+comparison must catch wherever it changes an answer, planted from the start or at the first
+recognised difference (``mutation_table``).
 
-Run: ``python -m bench.differential [--seeds N] [--first S] [--json out.json]`` (3,000 seeds
-by default, about 7 minutes on one core).
+Run: ``python -m bench.differential [--seeds N] [--first S] [--mutations] [--json out.json]``
+(3,000 seeds by default, about 15 minutes on one core; ``--mutations`` plants every bug class
+two ways in every seed).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
+import hashlib
 import os
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from bench.differential_mutations import MUTATIONS, fired, reset_fired
 
 BS = 16
 
@@ -82,7 +98,16 @@ class Record:
     lookups: int = 0
     stores: int = 0
     loads: int = 0  # blocks loaded by kvtriton (compared in step, checked apart)
+    failed_stores: int = 0  # kvtriton store events the driver reported failed
     unknown: list[str] = field(default_factory=list)
+    unknown_apart: bool = False  # the unrecognised difference came while the pair was apart
+    # Under a planted bug (bench.differential_mutations): whether it changed what kvtriton did
+    # in a call made while the pair was in step, and in one made while apart.
+    fired_in_step: bool = False
+    fired_apart: bool = False
+    # A digest of every answer kvtriton gave: a planted bug that leaves it as the unmutated
+    # run's changed nothing the differential can see.
+    answers: str = ""
 
     @property
     def outcome(self) -> str:
@@ -103,6 +128,7 @@ def _tee_classes():
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.simple_kv_offload.manager import SimpleCPUOffloadScheduler
 
+    from bench.differential_models import HashOrigins, RuleBroken, TierModel, expected_flush
     from kvtriton.vllm.config import parse_extra_config
     from kvtriton.vllm.scheduler_side import SchedulerSide
 
@@ -146,6 +172,14 @@ def _tee_classes():
             self.ev_pairs: list[tuple[int, int]] = []  # store events in flight, by issuing step
             self.collided: set[int] = set()  # GPU blocks at key-collision positions (this step)
             self.kvt_finished_loads: set[str] | None = None  # set by the driver when apart
+            self.on_apart: Callable[[], None] | None = None  # called at the first difference
+            # What kvtriton's side must do, kept from vLLM's requests and the transfers alone.
+            self.origins = HashOrigins()
+            self.tier = TierModel(self.kvt.num_cpu_blocks)
+            self.lookup_at: dict[str, int] = {}  # rid -> computed tokens its last lookup had
+            self.accepted: dict[str, list[int]] = {}  # rid -> GPU blocks its load must fill
+            self.fired_seen = fired()
+            self._answers = hashlib.blake2b(digest_size=16)
 
         # ---- what the tiers hold --------------------------------------------------------------
 
@@ -193,15 +227,33 @@ def _tee_classes():
                     for rid, st in stores._states.items() if st.admitted and not st.finished}
 
         def _collided(self, rid: str, table: list[int]) -> set[int]:
-            """GPU blocks of ``rid``'s table at positions whose key kvtriton reserved and could
-            not bind: another request made the hash first (``kvtriton.vllm.keys``), so kvtriton
-            never stores that position for this request."""
-            m = self.kvt._mirrors.get(rid)
-            if m is None or not m.unbound:
-                return set()
-            unbound = set(m.unbound)
-            keys = m.req.keys[0][:len(table)].tolist()
-            return {table[p] for p, k in enumerate(keys) if k in unbound}
+            """GPU blocks of ``rid``'s table at positions where a key collision may be: ``rid``
+            hashed them while admitted, another request having made the same hash before
+            (``HashOrigins``, from vLLM's requests; kvtriton's own list of unbound ids would let
+            a position it failed to bind excuse itself)."""
+            return {table[p] for p in self.origins.collided(rid) if p < len(table)}
+
+        def _position_hashes(self, request) -> list[bytes]:
+            """``request``'s block hashes as the tiers key them (group 0)."""
+            return [h + _GROUP0 for h in request.block_hashes]
+
+        def _check_tier(self, when: str) -> None:
+            """kvtriton's CPU tier against ``TierModel``: contents, pins and free queue."""
+            pool, keys = self.kvt.cpu_pool, self.kvt.keys
+            hashes = [None] + [None if (k := pool.block_hash(b)) is None else keys.hash_of(k)
+                               for b in range(1, pool.num_blocks)]
+            why = self.tier.differs(list(pool.iter_free()), pool.ref_cnt, hashes)
+            if why is not None:
+                raise Diverged(f"step {self.step}: after {when}, kvtriton's CPU tier: {why}")
+
+        def _check_books(self, when: str) -> None:
+            """The planner's and the CPU pool's own stated invariants (the fuzz suite's, short
+            of quiescence)."""
+            try:
+                self.kvt.planner.check_invariants()
+                self.kvt.cpu_pool.check_invariants()
+            except AssertionError as e:
+                raise Diverged(f"step {self.step}: after {when}, kvtriton's books: {e}") from e
 
         def _ref_cursors(self) -> dict[str, tuple[list[int], int]]:
             return {rid: (st.block_ids[0], st.num_stored_blocks[0])
@@ -225,20 +277,43 @@ def _tee_classes():
                 self.rec.first_difference_at = self.step
             self.in_step = False
             self.lag = {}
+            if self.on_apart is not None:
+                self.on_apart()
+                self.on_apart = None
 
         def _guard(self, fn, *args):
             """Run a kvtriton call while no unrecognised difference occurred; one (or an error)
             ends the seed's checks."""
             if not self.live:
                 return None
+            in_step = self.in_step
+            self._note_fired(in_step)  # acted outside a call (vLLM's allocation binds keys)
             try:
                 return fn(*args)
             except Diverged as e:
                 self.rec.unknown.append(str(e))
+            except RuleBroken as e:
+                self.rec.unknown.append(f"step {self.step}: {e}")
             except Exception as e:  # an exception is a difference too, recorded with its text
                 self.rec.unknown.append(f"step {self.step}: kvtriton raised {e!r}")
+            finally:
+                self._note_fired(in_step)
+            self.rec.unknown_apart = not self.in_step
             self.live = False
             return None
+
+        def _answer(self, *parts) -> None:
+            self._answers.update(repr(parts).encode())
+
+        def answers(self) -> str:
+            return self._answers.hexdigest()
+
+        def _note_fired(self, in_step: bool) -> None:
+            """Record whether a planted bug acted since the last note, in step or apart."""
+            if fired() > self.fired_seen:
+                self.fired_seen = fired()
+                self.rec.fired_in_step |= in_step
+                self.rec.fired_apart |= not in_step
 
         # ---- the scheduler's calls ------------------------------------------------------------
 
@@ -251,8 +326,11 @@ def _tee_classes():
 
             def check():
                 rid = request.request_id
+                self.origins.observe(request)
                 got = self.kvt.get_num_new_matched_tokens(request, num_computed_tokens)
+                self._answer("lookup", rid, got)
                 self.kvt_hits[rid] = got[0]
+                self.lookup_at[rid] = num_computed_tokens
                 if self.in_step:
                     self.rec.lookups += 1
                     self._compare(f"lookup {rid}", tuple(out), tuple(got))
@@ -261,22 +339,25 @@ def _tee_classes():
                     if got[0] != want:
                         raise Diverged(f"step {self.step}: lookup {rid}: kvtriton hit "
                                        f"{got[0]} tokens, its own tier holds a run of {want}")
+                start = num_computed_tokens // BS
+                hit = self._position_hashes(request)[start:start + got[0] // BS]
+                blocks = self.tier.blocks_of(hit)
+                if blocks is None:
+                    raise Diverged(f"step {self.step}: lookup {rid}: kvtriton hit {got[0]} "
+                                   "tokens, blocks its tier's rules do not hold")
+                self.tier.lookup(rid, blocks)
+                self._check_tier(f"lookup {rid}")
 
             self._guard(check)
             return out
 
         def _own_hit(self, request, num_computed_tokens) -> int:
-            """The hit the rules give on kvtriton's own tier: the run of cached blocks from the
-            computed prefix, at most up to the block before the last token."""
-            cached = self._kvt_cached()
-            hashes = request.block_hashes
+            """The hit the rules give on kvtriton's own tier (``TierModel``): the run of cached
+            blocks from the computed prefix, at most up to the block before the last token."""
             start = num_computed_tokens // BS
-            stop = min(len(hashes), (request.num_tokens - 1) // BS)
-            n = 0
-            suffix = (0).to_bytes(4, "big")
-            while start + n < stop and hashes[start + n] + suffix in cached:
-                n += 1
-            return n * BS
+            stop = min(len(request.block_hashes), (request.num_tokens - 1) // BS)
+            return self.tier.cached_run(self._position_hashes(request)[start:max(start, stop)]) \
+                * BS
 
         def update_state_after_alloc(self, request, blocks, num_external_tokens):
             self.ref.update_state_after_alloc(request, blocks, num_external_tokens)
@@ -284,18 +365,28 @@ def _tee_classes():
             if not self.in_step:
                 # vLLM accepted its own hit; kvtriton is given what its tier can serve.
                 ext = min(ext, self.kvt_hits.get(request.request_id, 0))
-            self._guard(self.kvt.update_state_after_alloc, request, blocks, ext)
+
+            def alloc():
+                rid = request.request_id
+                self.origins.admitted(request)
+                self.kvt.update_state_after_alloc(request, blocks, ext)
+                n = ext // BS
+                self.tier.accept(rid, n)
+                if n:
+                    # The load fills the GPU blocks of the hit's positions, past the local hit.
+                    start = self.lookup_at.get(rid, 0) // BS
+                    self.accepted[rid] = list(blocks.get_block_ids()[0][start:start + n])
+                self._check_tier(f"allocation of {rid}")
+
+            self._guard(alloc)
 
         def build_connector_meta(self, scheduler_output):
             ref_before = self._ref_cached() if self.live else set()
-            kvt_before = self._kvt_cached() if self.live else set()
-            in_flight, by_hash = self._kvt_in_flight_hashes() if self.live else (set(), {})
             # vLLM's scan budget: its free CPU blocks (a queued finish flush holds its own).
             free = self.ref.cpu_block_pool.get_num_free_blocks()
             flushed = sum(len(t.gpu_block_ids) for t in self.ref._pending_finished_stores)
             ref = self.ref.build_connector_meta(scheduler_output)
-            kvt = self._guard(self._build_kvt, scheduler_output, ref, ref_before, kvt_before,
-                              in_flight, by_hash, free, flushed)
+            kvt = self._guard(self._build_kvt, scheduler_output, ref, ref_before, free, flushed)
             self.step += 1
             return TeeMetadata(ref, kvt)
 
@@ -306,15 +397,26 @@ def _tee_classes():
             out |= {r.req_id for r in so.scheduled_new_reqs}
             return out
 
-        def _build_kvt(self, so, ref, ref_before, kvt_before, in_flight, by_hash, free,
-                       flushed):
-            kvt_free = self.kvt.cpu_pool.num_free_blocks
+        def _build_kvt(self, so, ref, ref_before, free, flushed):
+            self.origins.observe_all()
+            kvt_before = set(self.tier.where)
+            in_flight, by_hash = self._kvt_in_flight_hashes()
+            queued = self.kvt.planner.queued_flush().gpu_blocks
+            free_before = len(self.tier.free)
             kvt = self.kvt.build_connector_meta(so)
+            self._answer("step", kvt.store.gpu_blocks, kvt.store.cpu_blocks, kvt.load.gpu_blocks,
+                         kvt.load.cpu_blocks)
             h_kvt = [self._gpu_hash(b) for b in kvt.store.gpu_blocks]
-            self._check_own_stores(kvt, h_kvt, kvt_before, in_flight, kvt_free)
+            self._check_own_stores(kvt, h_kvt, kvt_before, in_flight, by_hash, queued)
             rows = self._kvt_rows()
-            self._check_own_cursors(so, rows, set(h_kvt), kvt_before, in_flight, by_hash)
+            befores = self._check_own_cursors(so, rows, set(h_kvt), kvt_before, in_flight,
+                                              by_hash)
+            scanned = kvt.store.gpu_blocks[:len(kvt.store.gpu_blocks) - len(queued)]
+            if len(scanned) >= free_before:
+                self._check_frozen_rows(so, rows, befores, scanned)
             self._check_own_loads(kvt)
+            self._check_tier("build_connector_meta")
+            self._check_books("build_connector_meta")
             if kvt.store.event >= 0:
                 self.kvt_in_flight[kvt.store.event] = list(zip(kvt.store.gpu_blocks, h_kvt,
                                                                strict=True))
@@ -340,26 +442,42 @@ def _tee_classes():
 
         # ---- kvtriton against its own tier (always) -------------------------------------------
 
-        def _check_own_stores(self, kvt, h_kvt, kvt_before, in_flight, kvt_free) -> None:
+        def _check_own_stores(self, kvt, h_kvt, kvt_before, in_flight, by_hash, queued
+                              ) -> None:
+            """The step's batch: what the scan chose (hashed blocks neither cached nor in
+            flight, each once, within the free blocks, on the CPU blocks at the head of the free
+            queue), then the queued finish flush, whole."""
             gpu = self.kvt.gpu_pool.vllm_pool.blocks
             for b, h in zip(kvt.store.gpu_blocks, h_kvt, strict=True):
                 if h is None or gpu[b].is_null:
                     raise Diverged(f"step {self.step}: kvtriton stored GPU block {b}, which "
                                    "holds no hash")
-            # A queued finish flush joins the batch; it is in flight already.
-            scanned = [h for h in h_kvt if h not in in_flight]
-            if len(set(scanned)) != len(scanned) or set(scanned) & kvt_before:
-                raise Diverged(f"step {self.step}: kvtriton stored a block twice, or one its "
-                               "tier held")
-            if len(scanned) > kvt_free:
-                raise Diverged(f"step {self.step}: kvtriton stored {len(scanned)} blocks with "
-                               f"{kvt_free} free")
+            n = len(kvt.store.gpu_blocks) - len(queued)
+            if n < 0 or kvt.store.gpu_blocks[n:] != queued:
+                raise Diverged(f"step {self.step}: kvtriton's batch {kvt.store.gpu_blocks} does "
+                               f"not end with the queued finish flush {queued}")
+            scanned = h_kvt[:n]
+            busy = {b for bs in by_hash.values() for b in bs}
+            if len(set(scanned)) != len(scanned) or set(scanned) & (kvt_before | in_flight) \
+                    or set(kvt.store.gpu_blocks[:n]) & busy:
+                raise Diverged(f"step {self.step}: kvtriton stored a block twice, one its tier "
+                               "held or one in flight")
+            if n > len(self.tier.free):
+                raise Diverged(f"step {self.step}: kvtriton stored {n} blocks with "
+                               f"{len(self.tier.free)} free")
+            want = self.tier.store(kvt.store.event, scanned)
+            if kvt.store.cpu_blocks[:n] != want:
+                raise Diverged(f"step {self.step}: kvtriton stores into CPU blocks "
+                               f"{kvt.store.cpu_blocks[:n]}, the head of its free queue holds "
+                               f"{want}")
 
-        def _check_own_cursors(self, so, rows, stored, kvt_before, in_flight, by_hash) -> None:
+        def _check_own_cursors(self, so, rows, stored, kvt_before, in_flight, by_hash
+                               ) -> dict[str, int]:
             """Every position a cursor passed this step was cached, in flight, stored now or
-            holds no hash to store; a cursor moves back only when its row starts over."""
+            holds no hash to store; a cursor moves back only when its row starts over. Returns
+            each row's cursor before the step."""
             restarted = self._restarted(so)
-            cursors = {}
+            cursors, befores = {}, {}
             self.collided = set()
             for rid, (table, cur) in rows.items():
                 self.collided |= self._collided(rid, table)
@@ -376,14 +494,56 @@ def _tee_classes():
                     raise Diverged(f"step {self.step}: {rid}'s cursor passed position {p} "
                                    f"(GPU block {b}), neither cached, in flight nor stored")
                 cursors[rid] = cur
+                befores[rid] = before
             self.kvt_cursor = cursors
+            return befores
+
+        def _new_positions(self, rid, table, before) -> list[int]:
+            """Positions of ``rid`` from ``before`` to its confirmed end whose GPU block is
+            hashed: what a store scan passes over (storing, or not where cached or in flight)."""
+            v = self.origins.requests.get(rid)
+            if v is None:
+                return []
+            ready = min((v.num_computed_tokens - v.num_output_placeholders) // BS, len(table),
+                        len(v.block_hashes))
+            return [p for p in range(before, ready) if self._gpu_hash(table[p]) is not None]
+
+        def _check_frozen_rows(self, so, rows, befores, scanned) -> None:
+            """The scan spent its budget (the free blocks): a request it reached after the
+            request of the last block it chose keeps its cursor where it was, as vLLM's scan
+            stops there."""
+            order = [r.req_id for r in so.scheduled_new_reqs] + list(
+                so.scheduled_cached_reqs.req_ids)
+            order = [r for r in order if so.num_scheduled_tokens.get(r) and r in rows]
+            new = {r: {rows[r][0][p] for p in self._new_positions(r, rows[r][0], befores[r])}
+                   for r in order}
+            # A chosen block is the first request's, in scan order, that has it among its new
+            # positions (a block two requests share is stored once).
+            last = -1
+            for b in scanned:
+                last = max(last, next((i for i, r in enumerate(order) if b in new[r]), -1))
+            for r in order[last + 1:]:
+                if new[r] and rows[r][1] != befores[r]:
+                    raise Diverged(f"step {self.step}: {r}'s cursor moved ({befores[r]} -> "
+                                   f"{rows[r][1]}) after the scan spent its budget")
 
         def _check_own_loads(self, kvt) -> None:
-            keys, cpu = self.kvt.keys, self.kvt.cpu_pool
+            """The step's load: every load accepted since the last step, in acceptance order,
+            each exactly the accepted blocks (the hit's CPU blocks into the GPU blocks past the
+            local hit), none other; each CPU block holds its GPU block's hash."""
+            rids = self.tier.unissued_loads()
+            got = kvt.load_event_to_reqs.get(kvt.load.event, []) if kvt.load.event >= 0 else []
+            want_gpu = [b for r in rids for b in self.accepted.pop(r, [])]
+            want_cpu = [b for r in rids for b in self.tier.loads[r][0]]
+            if list(got) != rids or kvt.load.gpu_blocks != want_gpu \
+                    or kvt.load.cpu_blocks != want_cpu:
+                raise Diverged(f"step {self.step}: kvtriton loads {list(got)}: CPU "
+                               f"{kvt.load.cpu_blocks} -> GPU {kvt.load.gpu_blocks}; accepted "
+                               f"{rids}: CPU {want_cpu} -> GPU {want_gpu}")
+            self.tier.issue_loads()
             for b_gpu, b_cpu in zip(kvt.load.gpu_blocks, kvt.load.cpu_blocks, strict=True):
                 want = self._gpu_hash(b_gpu)
-                got = keys.hash_of(cpu.block_hash(b_cpu))
-                if want is not None and want != got:
+                if want is not None and want != self.tier.hash[b_cpu]:
                     raise Diverged(f"step {self.step}: kvtriton loads CPU block {b_cpu} "
                                    f"into GPU block {b_gpu}, which holds another hash")
 
@@ -528,9 +688,18 @@ def _tee_classes():
 
             def apply():
                 self.kvt.update_connector_output(kvt_out)
-                if wm is not None:
-                    for ev in wm.kvt.completed_store_events:
-                        self.kvt_in_flight.pop(ev, None)
+                done = list(wm.kvt.completed_store_events) if wm is not None else []
+                failed = list(wm.kvt.failed_store_events) if wm is not None else []
+                for ev in done + failed:
+                    self.kvt_in_flight.pop(ev, None)
+                self.tier.reports(list(loads or ()), done, failed)
+                self._check_tier("update_connector_output")
+                self._check_books("update_connector_output")
+                if failed:
+                    # The driver failed them: vLLM's tier has these blocks, kvtriton's not.
+                    self.rec.failed_stores += len(failed)
+                    if self.in_step:
+                        self._recognise({"failed_store"})
                 if self.in_step:
                     self._check_cpu("update_connector_output")
 
@@ -551,9 +720,25 @@ def _tee_classes():
 
             def finish():
                 n_kvt = len(self.kvt.planner.queued_flush().gpu_blocks)
+                self.origins.finished(request)
                 self.collided = self._collided(rid, block_ids[0])
+                # Its pins go before its flush takes blocks (the flush may reuse them).
+                self.tier.drop(rid)
+                self.accepted.pop(rid, None)
+                want = self._own_flush(rid, request, block_ids[0])
                 self.kvt.request_finished(request, block_ids)
-                kvt_flush = self.kvt.planner.queued_flush().gpu_blocks[n_kvt:]
+                queued = self.kvt.planner.queued_flush()
+                kvt_flush = queued.gpu_blocks[n_kvt:]
+                self._answer("flush", rid, kvt_flush, queued.cpu_blocks[n_kvt:])
+                if kvt_flush not in want:
+                    raise Diverged(f"step {self.step}: flush of {rid}: kvtriton queued "
+                                   f"{kvt_flush}, the rules give {want[0]}")
+                taken = self.tier.queue_flush([self._gpu_hash(b) for b in kvt_flush])
+                if queued.cpu_blocks[n_kvt:] != taken:
+                    raise Diverged(f"step {self.step}: flush of {rid} into CPU blocks "
+                                   f"{queued.cpu_blocks[n_kvt:]}, the head of the free queue "
+                                   f"holds {taken}")
+                self._check_tier(f"request_finished({rid})")
                 if not self.in_step:
                     return
                 if ref_flush != kvt_flush:
@@ -562,6 +747,32 @@ def _tee_classes():
                 self._check_cpu(f"request_finished({rid})")
 
             self._guard(finish)
+            return out
+
+        def _own_flush(self, rid, request, table) -> list[list[int]]:
+            """The finish flushes the rules allow ``rid`` (``expected_flush``): every confirmed
+            block from kvtriton's cursor whose hash is neither cached, in flight nor queued,
+            within the free blocks; a position where a key collision may be is skipped or not
+            (two answers then)."""
+            rows = self._kvt_rows()
+            st = self.kvt.planner._stores._states.get(rid)
+            if rid in rows:
+                cursor = rows[rid][1]
+            elif st is not None and not st.finished and table:
+                cursor = 0  # preempted, allocated again: the row starts over from the table
+            else:
+                return [[]]
+            v = request
+            ready = min((v.num_computed_tokens - v.num_output_placeholders) // BS, len(table),
+                        len(v.block_hashes))
+            in_flight, by_hash = self._kvt_in_flight_hashes()
+            busy = {b for bs in by_hash.values() for b in bs}
+            args = (table, cursor, ready, self._position_hashes(v), self._gpu_hash)
+            rest = (set(self.tier.where) | in_flight, busy, len(self.tier.free))
+            collided = {p for p in self.origins.collided(rid) if cursor <= p < ready}
+            out = [expected_flush(*args, collided, *rest)]
+            if collided:
+                out.append(expected_flush(*args, set(), *rest))
             return out
 
         def _check_flush(self, rid, lag, table, ref_flush, kvt_flush) -> None:
@@ -612,6 +823,7 @@ def _tee_classes():
 
 
 _CLASSES: tuple | None = None
+_GROUP0 = (0).to_bytes(4, "big")  # vLLM's group id suffix of the one group here
 
 
 def __getattr__(name: str):
@@ -622,6 +834,12 @@ def __getattr__(name: str):
             _CLASSES = _tee_classes()
         return _CLASSES[0] if name == "TeeConnector" else _CLASSES[1]
     raise AttributeError(name)
+
+
+#: The share of seeds whose kvtriton store reports may fail, and the share of those seeds' store
+#: events that do.
+FAILED_STORE_SEEDS = 0.3
+FAILED_STORE_SHARE = 0.1
 
 
 def _prompts(rng: np.random.Generator, n: int) -> list[tuple[list[int], int]]:
@@ -650,8 +868,21 @@ def _returning(rng: np.random.Generator, earlier: list[tuple[list[int], int]]
     return out
 
 
-def run_seed(model_dir, seed: int, max_steps: int = 1200) -> Record:
-    """One random schedule through vLLM's scheduler with ``TeeConnector``; its record."""
+def run_seed(model_dir, seed: int, max_steps: int = 1200, plant_apart: str | None = None
+             ) -> Record:
+    """One random schedule through vLLM's scheduler with ``TeeConnector``; its record.
+
+    ``plant_apart`` names a bug class (``MUTATIONS``) planted at the pair's first recognised
+    difference and kept to the end: a bug that acts only while the two sides are apart, where
+    kvtriton is held to the models of ``bench.differential_models`` alone."""
+    with contextlib.ExitStack() as stack:
+        plant = None if plant_apart is None else \
+            (lambda: stack.enter_context(MUTATIONS[plant_apart]()))
+        return _run_seed(model_dir, seed, max_steps, plant)
+
+
+def _run_seed(model_dir, seed: int, max_steps: int, plant: Callable[[], None] | None
+              ) -> Record:
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
     from vllm.v1.request import RequestStatus
     from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata
@@ -670,6 +901,7 @@ def run_seed(model_dir, seed: int, max_steps: int = 1200) -> Record:
                        kv_connector="TeeConnector", kv_connector_module_path=__name__)
     tee = s.connector
     tee.rec.seed = seed
+    tee.on_apart = plant
     first = _prompts(rng, int(rng.integers(10, 26)))
     pending = list(first)
     prefix = "r"
@@ -677,6 +909,11 @@ def run_seed(model_dir, seed: int, max_steps: int = 1200) -> Record:
     # before it existed, whatever the second does.
     rng2 = np.random.default_rng([seed, 2])
     second = _returning(rng2, first)
+    # Failed stores, in a share of the seeds, from a stream of their own (the schedule stays
+    # what it was): kvtriton's worker reports the store failed, vLLM's (which has no failure
+    # report) completed.
+    rng3 = np.random.default_rng([seed, 3])
+    fail_share = FAILED_STORE_SHARE if rng3.random() < FAILED_STORE_SEEDS else 0.0
     stores: list[tuple[int, int, int]] = []  # (due step, vLLM event, kvtriton event)
     loads: list[tuple[int, list[str], list[str]]] = []  # (due, vLLM's requests, kvtriton's)
     phase = 1
@@ -711,9 +948,11 @@ def run_seed(model_dir, seed: int, max_steps: int = 1200) -> Record:
             req = s.requests[rid]
             sampled.append([] if req.num_computed_tokens < req.num_tokens
                            else [_default_token(rid, req.num_tokens)])
+        failed = {k for _, k in done_stores if k >= 0 and fail_share and rng3.random() < fail_share}
         wm = tee_worker_meta(
             SimpleCPUOffloadWorkerMetadata({r_: 1 for r_, _ in done_stores if r_ >= 0}),
-            KVTritonWorkerMetadata({k: 1 for _, k in done_stores if k >= 0}),
+            KVTritonWorkerMetadata({k: 1 for _, k in done_stores if k >= 0 and k not in failed},
+                                   {k: 1 for k in sorted(failed)}),
         ) if done_stores else None
         out = ModelRunnerOutput(req_ids=ids, req_id_to_index={r_: i for i, r_ in enumerate(ids)},
                                 sampled_token_ids=sampled,
@@ -738,6 +977,7 @@ def run_seed(model_dir, seed: int, max_steps: int = 1200) -> Record:
     else:
         raise AssertionError(f"seed {seed}: the schedule did not drain")
     tee.rec.steps = tee.step
+    tee.rec.answers = tee.answers()
     tee.rec.apart_at_end = not tee.in_step
     if tee.live:
         tee._guard(lambda: tee.kvt.planner.check_invariants(idle=True))
@@ -746,99 +986,72 @@ def run_seed(model_dir, seed: int, max_steps: int = 1200) -> Record:
 
 # ---- known bug classes, each of which the comparison must catch ---------------------------------
 
-@contextlib.contextmanager
-def _patched(obj: Any, name: str, make: Callable[[Callable], Callable]) -> Iterator[None]:
-    old = getattr(obj, name)
-    setattr(obj, name, make(old))
-    try:
-        yield
-    finally:
-        setattr(obj, name, old)
+def _planted_row(model_dir, name: str, seeds: list[int], baseline: dict[int, Record],
+                 apart: bool) -> dict[str, list[int]]:
+    """One way of planting ``name`` over ``seeds`` (from the start, or at the pair's first
+    recognised difference when ``apart``): the seeds where it fired, changed an answer, was
+    caught (while apart), fired only while apart, passed, or had no effect."""
+    row: dict[str, list[int]] = {k: [] for k in (
+        "fired", "changed", "caught", "caught_apart", "fired_only_apart", "passed",
+        "no_effect")}
+    for seed in seeds:
+        reset_fired()
+        if apart:
+            rec = run_seed(model_dir, seed, plant_apart=name)
+        else:
+            with MUTATIONS[name]():
+                rec = run_seed(model_dir, seed)
+        changed = rec.answers != baseline[seed].answers
+        if not fired():
+            if rec.unknown:  # a bug that never acted cannot be what was caught
+                raise AssertionError(f"{name} did not fire in seed {seed}, which failed: "
+                                     f"{rec.unknown[0]}")
+            continue
+        row["fired"].append(seed)
+        if changed:
+            row["changed"].append(seed)
+        if rec.unknown:
+            row["caught"].append(seed)
+            if rec.unknown_apart:
+                row["caught_apart"].append(seed)
+        elif changed:
+            row["passed"].append(seed)
+        else:
+            row["no_effect"].append(seed)
+        if rec.fired_apart and not rec.fired_in_step:
+            row["fired_only_apart"].append(seed)
+    return row
 
 
-def _no_deferred_stop(old):
-    def advance(self, rows, ready, c, chosen, deferred, dups, budget):
-        return old(self, rows, ready, c, chosen, deferred[:0], dups, budget)
-    return advance
+def mutation_table(model_dir, seeds: range, mutations: list[str] | None = None,
+                   baseline: dict[int, Record] | None = None,
+                   progress: Callable[[str], None] | None = None) -> dict:
+    """Per bug class (``MUTATIONS``), planted two ways over ``seeds``: from the start
+    (``planted``), and at the pair's first recognised difference in the seeds that have one
+    (``planted_apart``: a bug that acts only while kvtriton is held to the models alone).
 
-
-def _one_past_deferred(old):
-    def advance(self, rows, ready, c, chosen, deferred, dups, budget):
-        pos = c.position.copy()
-        pos[deferred] += 1
-        return old(self, rows, ready, dataclasses.replace(c, position=pos), chosen, deferred,
-                   dups, budget)
-    return advance
-
-
-def _moves_after_budget(old):
-    def advance(self, rows, ready, c, chosen, deferred, dups, budget):
-        return old(self, rows, ready, c, chosen, deferred, dups, len(chosen) + 1)
-    return advance
-
-
-def _flags_never_cleared(old):
-    def set_in_flight(self, gpu_blocks, keys, value):
-        if value:
-            old(self, gpu_blocks, keys, value)
-    return set_in_flight
-
-
-class _ShiftedCursor:
-    """A selector whose cursors read one further on (for the flush only)."""
-
-    def __init__(self, sel):
-        self._sel = sel
-
-    def __getattr__(self, name):
-        return getattr(self._sel, name)
-
-    def cursor(self, row, group):
-        return self._sel.cursor(row, group) + 1
-
-
-def _flush_wrong_cursor(old):
-    def queue_flush(self, rid, req, st):
-        sel = self._selector
-        self._selector = _ShiftedCursor(sel)
-        try:
-            return old(self, rid, req, st)
-        finally:
-            self._selector = sel
-    return queue_flush
-
-
-def _mutation(attr_path: str, make):
-    def apply():
-        from kvtriton.planner import scan, stores
-        owners = {"FusedSelector": scan.FusedSelector, "Stores": stores.Stores}
-        cls_name, name = attr_path.split(".")
-        return _patched(owners[cls_name], name, make)
-    return apply
-
-
-#: name -> a context manager factory that applies the bug while it is open.
-MUTATIONS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
-    "cursor_not_stopped_by_deferred": _mutation("FusedSelector._advance_cursors",
-                                                _no_deferred_stop),
-    "cursor_one_past_deferred": _mutation("FusedSelector._advance_cursors", _one_past_deferred),
-    "cursor_moves_after_budget_spent": _mutation("FusedSelector._advance_cursors",
-                                                 _moves_after_budget),
-    "in_flight_flags_never_cleared": _mutation("FusedSelector.set_in_flight",
-                                               _flags_never_cleared),
-    "flush_from_wrong_cursor": _mutation("Stores._queue_flush", _flush_wrong_cursor),
-}
-
-
-def first_caught(model_dir, mutation: str, seeds: int) -> tuple[int, str] | None:
-    """The first seed below ``seeds`` at which ``mutation`` is an unrecognised difference, and
-    its text; None if it passes them all."""
-    with MUTATIONS[mutation]():
-        for seed in range(seeds):
-            rec = run_seed(model_dir, seed)
-            if rec.unknown:
-                return seed, rec.unknown[0]
-    return None
+    Each way lists, by seed: ``fired`` (the bug changed what kvtriton did), ``changed`` (an
+    answer kvtriton gave differs from the unmutated run's, ``baseline``: seed -> its record,
+    run here where missing), ``caught`` and ``caught_apart``, ``fired_only_apart``, and the two
+    outcomes that are not a catch: ``passed`` (an answer changed and nothing was caught: the
+    differential missed the bug) and ``no_effect`` (fired, every answer as without it: nothing
+    any comparison could see)."""
+    baseline = dict(baseline or {})
+    for seed in seeds:
+        if seed not in baseline:
+            baseline[seed] = run_seed(model_dir, seed)
+    went_apart = [s for s in seeds if baseline[s].first_difference_at is not None]
+    out = {}
+    for name in mutations or sorted(MUTATIONS):
+        out[name] = {"planted": _planted_row(model_dir, name, list(seeds), baseline, False),
+                     "planted_apart": _planted_row(model_dir, name, went_apart, baseline, True)}
+        if progress is not None:
+            progress(f"  {name}: " + "; ".join(
+                f"{way}: fired in {len(r['fired'])}, changed {len(r['changed'])}, caught "
+                f"{len(r['caught'])} ({len(r['caught_apart'])} apart), passed "
+                f"{len(r['passed'])}, no effect {len(r['no_effect'])}"
+                for way, r in out[name].items()))
+    return out
 
 
 def summarise(records: list[Record]) -> dict:
@@ -869,33 +1082,51 @@ def main(argv: list[str] | None = None) -> int:
     ap = OneLineParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=3000)
     ap.add_argument("--first", type=int, default=0)
-    ap.add_argument("--json", default="bench/results/differential.json",
-                    help="where the outcome counts go")
+    ap.add_argument("--json", default=None,
+                    help="where the outcome counts go (default bench/results/differential.json, "
+                         "with --mutations differential_mutations.json)")
+    ap.add_argument("--mutations", action="store_true",
+                    help="also plant every known bug class over the seeds, from the start and at "
+                         "the first recognised difference: per bug the seeds where it fired, "
+                         "changed an answer, was caught or passed")
     args = ap.parse_args(argv)
+    if args.seeds < 1 or args.first < 0:
+        ap.error(f"--seeds must be >= 1 and --first >= 0, got {args.seeds} and {args.first}")
     import tempfile
 
     from kvtriton.sim.vllm_scheduler import tiny_model_dir
 
     t0 = time.perf_counter()
+    seeds = range(args.first, args.first + args.seeds)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = tiny_model_dir(tmp, 8192)
         records = []
-        for seed in range(args.first, args.first + args.seeds):
+        for seed in seeds:
             records.append(run_seed(model_dir, seed))
-            if (seed + 1) % 250 == 0:
+            if (seed + 1 - args.first) % 250 == 0:
                 print(f"  {seed + 1 - args.first} seeds, "
                       f"{sum(r.outcome == 'unrecognised' for r in records)} unrecognised",
                       flush=True)
-    out = summarise(records)
-    out["first_seed"] = args.first
+        out = summarise(records)
+        out["first_seed"] = args.first
+        out["seeds_with_failed_stores"] = sum(r.failed_stores > 0 for r in records)
+        print(f"{out['seeds']} seeds: {out['outcomes']}, differences "
+              f"{out['differences_by_class']}, loads in {out['seeds_with_loads']} seeds, failed "
+              f"stores in {out['seeds_with_failed_stores']}")
+        for line in out["unrecognised"][:10]:
+            print("  " + line)
+        if args.mutations:
+            out["mutations"] = mutation_table(
+                model_dir, seeds, baseline=dict(zip(seeds, records, strict=True)),
+                progress=lambda line: print(line, flush=True))
     out["elapsed_s"] = round(time.perf_counter() - t0, 1)
-    print(f"{out['seeds']} seeds: {out['outcomes']}, differences {out['differences_by_class']}, "
-          f"loads in {out['seeds_with_loads']} seeds, {out['elapsed_s']} s")
-    for line in out["unrecognised"][:10]:
-        print("  " + line)
-    path = Path(args.json)
+    print(f"{out['elapsed_s']} s")
+    name = "differential_mutations.json" if args.mutations else "differential.json"
+    path = Path(args.json or f"bench/results/{name}")
     write_result(path.stem, out, path.parent)
-    return 1 if out["outcomes"]["unrecognised"] else 0
+    missed = [m for m, ways in out.get("mutations", {}).items()
+              if not ways["planted"]["caught"] or any(r["passed"] for r in ways.values())]
+    return 1 if out["outcomes"]["unrecognised"] or missed else 0
 
 
 if __name__ == "__main__":

@@ -64,6 +64,7 @@ _TUNE_SHARES = ("--json", "{results}/tune_shares.json")
 _EVICT_SHARE = ("--evict", "0.01", "--sizes", "128", "256", "--variants", "vllm_control",
                 "kvt_fused_control", "kvt_fused_restore", "--name", "vs_vllm_evict_share")
 _DIFFERENTIAL = ("--seeds", "3000", "--json", "{results}/differential.json")
+_MUTATIONS = ("--seeds", "300", "--mutations", "--json", "{results}/differential_mutations.json")
 
 STUDIES: tuple[Study, ...] = (
     Study("kernel_check", "bench.kernel_check", "kernel correctness", (), (), "cpu",
@@ -109,6 +110,10 @@ STUDIES: tuple[Study, ...] = (
     Study("differential", "bench.differential",
           "kvtriton's scheduler side beside vLLM's manager, step for step, over 3,000 seeds",
           _DIFFERENTIAL, _DIFFERENTIAL, "vllm", ("differential.json",), run_in=()),
+    Study("differential_mutations", "bench.differential",
+          "the differential's negative control: every known bug class planted from the start "
+          "and at the first recognised difference, over 300 seeds", _MUTATIONS, _MUTATIONS,
+          "vllm", ("differential_mutations.json",), run_in=()),
     Study("hole_rewind", "bench.hole_rewind",
           "the allocation hole: hit rates with and without keeping the cursor at it",
           _HOLE_REWIND, _HOLE_REWIND, "cpu", ("hole_rewind_800.json",), run_in=()),
