@@ -4,7 +4,7 @@ A step's store (GPU -> CPU, gather) or load (CPU -> GPU, scatter) is a list of p
 ``(gpu_block, cpu_block, group)``. Every group and every layer moves in one launch of
 ``_copy_blocks_kernel`` per access width present (one launch for every shipped preset, whose
 segments are all 16-byte aligned), driven by int64 tables that are built once per engine
-(``kvtriton.engine.pairs.CopyTable``, by ``kvtriton.engine.descriptors.build_copy_table``):
+(``kvtriton.kernels.pairs.CopyTable``, by ``kvtriton.engine.descriptors.build_copy_table``):
 
 - ``rows``  ``[R, 5]``: one row per segment (a layer's K or V page, a Mamba conv or SSM state):
   GPU base address, GPU block stride (bytes), segment bytes, offset in the CPU block, and the
@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 from triton import knobs
 
-from kvtriton.engine.pairs import CopyTable, validate_pairs
+from kvtriton.kernels.pairs import CopyTable, validate_pairs
 from kvtriton.validation import is_int
 
 __all__ = [

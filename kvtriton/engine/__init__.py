@@ -1,8 +1,8 @@
 """Worker side: the ``TransferEngine`` (descriptor tables, pinned CPU pool, streams, events).
 
-The names below load their module on first use (PEP 562): the copy kernel imports
-``kvtriton.engine.pairs``, and importing this package must not pull in the modules that import
-the kernel back (``descriptors``, ``transfer``) while the kernel module is still loading.
+The names below load their module on first use (PEP 562): importing the package, or one module
+of it such as ``host_memory``, does not load the Triton kernel that ``descriptors`` and
+``transfer`` import.
 """
 
 from __future__ import annotations

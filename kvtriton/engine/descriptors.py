@@ -19,8 +19,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from kvtriton.engine.pairs import CopyTable
 from kvtriton.kernels.copy_blocks import CHUNK_BYTES, WIDTHS
+from kvtriton.kernels.pairs import CopyTable
 from kvtriton.specs import KVLayout
 from kvtriton.validation import is_int
 

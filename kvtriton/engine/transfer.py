@@ -36,8 +36,8 @@ from kvtriton.engine.copy_engine import (
 )
 from kvtriton.engine.descriptors import ATTN_LAYOUTS, build_copy_table, segment_views
 from kvtriton.engine.host_memory import allocate_host_pool
-from kvtriton.engine.pairs import validate_pairs
 from kvtriton.kernels.copy_blocks import DEFAULT_SM_BUDGET, copy_blocks
+from kvtriton.kernels.pairs import validate_pairs
 from kvtriton.kernels.reference import load_blocks_ref, store_blocks_ref
 from kvtriton.records import PlannerMeta, Transfer
 from kvtriton.specs import KVLayout

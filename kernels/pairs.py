@@ -4,10 +4,8 @@ A store (GPU -> CPU) or load (CPU -> GPU) is a list of pairs ``(gpu_block, cpu_b
 ``validate_pairs`` checks them once per step against the engine's ``CopyTable`` (which bounds
 each group's GPU ids) and the CPU pool's size, whichever backend then moves them: the Triton
 kernel (``kvtriton.kernels.copy_blocks``, which reads the table's descriptor rows), the copy
-engine or the torch path.
-
-This module imports nothing else of ``kvtriton.engine``: the kernel module imports it, and the
-engine's modules import the kernel module.
+engine or the torch path. It lives beside the kernel so that ``kvtriton.kernels`` imports
+nothing of ``kvtriton.engine``, which imports the kernels.
 """
 
 from __future__ import annotations
