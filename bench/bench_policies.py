@@ -33,11 +33,16 @@ import time
 from collections import Counter
 
 from bench.common import OneLineParser, write_result
-from bench.tier_study import SPLIT_TEXT, SPLITS, ttft_tolerance_s, workloads
-from bench.tier_study import figures as _figures
-from bench.tier_study import run_all as _run_all
-from bench.tier_study import slim as _slim
-from bench.tier_study import ttft_ok as _ttft_ok
+from bench.tier_study import (
+    SPLIT_TEXT,
+    SPLITS,
+    figures,
+    run_all,
+    slim,
+    ttft_ok,
+    ttft_tolerance_s,
+    workloads,
+)
 from kvtriton.setups import ABLATION, BOUNDS, COMBINED, HINTED_COMBINED, tier_policy
 from kvtriton.sim import (
     CC_AGENTIC_SAMPLE,
@@ -121,10 +126,10 @@ def best_online(rows: list[dict], tolerance_s: float = 0.0, part: str | None = N
     control = next(r for r in rows if r["composition"] == "eager")
     fair = [r for r in rows if not r["oracle"] and r["composition"] not in ("eager", "none")
             and r.get("hint_source") != "oracle closes"
-            and _figures(r, part).get("gap_closed") is not None
-            and _figures(r, part)["gap_closed"] > 0
-            and _ttft_ok(r, control, tolerance_s, part)]
-    return max(fair, key=lambda r: _figures(r, part)["gap_closed"]) if fair else None
+            and figures(r, part).get("gap_closed") is not None
+            and figures(r, part)["gap_closed"] > 0
+            and ttft_ok(r, control, tolerance_s, part)]
+    return max(fair, key=lambda r: figures(r, part)["gap_closed"]) if fair else None
 
 
 def ablation_tasks(wl: Workload, gpu_tokens: int, policies: tuple[str, ...],
@@ -167,21 +172,21 @@ def ablation(tag: str, wl: Workload, gpu_tokens: int, policies: tuple[str, ...],
     t0 = time.perf_counter()
     hinted = [p for p in policies if _hinted(p)] if oracle_wl is not None else []
     if results is None:
-        results = _run_all(ablation_tasks(wl, gpu_tokens, policies, ratios, oracle_wl, split,
+        results = run_all(ablation_tasks(wl, gpu_tokens, policies, ratios, oracle_wl, split,
                                           bounds), progress, tag)
     runs, targets = [], []
     for ratio in ratios:
         control = results[(ratio, "eager")]
-        online = [_slim(results[(ratio, p)]["rows"][0]) for p in dict.fromkeys(
+        online = [slim(results[(ratio, p)]["rows"][0]) for p in dict.fromkeys(
             ("eager", *policies))]
         for row in online:
             if _hinted(row["composition"]):
                 row["hint_source"] = "causal" if oracle_wl is not None else "as given"
         for p in hinted:
-            row = _slim(results[(ratio, p + ORACLE_CLOSES)]["rows"][0])
+            row = slim(results[(ratio, p + ORACLE_CLOSES)]["rows"][0])
             row.update(policy=p + ORACLE_CLOSES, hint_source="oracle closes")
             online.append(row)
-        oracles = [_slim(results[(ratio, p)]["rows"][0]) for p in bounds]
+        oracles = [slim(results[(ratio, p)]["rows"][0]) for p in bounds]
         add_gap_closed(online, oracles)
         res = {"conditions": control["conditions"], "bound": control["bound"]}
         rows = online + oracles
@@ -189,8 +194,8 @@ def ablation(tag: str, wl: Workload, gpu_tokens: int, policies: tuple[str, ...],
         tolerance = ttft_tolerance_s(res["conditions"])
         control_row = next(r for r in rows if r["composition"] == "eager")
         for r in rows:
-            r["ttft_no_worse"] = _ttft_ok(r, control_row, tolerance)
-            r["ttft_no_worse_strict"] = _ttft_ok(r, control_row)
+            r["ttft_no_worse"] = ttft_ok(r, control_row, tolerance)
+            r["ttft_no_worse_strict"] = ttft_ok(r, control_row)
         targets.append(_target(tag, ratio, rows, bound, tolerance, split))
         runs.append({"cpu_ratio": ratio, "cpu_tokens": ratio * gpu_tokens,
                      "conditions": res["conditions"], "rows": rows,
@@ -225,21 +230,21 @@ def _target(tag: str, ratio: int, rows: list[dict], bound: dict, tolerance: floa
     best = best_online(rows, tolerance, choose_on)
     strict = best_online(rows, 0.0, choose_on)
     control = next(r for r in rows if r["composition"] == "eager")
-    gap_points = 100 * (_figures(bound, judge_on)["token_hit_rate"]
-                        - _figures(control, judge_on)["token_hit_rate"])
+    gap_points = 100 * (figures(bound, judge_on)["token_hit_rate"]
+                        - figures(control, judge_on)["token_hit_rate"])
     no_gap = gap_points < MATERIAL_GAP_POINTS
-    share = None if best is None else _figures(best, judge_on)["gap_closed"]
+    share = None if best is None else figures(best, judge_on)["gap_closed"]
     t = {"cpu_ratio": ratio, "target": TARGETS[tag],
          "best": best["policy"] if best else None,
          "gap_closed": best["gap_closed"] if best else None,
          "judged_share": share, "ttft_tolerance_s": tolerance,
          "best_strict": strict["policy"] if strict else None,
-         "gap_closed_strict": _figures(strict, judge_on)["gap_closed"] if strict else None,
+         "gap_closed_strict": figures(strict, judge_on)["gap_closed"] if strict else None,
          "met": None if no_gap else bool(share is not None and share >= TARGETS[tag]),
          "no_gap": no_gap, "gap_points": gap_points,
          "material_gap_points": MATERIAL_GAP_POINTS,
-         "control_hit_rate": _figures(control, judge_on)["token_hit_rate"],
-         "bound": bound["policy"], "bound_hit_rate": _figures(bound, judge_on)["token_hit_rate"],
+         "control_hit_rate": figures(control, judge_on)["token_hit_rate"],
+         "bound": bound["policy"], "bound_hit_rate": figures(bound, judge_on)["token_hit_rate"],
          "chosen_on": choose_on or "whole run", "judged_on": judge_on or "whole run"}
     if split is not None:
         t["gap_closed_train"] = None if best is None else best["parts"][TRAIN]["gap_closed"]
@@ -302,7 +307,7 @@ def restore_map(tag: str, quick: bool, progress: bool, results_dir=None, grid=No
     t0 = time.perf_counter()
     forms = ("eager", *MAP_FORMS)
     if results is None:
-        results = _run_all(map_tasks(grid), progress, f"re-store map {tag}")
+        results = run_all(map_tasks(grid), progress, f"re-store map {tag}")
     hit = {f: [[0.0] * len(ratios) for _ in running] for f in forms}
     thrash = {f: [[0] * len(ratios) for _ in running] for f in MAP_FORMS}
     for (i, j, f), res in results.items():
@@ -384,7 +389,7 @@ def main(argv: list[str] | None = None) -> dict:
     studies.sort(key=lambda s: LONGEST_FIRST.index(s[1]) if s[0] == "ablation"
                  else len(LONGEST_FIRST))
     t0 = time.perf_counter()
-    results = _run_all([((n, key), wl, kw) for n, (*_, tasks) in enumerate(studies)
+    results = run_all([((n, key), wl, kw) for n, (*_, tasks) in enumerate(studies)
                         for key, wl, kw in tasks], progress, "tier study")
     wall = time.perf_counter() - t0
     mine = [{} for _ in studies]

@@ -252,7 +252,7 @@ def run_system(system: str, model: str, wl, tokens: dict, *, gpu_blocks: int, cp
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    from bench.engine_run import _shutdown
+    from bench.engine_run import shutdown_engine
 
     kv = None
     if system == "simple":
@@ -301,7 +301,7 @@ def run_system(system: str, model: str, wl, tokens: dict, *, gpu_blocks: int, cp
             row["transfers"] = get_kv_transfer_group().worker_side.transfer_totals()
         row["_steps"] = steps
     finally:
-        _shutdown(llm)
+        shutdown_engine(llm)
     return row
 
 

@@ -26,7 +26,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtriton.sim.vllm_scheduler import Driver, make_scheduler, vllm_request
+from bench.scheduler_driver import Driver
+from kvtriton.sim.vllm_scheduler import make_scheduler, vllm_request
 from kvtriton.specs import FullAttentionSpec
 
 __all__ = ["ConnectorSoak", "SoakSample", "rss_mib"]

@@ -887,7 +887,7 @@ def _run_seed(model_dir, seed: int, max_steps: int, plant: Callable[[], None] | 
     from vllm.v1.request import RequestStatus
     from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata
 
-    from kvtriton.sim.vllm_scheduler import _default_token, make_scheduler, vllm_request
+    from kvtriton.sim.vllm_scheduler import default_token, make_scheduler, vllm_request
     from kvtriton.specs import FullAttentionSpec
     from kvtriton.vllm.metadata import KVTritonWorkerMetadata
 
@@ -947,7 +947,7 @@ def _run_seed(model_dir, seed: int, max_steps: int, plant: Callable[[], None] | 
         for rid in ids:
             req = s.requests[rid]
             sampled.append([] if req.num_computed_tokens < req.num_tokens
-                           else [_default_token(rid, req.num_tokens)])
+                           else [default_token(rid, req.num_tokens)])
         failed = {k for _, k in done_stores if k >= 0 and fail_share and rng3.random() < fail_share}
         wm = tee_worker_meta(
             SimpleCPUOffloadWorkerMetadata({r_: 1 for r_, _ in done_stores if r_ >= 0}),

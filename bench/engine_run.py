@@ -196,11 +196,11 @@ def _run(model_dir, turns, connector, max_tokens, multiprocess, engine_kw) -> En
                 run.worker_stats = dict(worker.stats)
                 run.transfers = worker.transfer_totals()
     finally:
-        _shutdown(llm)
+        shutdown_engine(llm)
     return run
 
 
-def _shutdown(llm: Any) -> None:
+def shutdown_engine(llm: Any) -> None:
     from vllm.distributed.kv_transfer import ensure_kv_transfer_shutdown
 
     try:

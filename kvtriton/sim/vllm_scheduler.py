@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Driver", "make_configs", "make_scheduler", "model_output", "tiny_model_dir",
+__all__ = ["default_token", "make_configs", "make_scheduler", "model_output", "tiny_model_dir",
            "vllm_request"]
 
 _TINY_LLAMA = {
@@ -172,7 +172,7 @@ def vllm_request(request_id: str, prompt: Sequence[int], max_tokens: int,
 _HASHERS: dict[int, Any] = {}
 
 
-def _default_token(request_id: str, position: int) -> int:
+def default_token(request_id: str, position: int) -> int:
     """A token that depends on the request and position only: distinct requests' outputs differ
     (so their decode blocks never share a hash by accident), reruns repeat."""
     return zlib.crc32(f"{request_id}:{position}".encode()) % 30000 + 1
@@ -183,7 +183,7 @@ def model_output(scheduler: Any, scheduler_output: Any,
                  finished_loads: Iterable[str] = (), failed_loads: Iterable[str] = (),
                  invalid_block_ids: Iterable[int] = (), worker_meta: Any = None) -> Any:
     """The ``ModelRunnerOutput`` of one step of ``scheduler``: a token for each scheduled request
-    whose prompt is done after this step (``sampled[rid]``, default ``_default_token``; none
+    whose prompt is done after this step (``sampled[rid]``, default ``default_token``; none
     mid-prefill, as a model runner samples nothing for a partial prefill), plus connector
     reports."""
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
@@ -198,94 +198,10 @@ def model_output(scheduler: Any, scheduler_output: Any,
         elif rid in sampled:
             tokens.append(list(sampled[rid]))
         else:
-            tokens.append([_default_token(rid, req.num_tokens)])
+            tokens.append([default_token(rid, req.num_tokens)])
     failed = set(failed_loads)
     kv = KVConnectorOutput(finished_recving=set(finished_loads) | failed or None,
                            failed_recving=failed, invalid_block_ids=set(invalid_block_ids),
                            kv_connector_worker_meta=worker_meta)
     return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
                              sampled_token_ids=tokens, kv_connector_output=kv)
-
-
-class Driver:
-    """Steps a ``Scheduler`` as an engine core would, with the workers' transfer reports
-    modelled: a store or load issued in step t is reported in the output of step
-    ``t + report_delay`` by all ``world_size`` workers at once (``hold_stores`` keeps stores
-    unreported until ``release_stores``). Tokens sampled are ``sampled`` per step, else
-    ``_default_token``. Works with ``KVTritonConnector`` and vLLM's SimpleCPUOffloadConnector
-    alike (their worker reports differ only in the metadata class)."""
-
-    def __init__(self, scheduler: Any, *, report_delay: int = 1, world_size: int = 1) -> None:
-        self.scheduler = scheduler
-        self.report_delay = report_delay
-        self.world_size = world_size
-        self.step_no = 0
-        self.hold_stores = False
-        self._stores: list[tuple[int, int]] = []  # (due step, event)
-        self._loads: list[tuple[int, list[str]]] = []  # (due step, request ids)
-        self.failed_loads: set[str] = set()
-        self.failed_stores: set[int] = set()
-        self.invalid_block_ids: set[int] = set()
-
-    def add(self, request: Any) -> None:
-        self.scheduler.add_request(request)
-
-    def release_stores(self) -> None:
-        self.hold_stores = False
-
-    def _worker_meta(self, events: list[int]) -> Any:
-        conn = self.scheduler.connector
-        if conn is None:
-            return None
-        name = type(conn).__name__
-        done = {e: self.world_size for e in events if e not in self.failed_stores}
-        bad = {e: 1 for e in events if e in self.failed_stores}
-        if name == "SimpleCPUOffloadConnector":
-            from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata
-
-            return SimpleCPUOffloadWorkerMetadata(done) if done else None
-        from kvtriton.vllm.metadata import KVTritonWorkerMetadata
-
-        return KVTritonWorkerMetadata(done, bad) if done or bad else None
-
-    def step(self, sampled: Mapping[str, Sequence[int]] | None = None) -> tuple[Any, Any]:
-        """One schedule + output; returns ``(scheduler_output, engine_core_outputs)``."""
-        so = self.scheduler.schedule()
-        meta = so.kv_connector_metadata
-        due = self.step_no + self.report_delay
-        if meta is not None:
-            store_ev = getattr(meta, "store_event", None)
-            if store_ev is None:  # KVTritonMetadata
-                store_ev = meta.store.event
-                load_ev, load_reqs = meta.load.event, meta.load_event_to_reqs
-            else:
-                load_ev, load_reqs = meta.load_event, meta.load_event_to_reqs
-            if store_ev >= 0:
-                self._stores.append((due, store_ev))
-            if load_ev >= 0:
-                self._loads.append((due, list(load_reqs[load_ev])))
-        stores = [] if self.hold_stores else [e for d, e in self._stores if d <= self.step_no]
-        self._stores = [(d, e) for d, e in self._stores if e not in stores]
-        loads = [r for d, rs in self._loads if d <= self.step_no for r in rs]
-        self._loads = [(d, rs) for d, rs in self._loads if d > self.step_no]
-        failed = [r for r in loads if r in self.failed_loads]
-        out = model_output(self.scheduler, so, sampled,
-                           finished_loads=[r for r in loads if r not in self.failed_loads],
-                           failed_loads=failed,
-                           invalid_block_ids=self.invalid_block_ids if failed else (),
-                           worker_meta=self._worker_meta(stores))
-        result = self.scheduler.update_from_output(so, out)
-        self.step_no += 1
-        return so, result
-
-    def pending(self) -> bool:
-        return bool(self._stores or self._loads)
-
-    def run(self, max_steps: int = 10_000) -> int:
-        """Step until every request finished and every transfer was reported; returns steps."""
-        n = 0
-        s = self.scheduler
-        while (s.has_requests() or self.pending()) and n < max_steps:
-            self.step()
-            n += 1
-        return n

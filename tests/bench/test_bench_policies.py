@@ -136,16 +136,16 @@ def test_main_runs_every_study_in_one_pool_with_the_same_figures(tmp_path, monke
     monkeypatch.setattr(bench_policies, "HINTED_COMBINED", ())
     monkeypatch.setattr(common, "RESULTS_DIR", tmp_path / "pooled")
     order = []
-    run_all = bench_policies._run_all
+    run_all = bench_policies.run_all
 
     def recording(tasks, progress, what):
         order.extend(key[0] for key, _, _ in tasks)
         return run_all(tasks, progress, what)
 
-    monkeypatch.setattr(bench_policies, "_run_all", recording)
+    monkeypatch.setattr(bench_policies, "run_all", recording)
     out = bench_policies.main(["--workloads", "agent,mooncake", "--maps", "agent", "--quiet"])
     assert order == sorted(order) and len(set(order)) == 3  # mooncake, agent, then the map
-    monkeypatch.setattr(bench_policies, "_run_all", run_all)
+    monkeypatch.setattr(bench_policies, "run_all", run_all)
 
     def figures(doc):  # what a run decided, without the planner's measured times
         return [{k: v for k, v in r.items() if "wall" not in k and "_ms" not in k}

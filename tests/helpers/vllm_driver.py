@@ -1,6 +1,6 @@
 """Driving ``KVTritonConnector`` in vLLM's real ``Scheduler`` (scheduler role; no model is run),
 for the ``tests/vllm`` tests: a scheduler built on a local ``config.json`` (no hub access) and
-stepped with ``kvtriton.sim.vllm_scheduler.Driver``, which reports every transfer one step after
+stepped with ``bench.scheduler_driver.Driver``, which reports every transfer one step after
 it was issued unless a test holds it; the hashes each side holds; the checks of an idle end.
 
 Importing this module does not import vLLM: the test modules skip first when it is missing.
@@ -8,7 +8,8 @@ Importing this module does not import vLLM: the test modules skip first when it 
 
 from __future__ import annotations
 
-from kvtriton.sim.vllm_scheduler import Driver, make_scheduler, vllm_request
+from bench.scheduler_driver import Driver
+from kvtriton.sim.vllm_scheduler import make_scheduler, vllm_request
 from kvtriton.specs import FullAttentionSpec, SlidingWindowSpec
 
 BS = 16

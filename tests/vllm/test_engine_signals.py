@@ -13,7 +13,6 @@ connector's one-line message.
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import random
@@ -24,7 +23,7 @@ pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 os.environ["HF_HUB_OFFLINE"] = "1"
 
-from bench.engine_run import tiny_llama
+from bench.engine_run import shutdown_engine, tiny_llama
 from helpers.vllm_driver import cpu_hashes
 from kvtriton.vllm.signals import HINT_KEY
 
@@ -58,16 +57,6 @@ def _llm(model_dir, extra):
                dtype="float32", kv_transfer_config=kv)
 
 
-def _shutdown(llm) -> None:
-    from vllm.distributed.kv_transfer import ensure_kv_transfer_shutdown
-
-    try:
-        llm.llm_engine.engine_core.shutdown()
-    finally:
-        ensure_kv_transfer_shutdown()
-        gc.collect()
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return tiny_llama(tmp_path_factory.mktemp("tiny-llama-weights"))
@@ -85,7 +74,7 @@ def engine(model_dir):
     try:
         yield llm, side, records
     finally:
-        _shutdown(llm)
+        shutdown_engine(llm)
         ours.removeHandler(records)
         ours.setLevel(level)
 

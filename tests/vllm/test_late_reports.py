@@ -25,9 +25,10 @@ pytest.importorskip("transformers")
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 from bench.engine_run import run_turns, tiny_llama
+from bench.scheduler_driver import Driver
 from helpers.faults import inject
 from helpers.vllm_driver import FULL, tokens
-from kvtriton.sim.vllm_scheduler import Driver, make_scheduler, tiny_model_dir, vllm_request
+from kvtriton.sim.vllm_scheduler import make_scheduler, tiny_model_dir, vllm_request
 
 BS_ENGINE = 32
 BLOCK_BYTES = 2 * 2 * BS_ENGINE * 32 * 4 * 2
