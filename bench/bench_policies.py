@@ -99,7 +99,7 @@ QUICK_BOUNDS = {"mooncake": ("eager+nextuse",), "glm5": ("eager+nextuse",)}
 ORACLE_CLOSES = " [oracle closes]"
 
 
-def _hinted(composition: str) -> bool:
+def reads_hints(composition: str) -> bool:
     """Whether a setup reads hints (the ``hints`` axis or ``hinted`` admission)."""
     p = tier_policy(composition)
     return p.hints or (p.planner is not None and p.planner.admission == "hinted")
@@ -139,7 +139,7 @@ def ablation_tasks(wl: Workload, gpu_tokens: int, policies: tuple[str, ...],
     setup), so that every core stays busy; the control's task also brings the cache-only
     Belady bound."""
     tasks = []
-    hinted = [p for p in policies if _hinted(p)] if oracle_wl is not None else []
+    hinted = [p for p in policies if reads_hints(p)] if oracle_wl is not None else []
     parts = split_named(split, wl) if split is not None else None
     for ratio in ratios:
         cap = {"gpu_tokens": gpu_tokens, "cpu_tokens": ratio * gpu_tokens, "parts": parts}
@@ -170,7 +170,7 @@ def ablation(tag: str, wl: Workload, gpu_tokens: int, policies: tuple[str, ...],
     key when the caller ran them (with other studies' tasks in one pool; ``wall_s`` is then that
     pool's time), else they are run here."""
     t0 = time.perf_counter()
-    hinted = [p for p in policies if _hinted(p)] if oracle_wl is not None else []
+    hinted = [p for p in policies if reads_hints(p)] if oracle_wl is not None else []
     if results is None:
         results = run_all(ablation_tasks(wl, gpu_tokens, policies, ratios, oracle_wl, split,
                                           bounds), progress, tag)
@@ -180,7 +180,7 @@ def ablation(tag: str, wl: Workload, gpu_tokens: int, policies: tuple[str, ...],
         online = [slim(results[(ratio, p)]["rows"][0]) for p in dict.fromkeys(
             ("eager", *policies))]
         for row in online:
-            if _hinted(row["composition"]):
+            if reads_hints(row["composition"]):
                 row["hint_source"] = "causal" if oracle_wl is not None else "as given"
         for p in hinted:
             row = slim(results[(ratio, p + ORACLE_CLOSES)]["rows"][0])

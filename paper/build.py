@@ -413,13 +413,13 @@ def _legacy_hints(doc: dict) -> None:
     """Before ``hint_source``, every hinted setup ran on a workload with each session's last
     turn marked ``close`` (an oracle). Such rows are renamed ``[oracle closes]`` and each
     target's best setup is chosen again without them, by the benchmark's own rule."""
-    from bench.bench_policies import ORACLE_CLOSES, _hinted, best_online
+    from bench.bench_policies import ORACLE_CLOSES, best_online, reads_hints
 
     for run, t in zip(doc["runs"], doc["targets"], strict=True):
         rows = run["rows"]
         if any("hint_source" in r for r in rows):
             return
-        legacy = [r for r in rows if _hinted(r["composition"])]
+        legacy = [r for r in rows if reads_hints(r["composition"])]
         if not legacy:
             continue
         for r in legacy:
