@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> dict:
         out["sim_mooncake"] = mooncake_sim(progress)
     wl = agent(args.quick)
     if args.sweep or not args.quick:
-        # The presets versus CPU capacity; the quick harness runs bench_policies instead.
+        # The default setups versus CPU capacity; the quick harness runs bench_policies instead.
         gpu = 32_768 if args.quick else 131_072
         cpu = [gpu, 2 * gpu, 4 * gpu] if args.quick else [gpu, 2 * gpu, 4 * gpu, 8 * gpu]
         out["sim_agent"] = sim_sweep(wl, cpu, gpu, DEFAULT_POLICIES, "agent", progress)

@@ -73,8 +73,8 @@ KVT_CONFIGS = {
     "kvt_fused_restore": PlannerConfig(scan="fused", restore=True, cpu_free_order="head_first"),
 }
 CONNECTOR_CONFIGS = {
-    "kvt_connector_fused_control": {"restore": False, "cpu_free_order": "head_first"},
-    "kvt_connector_fused_restore": {"restore": True, "cpu_free_order": "head_first"},
+    "kvt_connector_fused_control": {"setup": "eager"},
+    "kvt_connector_fused_restore": {"setup": "eager+restore"},
 }
 # The running requests the targets are judged at.
 TARGET_RS = (128, 256)

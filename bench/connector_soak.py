@@ -88,7 +88,9 @@ class ConnectorSoak:
             raise ValueError(f"shared_blocks must be in [0, prompt_blocks={prompt_blocks}), "
                              f"got {shared_blocks}")
         self.block_size = bs = block_size
-        extra = {"restore": restore, **(extra_config or {})}
+        # The setups the per-axis key meant (re-store on or off, tail first, LRU, eager).
+        extra = {"setup": "eager+restore+tail" if restore else "eager+tail",
+                 **(extra_config or {})}
         self.scheduler = make_scheduler(model_dir, [FullAttentionSpec(bs, 1, 8, 1)],
                                         num_gpu_blocks=gpu_blocks, cpu_blocks=cpu_blocks,
                                         max_num_seqs=concurrency,

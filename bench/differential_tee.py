@@ -57,8 +57,7 @@ class TeeConnector(OwnRules, InStepComparison, KVConnectorBase_V1, SupportsHMA):
                                              scheduler_block_size=sched_block,
                                              hash_block_size=hash_block)
         self.kvt = SchedulerSide(vllm_config, kv_cache_config, parse_extra_config(
-            {"cpu_bytes_per_rank": cpu_bytes, "restore": False,
-             "cpu_free_order": "head_first"}))
+            {"cpu_bytes_per_rank": cpu_bytes, "setup": "eager"}))
         assert self.ref.num_cpu_blocks == self.kvt.num_cpu_blocks
         self.rec = Record()
         self.live = True  # no unrecognised difference yet: kvtriton is still checked

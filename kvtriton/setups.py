@@ -33,9 +33,9 @@ capacity    ``inf``: a CPU tier that holds every distinct block        sized
 ========== ========================================================= ==========
 
 ``none`` alone is the GPU prefix cache without a CPU tier. ``eager+restore+tail+arc`` is the
-bounded-free ARC setup with unbounded re-store. The first names of these setups stay accepted as
-presets (``TIER_POLICIES``: ``control`` is ``eager``), but every default and result names a
-composition. The grammar is written once, as data: ``AXES`` (the axes, their values and
+bounded-free ARC setup with unbounded re-store. A setup has one spelling, its composition: the
+preset names of earlier versions (``REMOVED_PRESETS``) are refused with the composition to
+write. The grammar is written once, as data: ``AXES`` (the axes, their values and
 defaults, from which the CLI's help is generated) and ``REFUSED`` (the combinations that mean
 nothing, each with its reason, e.g. ``lazy`` with ``restore``: a lazy tier stores only blocks
 on the GPU free queue, where a running request's blocks never are). A share ``F`` (in [0, 1])
@@ -48,7 +48,7 @@ back to the setup it names: ``eager+restore:0.00001``, not ``restore:1e-05``.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from decimal import Decimal
 
 from kvtriton.eviction.lfu import DEFAULT_WINDOW_TIERS
@@ -63,7 +63,7 @@ __all__ = [
     "HINTED_COMBINED",
     "NEXT_USE_BOUNDS",
     "REFUSED",
-    "TIER_POLICIES",
+    "REMOVED_PRESETS",
     "TierPolicy",
     "canonical_number",
     "grammar_help",
@@ -153,7 +153,7 @@ def grammar_help() -> str:
     """The grammar in one paragraph, for ``--help``: every axis and its values."""
     axes = "; ".join(f"{a.name}: {'|'.join(a.values)}" for a in AXES)
     return (f"compositions of axis values joined by '+', each axis at most once, defaults left "
-            f"out ({axes}); 'none' is no CPU tier; presets: {', '.join(_PRESETS)}")
+            f"out ({axes}); 'none' is no CPU tier")
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,8 +300,7 @@ def parse_policy(spec: str, name: str | None = None) -> TierPolicy:
         if axis is None or (colon and head not in _TAKES_SHARE | _TAKES_WINDOW):
             raise ValueError(
                 f"policy {spec!r}: unknown axis value {token!r}; known: "
-                f"{', '.join(v for a in AXES for v in a.values)}; presets: "
-                f"{', '.join(TIER_POLICIES)}")
+                f"{', '.join(v for a in AXES for v in a.values)}")
         if axis.name in seen:
             raise ValueError(f"policy {spec!r}: {seen[axis.name]!r} and {token!r} both set the "
                              f"{axis.name}")
@@ -340,25 +339,23 @@ def parse_policy(spec: str, name: str | None = None) -> TierPolicy:
                       infinite_cpu=infinite, composition=canonical)
 
 
-_PRESETS = {
+#: The preset names of earlier versions, refused with the composition to write instead: a setup
+#: has one spelling.
+REMOVED_PRESETS = {
     "no_cpu": "none",
-    "control": "eager+head+lru",
-    "restore": "eager+restore",
+    "control": "eager",
     "restore_tail": "eager+restore+tail",
-    # Running requests' blocks may hold up to half of the CPU tier before re-stores stop: past
-    # that a re-store mostly evicts another running request's block (see the thrash counts).
     "restore_tail_bounded": "eager+restore:0.5+tail",
     "restore_tail_bounded_arc": "eager+restore:0.5+tail+arc",
     "restore_tail_bounded_s3fifo": "eager+restore:0.5+tail+s3fifo",
 }
 
-TIER_POLICIES: dict[str, TierPolicy] = {n: parse_policy(s, n) for n, s in _PRESETS.items()}
-TIER_POLICIES["control"] = replace(
-    TIER_POLICIES["control"],
-    description="cursor-only stores as vLLM's SimpleCPUOffloadConnector, head first, LRU")
-
-#: What ``simulate`` runs when given no setups: the presets' compositions, in their order.
-DEFAULT_POLICIES = tuple(p.composition for p in TIER_POLICIES.values())
+#: What ``simulate`` runs when given no setups: no tier, the control, re-store unbounded and
+#: bounded by half the tier (running requests' blocks past half of it mostly evict another
+#: running request's block: see the thrash counts) with each online eviction.
+DEFAULT_POLICIES = ("none", "eager", "eager+restore", "eager+restore+tail",
+                    "eager+restore:0.5+tail", "eager+restore:0.5+tail+arc",
+                    "eager+restore:0.5+tail+s3fifo")
 
 #: Every axis changed alone from the control (the ablation the benchmark runs).
 ABLATION = ("eager", "eager+restore", "eager+restore:0.5", "eager+tail", "eager+arc",
@@ -378,15 +375,18 @@ NEXT_USE_BOUNDS = ("eager+nextuse", "lazy+nextuse")
 
 
 def tier_policy(name: str) -> TierPolicy:
-    """A preset by name, or a composition (``parse_policy``)."""
-    if name in TIER_POLICIES:
-        return TIER_POLICIES[name]
+    """The setup a composition names (``parse_policy``); a preset name of earlier versions is a
+    ``ValueError`` that says which composition to write."""
+    if name in REMOVED_PRESETS:
+        raise ValueError(f"{name!r} was a preset name and is no longer read (a setup has one "
+                         f"spelling): write {REMOVED_PRESETS[name]!r}")
     try:
         return parse_policy(name)
     except ValueError as e:
-        if "+" not in name and name.split(":")[0] not in _TOKENS and name != "none":
-            raise ValueError(f"unknown policy {name!r}; presets: {', '.join(TIER_POLICIES)}; "
-                             f"or a composition of axis values joined by '+' ({e})") from None
+        if isinstance(name, str) and "+" not in name and name.split(":")[0] not in _TOKENS \
+                and name != "none":
+            raise ValueError(f"unknown setup {name!r}: a setup is a composition of axis values "
+                             f"joined by '+' ({e})") from None
         raise
 
 #: The connector's setup when ``kv_connector_extra_config`` names none: the study's choice for a

@@ -1,7 +1,7 @@
-"""The CPU-tier setups (``kvtriton.setups``): the presets, compositions of policy axes parsed to
-one canonical name with each axis setting its own switch, refusals that name the value, the
-ablation, and the grammar written once as data, strict about what it accepts and the source of
-the CLI's help text."""
+"""The CPU-tier setups (``kvtriton.setups``): the removed preset names, compositions of policy
+axes parsed to one canonical name with each axis setting its own switch, refusals that name the
+value, the ablation, and the grammar written once as data, strict about what it accepts and the
+source of the CLI's help text."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from kvtriton.setups import (
     AXES,
     BOUNDS,
     REFUSED,
-    TIER_POLICIES,
+    REMOVED_PRESETS,
     canonical_number,
     parse_policy,
     tier_policy,
@@ -28,22 +28,28 @@ from kvtriton.setups import (
 # ---- presets and compositions --------------------------------------------------------------------
 
 
-def test_presets_are_the_setups_they_always_were():
+def test_removed_presets_name_the_setups_they_always_were():
+    """Each removed preset name is refused, naming the composition that is the setup it was."""
     bounded = PlannerConfig(restore=True, cpu_free_order="tail_first", restore_share=0.5)
     want = {
         "control": (PlannerConfig(restore=False, cpu_free_order="head_first"), "lru"),
-        "restore": (PlannerConfig(restore=True, cpu_free_order="head_first"), "lru"),
         "restore_tail": (PlannerConfig(restore=True, cpu_free_order="tail_first"), "lru"),
         "restore_tail_bounded": (bounded, "lru"),
         "restore_tail_bounded_arc": (bounded, "arc"),
         "restore_tail_bounded_s3fifo": (bounded, "s3fifo"),
     }
+    assert set(REMOVED_PRESETS) == {*want, "no_cpu"}
     for name, (cfg, eviction) in want.items():
-        pol = TIER_POLICIES[name]
+        with pytest.raises(ValueError, match=rf"^{name!r} was a preset name .* write "
+                                             rf"{re.escape(repr(REMOVED_PRESETS[name]))}$"):
+            tier_policy(name)
+        pol = tier_policy(REMOVED_PRESETS[name])
         assert (pol.planner, pol.cpu_eviction, pol.hints, pol.oracle) == (
             cfg, eviction, False, False), name
-    assert TIER_POLICIES["no_cpu"].planner is None
-    assert TIER_POLICIES["control"].composition == "eager"
+    assert tier_policy(REMOVED_PRESETS["no_cpu"]).planner is None
+    # "restore" was a preset and is still a composition: the same setup.
+    assert tier_policy("restore").planner == PlannerConfig(restore=True,
+                                                          cpu_free_order="head_first")
 
 
 @pytest.mark.parametrize(("spec", "canonical"), [

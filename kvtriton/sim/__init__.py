@@ -4,7 +4,7 @@ Importing it does not import Triton or the transfer engine: integrity mode loads
 simulation asks for it.
 """
 
-from kvtriton.setups import DEFAULT_POLICIES, TIER_POLICIES, TierPolicy
+from kvtriton.setups import DEFAULT_POLICIES, TierPolicy
 from kvtriton.sim.cost import GPUS, MODELS, CostModel, transfer_s
 from kvtriton.sim.replay import ReplayResult, SweepResult, capacity_sweep, max_hit_rate, replay
 from kvtriton.sim.simulate import SimulationResult, simulate
@@ -39,7 +39,6 @@ __all__ = [
     "MODELS",
     "MOONCAKE_SYNTHETIC",
     "STOP_REASONS",
-    "TIER_POLICIES",
     "AgentConfig",
     "CostModel",
     "ReplayResult",

@@ -311,7 +311,7 @@ def simulate(
     GPU blocks (vLLM 0.32's default, ``scheduler_reserve_full_isl``); False admits it when its
     first chunk fits.
 
-    ``policies`` are preset names or compositions (``kvtriton.setups``). With ``bound``,
+    ``policies`` are setups, compositions of ``kvtriton.setups`` axes. With ``bound``,
     ``in_loop_bounds`` also run in the same loop (default: next-use eviction and an unbounded
     tier; see ``kvtriton.sim.next_use``), and the control (``eager``) runs if no policy is it:
     every row then carries ``gap_closed``, its share of the gap between the control and the

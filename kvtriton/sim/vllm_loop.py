@@ -5,7 +5,7 @@ The same workloads (``kvtriton.sim.Workload``), policies, cost model and clock
 (``kvtriton.sim.clock.ServingClock``) as kvtriton's ``ServingLoop``, but every scheduling
 decision is made by vLLM's own ``Scheduler`` (admission, chunked prefill, preemption, prefix
 caching in vLLM's ``BlockPool``) with ``KVTritonConnector`` as its connector (no connector for
-``no_cpu``). No model runs: a step's duration is the cost model's prefill and decode time of
+``none``). No model runs: a step's duration is the cost model's prefill and decode time of
 what vLLM scheduled, transfers complete after the cost model's time on one link per direction,
 and the tokens vLLM "samples" are the workload's own output tokens.
 

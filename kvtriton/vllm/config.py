@@ -7,10 +7,9 @@ the string ``kvtriton simulate --policies`` takes, parsed by the same code. The 
 what a setup does not: the tier's size, the scan and the re-store caps.
 
 The per-axis keys of earlier versions (``offload``, ``restore``, ``restore_share``,
-``cpu_free_order``, ``cpu_eviction``) are still read, as another spelling of the setup's axes:
-without ``setup`` they compose a setup with their own defaults for the axes left out (re-store
-on, tail first, LRU, eager: the setup they always meant); beside ``setup`` a key that says
-something else than the setup is an error.
+``cpu_free_order``, ``cpu_eviction``) are refused at start-up, with the ``setup`` that says what
+they said (without ``setup`` they meant re-store on, tail first, LRU, eager for the axes left
+out, which is why ``{}`` and ``{"cpu_eviction": "lru"}`` ran different setups).
 
 Parsing is strict: an unknown key, a value outside its allowed set, keys that contradict each
 other or a setup axis the connector cannot honour in vLLM is one ``ValueError`` at start-up that
@@ -163,7 +162,8 @@ def refusal(policy: TierPolicy) -> str | None:
     return None
 
 
-# The per-axis keys of earlier versions: the values each accepts.
+# The per-axis keys of earlier versions, now refused with the setup to write: the values each
+# accepted.
 _AXIS_CHOICES: dict[str, tuple[Any, ...]] = {
     "offload": ("eager", "lazy"),
     "restore": (True, False),
@@ -246,37 +246,36 @@ def _parse_setup(value: Any) -> TierPolicy:
     return policy
 
 
-def _resolve_setup(extra: Mapping[str, Any]) -> TierPolicy:
-    """The setup ``extra`` names: its ``setup`` key checked against any per-axis key, or the
-    default's composition changed by the per-axis keys."""
-    axes = {k: extra[k] for k in _AXIS_KEYS if k in extra}
-    for key, value in axes.items():
-        _check_axis_key(key, value)
-    if "setup" in extra:
-        policy = _parse_setup(extra["setup"])
-        for key, value in axes.items():
-            if value != _axis_value(policy, key):
-                raise ValueError(
-                    f"{_PREFIX}[{key!r}] = {json.dumps(value)} contradicts setup "
-                    f"{policy.composition!r} ({key} {json.dumps(_axis_value(policy, key))}); "
-                    "say it once, in 'setup'")
-        return policy
-    if not axes:
-        return tier_policy(DEFAULT_SETUP)
-    base = tier_policy(_PER_AXIS_DEFAULTS)
-    spec = _composition(base, axes)
+def _removed_keys_error(extra: Mapping[str, Any], axes: Mapping[str, Any]) -> ValueError:
+    """The error for the removed per-axis keys ``axes``: it names the ``setup`` that says what
+    they said (beside ``setup``: that setup with their axes applied; alone: with the defaults
+    they had, re-store on, tail first, LRU, eager), or why no setup can."""
     keys = ", ".join(f"{k!r} = {json.dumps(v)}" for k, v in axes.items())
+    head = (f"{_PREFIX}[{keys}]: the per-axis keys ({', '.join(_AXIS_KEYS)}) are no longer "
+            "read; the tier's setup is one key")
     try:
-        policy = tier_policy(spec)
+        for key, value in axes.items():
+            _check_axis_key(key, value)
+        base = _parse_setup(extra["setup"]) if "setup" in extra else \
+            tier_policy(_PER_AXIS_DEFAULTS)
+        spec = _composition(base, axes)
+        if "restore_share" in axes and axes["restore_share"] is not None \
+                and "restore" in axes and not axes["restore"]:
+            raise ValueError("a re-store share with re-store off means nothing")
+        composition = _parse_setup(spec).composition
     except ValueError as e:
-        reason = str(e).split(": ", 1)[-1]
-        raise ValueError(f"{_PREFIX}[{keys}]: {reason}") from None
-    if "restore_share" in axes and axes["restore_share"] is not None \
-            and not policy.planner.restore:
-        raise ValueError(f"{_PREFIX}['restore_share'] = {axes['restore_share']!r} with "
-                         "re-store off: the share bounds re-stores, which this setup never "
-                         "makes")
-    return policy
+        reason = str(e).removeprefix(f"{_PREFIX}['setup'] = ").removeprefix("KVTritonConnector: ")
+        return ValueError(f"{head}, and these say nothing a setup can: {reason}")
+    return ValueError(f"{head}: write {json.dumps({'setup': composition})} instead")
+
+
+def _resolve_setup(extra: Mapping[str, Any]) -> TierPolicy:
+    """The setup ``extra`` names (the default's without ``setup``); a removed per-axis key is
+    an error that says which ``setup`` to write instead."""
+    axes = {k: extra[k] for k in _AXIS_KEYS if k in extra}
+    if axes:
+        raise _removed_keys_error(extra, axes)
+    return _parse_setup(extra["setup"]) if "setup" in extra else tier_policy(DEFAULT_SETUP)
 
 
 def parse_extra_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -295,8 +294,7 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:
     unknown = sorted(set(extra) - set(_KEYS) - set(_AXIS_KEYS))
     if unknown:
         raise ValueError(f"KVTritonConnector: unknown kv_connector_extra_config key "
-                         f"{unknown[0]!r}; known keys: {', '.join(_KEYS)} (and, as another "
-                         f"spelling of the setup's axes, {', '.join(_AXIS_KEYS)})")
+                         f"{unknown[0]!r}; known keys: {', '.join(_KEYS)}")
     for key, value in extra.items():
         if key == "cpu_bytes_per_rank":
             if not is_int(value) or value <= 0:

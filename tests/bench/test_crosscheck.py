@@ -15,7 +15,7 @@ from bench import crosscheck
 
 
 @pytest.mark.parametrize(("args", "named"), [
-    (["--policies", "bogus"], "unknown policy 'bogus'"),
+    (["--policies", "bogus"], "unknown setup 'bogus'"),
     (["--token-budget", "0"], "token_budget must be a positive int"),
     (["--max-running", "0"], "max_running must be a positive int"),
     (["--model", "nemotron-h-8b"], "Mamba"),

@@ -52,19 +52,19 @@ def conv_doc(requests, block_size=64, **extra):
 def test_cli_simulate_writes_json_and_table(tmp_path, capsys):
     out = tmp_path / "sim.json"
     rc = main(["simulate", "--conversations", "3", "--turns", "2", "3", "--gpu-tokens", "4096",
-               "--cpu-tokens", "8192", "--policies", "control,restore_tail", "--json", str(out),
+               "--cpu-tokens", "8192", "--policies", "eager,eager+restore+tail", "--json", str(out),
                "--quiet"])
     assert rc == 0
     text = capsys.readouterr().out
-    assert "restore_tail" in text and "hit rate" in text
+    assert "eager+restore+tail" in text and "hit rate" in text
     doc = json.loads(out.read_text())
-    assert [r["policy"] for r in doc["rows"]] == ["control", "restore_tail"]
+    assert [r["policy"] for r in doc["rows"]] == ["eager", "eager+restore+tail"]
 
 
 def test_cli_shows_rejected_requests(tmp_path, capsys):
     out = tmp_path / "sim.json"
     assert main(["simulate", "--conversations", "3", "--turns", "2", "3", "--gpu-blocks", "230",
-                 "--cpu-blocks", "1000", "--policies", "control", "--quiet", "--json",
+                 "--cpu-blocks", "1000", "--policies", "eager", "--quiet", "--json",
                  str(out)]) == 0
     text = capsys.readouterr().out
     assert "9 requests (8 rejected: larger than the GPU; hit rates and the bound cover the " \
@@ -238,7 +238,7 @@ def test_cli_bad_hint_is_one_line_and_exit_2(tmp_path, capsys, fmt, command):
 @pytest.mark.parametrize("argv, message", [
     (["simulate", "--gpu-tokens", "0"], "--gpu-tokens: '0' must be positive"),
     (["simulate", "--gpu-tokens", "x"], "is not an integer"),
-    (["simulate", "--policies", "nope"], "unknown policy 'nope'"),
+    (["simulate", "--policies", "nope"], "unknown setup 'nope'"),
     (["simulate", "--model", "gpt5"], "invalid choice"),
     (["simulate", "--gpu-tokens", "8", "--gpu-gib", "1"], "give one of"),
     (["simulate", "--workload", "/no/such/trace.jsonl"], "no such file"),
@@ -410,7 +410,7 @@ def test_time_too_large_for_a_float(tmp_path, capsys):
     (["simulate", "--block-size", "2.5e0"], "--block-size: '2.5e0' is not an integer"),
     (["simulate", "--seed", "1.5e0"], "--seed: '1.5e0' is not an integer"),
     (["replay", "--capacities", "1e3.5"], "'1e3.5' is not an integer"),
-    (["simulate", "--policies", "control,control"], "control listed more than once"),
+    (["simulate", "--policies", "eager,eager"], "eager listed more than once"),
     (["replay", "--evictions", "lru,belady,lru"], "lru listed more than once"),
     (["replay", "--workload", "mooncake", "--capacities", "100"],
      "--capacities 100: not a whole number of 16-token blocks (use 96 or 112)"),
@@ -425,7 +425,7 @@ def test_nonsense_is_refused(capsys, argv, message):
 
 def test_integer_flags_still_take_exponents(capsys):
     assert main(["simulate", "--block-size", "1.6e1", *SMALL, "--gpu-tokens", "4e3",
-                 "--cpu-tokens", "8192", "--policies", "control", "--no-bound"]) == 0
+                 "--cpu-tokens", "8192", "--policies", "eager", "--no-bound"]) == 0
     assert "1 requests" in capsys.readouterr().out
 
 

@@ -14,7 +14,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 
 from kvtriton.cli import main
 
-POLICIES = ["no_cpu", "control", "restore_tail_bounded_arc"]
+POLICIES = ["none", "eager", "eager+restore:0.5+tail+arc"]
 # Small enough that one vLLM run of every policy takes seconds; a GPU smaller than the
 # conversations' histories, so that later turns hit in the CPU tier.
 WORKLOAD = ["simulate", "--workload", "agent", "--conversations", "4", "--turns", "2", "3",
@@ -69,7 +69,7 @@ def _one_line_error(capsys) -> str:
     (["--engine", "nope"], "--engine"),
     (["--engine", "vllm", "--token-budget", "8", "--max-running", "16"], "--max-running"),
     (["--engine", "vllm", "--model", "nemotron-h-8b"], "Mamba"),
-    (["--engine", "vllm", "--policies", "nope"], "unknown policy"),
+    (["--engine", "vllm", "--policies", "nope"], "unknown setup"),
 ])
 def test_bad_combinations_exit_2_with_one_line(capsys, extra, named):
     assert main([*WORKLOAD, *extra]) == 2

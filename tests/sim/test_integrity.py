@@ -76,7 +76,7 @@ def test_integrity_mode_over_random_workloads(seed, gpu, cpu):
     wl = agent_workload(num_conversations=3, min_turns=2, max_turns=4, system_prompt_tokens=128,
                         first_user_tokens=96, user_tokens=48, output_tokens=24, seed=seed)
     res = simulate(wl, gpu_tokens=gpu, cpu_tokens=cpu, integrity=True, bound=False,
-                   policies=["control", "restore_tail"])
+                   policies=["eager", "eager+restore+tail"])
     for r in res.rows:
         assert r["finished"] + r["rejected"] == len(wl)
         assert r["integrity_blocks_checked"] == r["loaded_blocks"]
@@ -92,7 +92,7 @@ def test_hybrid_models_store_and_load_every_group_with_integrity(model):
     wl = agent_workload(num_conversations=4, min_turns=3, max_turns=5, system_prompt_tokens=512,
                         first_user_tokens=256, user_tokens=128, output_tokens=64, seed=3)
     res = simulate(wl, model=model, gpu_blocks=150, cpu_blocks=800, integrity=True,
-                   policies=["restore_tail"], bound=False)
+                   policies=["eager+restore+tail"], bound=False)
     row = res.rows[0]
     sched = {"nemotron-h-8b": 256, "gemma3-12b": 16}[model]
     assert row["cpu_hit_tokens"] > 0 and row["cpu_hit_tokens"] % sched == 0
@@ -114,8 +114,8 @@ def test_integrity_mode_catches_a_corrupted_load():
     IntegrityChecker.execute = corrupting
     try:
         with pytest.raises(IntegrityError, match=r"step \d+: request 'b': GPU block \d+"):
-            simulate(wl, gpu_blocks=6, cpu_blocks=16, policies=["restore_tail"], integrity=True,
-                     bound=False)
+            simulate(wl, gpu_blocks=6, cpu_blocks=16, policies=["eager+restore+tail"],
+                     integrity=True, bound=False)
     finally:
         IntegrityChecker.execute = original
 
@@ -126,17 +126,17 @@ def test_integrity_mode_catches_a_corrupted_load():
 HYBRID_CASES = {
     # kvtriton simulate --model gemma3-12b --conversations 16 --turns 2 8 --system-prompt 1024
     #   --think-s 2 --seed 317 --gpu-tokens 16384 --cpu-tokens 32768
-    #   --policies restore_tail_bounded --token-budget 8192 --max-running 4 --integrity
+    #   --policies eager+restore:0.5+tail --token-budget 8192 --max-running 4 --integrity
     "gemma3-12b": (dict(num_conversations=16, min_turns=2, max_turns=8, system_prompt_tokens=1024,
                         think_s_mean=2.0, seed=317),
-                   dict(gpu_tokens=16384, cpu_tokens=32768, policies=["restore_tail_bounded"],
+                   dict(gpu_tokens=16384, cpu_tokens=32768, policies=["eager+restore:0.5+tail"],
                         token_budget=8192, max_running=4)),
     # kvtriton simulate --model nemotron-h-8b --conversations 16 --turns 4 6 --system-prompt 2048
-    #   --think-s 8 --seed 614 --gpu-tokens 24576 --cpu-tokens 65536 --policies restore_tail
+    #   --think-s 8 --seed 614 --gpu-tokens 24576 --cpu-tokens 65536 --policies eager+restore+tail
     #   --max-running 16 --integrity
     "nemotron-h-8b": (dict(num_conversations=16, min_turns=4, max_turns=6,
                            system_prompt_tokens=2048, think_s_mean=8.0, seed=614),
-                      dict(gpu_tokens=24576, cpu_tokens=65536, policies=["restore_tail"],
+                      dict(gpu_tokens=24576, cpu_tokens=65536, policies=["eager+restore+tail"],
                            max_running=16)),
 }
 
@@ -176,7 +176,7 @@ def test_shipped_coding_agent_traces_on_hybrid_models(model):
     # 64-token hash blocks; the GPU is too small for a few of them, which are rejected.
     wl = _limit(load_trace(data_path(CC_AGENTIC_SAMPLE), hash_block_size=64), 16)
     row = simulate(wl, model=model, gpu_tokens=98_304, cpu_tokens=262_144, integrity=True,
-                   bound=False, policies=["restore_tail_bounded"]).rows[0]
+                   bound=False, policies=["eager+restore:0.5+tail"]).rows[0]
     _check_row(row, len(wl))
     assert row["cpu_hit_tokens"] > 0 and row["rejected"] > 0
 
@@ -237,8 +237,8 @@ def test_lazy_stores_with_the_wrong_group_fail_at_registration(monkeypatch):
 
 
 _MODELS = ("gemma3-12b", "nemotron-h-8b")
-_POLICIES = ("control", "restore", "restore_tail", "restore_tail_bounded",
-             "restore_tail_bounded_arc", "restore_tail_bounded_s3fifo")
+_POLICIES = ("eager", "restore", "eager+restore+tail", "eager+restore:0.5+tail",
+             "eager+restore:0.5+tail+arc", "eager+restore:0.5+tail+s3fifo")
 
 
 def _random_config(seed: int) -> tuple[dict, dict]:
@@ -310,7 +310,8 @@ def test_integrity_checks_every_in_loop_bound_at_its_own_size(policies):
 _SMALL = (dict(num_conversations=12, min_turns=3, max_turns=4, system_prompt_tokens=512,
                first_user_tokens=512, user_tokens=128, output_tokens=32, think_s_mean=1.0,
                max_context_tokens=2816, seed=2),
-          dict(model="gemma3-12b", gpu_tokens=6144, cpu_tokens=16384, policies=["restore_tail"],
+          dict(model="gemma3-12b", gpu_tokens=6144, cpu_tokens=16384,
+               policies=["eager+restore+tail"],
                token_budget=2048, max_running=4))
 
 

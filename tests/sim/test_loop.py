@@ -117,7 +117,7 @@ def test_the_last_finish_flush_is_sent_and_both_pools_end_free(cpu_blocks):
     # kvtriton simulate --workload mooncake --limit 20 --cpu-blocks 1 (a GPU of 16,384 blocks),
     # and other small CPU pools: with few CPU blocks no store is in flight when the last request
     # finishes; the loop steps on until that request's finish flush is sent and completed.
-    for policy in ("restore_tail", "restore_tail_bounded"):
+    for policy in ("eager+restore+tail", "eager+restore:0.5+tail"):
         loop = _loop(MOONCAKE_20, policy, gpu_blocks=16384, cpu_blocks=cpu_blocks)
         m = loop.run()
         assert m.finished + m.rejected == len(MOONCAKE_20)
@@ -128,7 +128,7 @@ def test_the_last_finish_flush_is_sent_and_both_pools_end_free(cpu_blocks):
 def test_agent_runs_with_small_cpu_pools_end_clean(cpu_blocks):
     wl = agent_workload(num_conversations=3, min_turns=2, max_turns=3, system_prompt_tokens=256,
                         seed=1)
-    loop = _loop(wl, "restore_tail_bounded", gpu_blocks=2048, cpu_blocks=cpu_blocks)
+    loop = _loop(wl, "eager+restore:0.5+tail", gpu_blocks=2048, cpu_blocks=cpu_blocks)
     loop.run()
     _assert_clean(loop)
 
@@ -137,9 +137,9 @@ def test_an_unclean_end_is_an_error(monkeypatch):
     # Negative control: a planner that hides its queued flush makes the loop stop with the
     # flush's blocks pinned in both pools.
     monkeypatch.setattr(OffloadPlanner, "has_pending_work", lambda self: False)
-    loop = _loop(MOONCAKE_20, "restore_tail_bounded", gpu_blocks=16384, cpu_blocks=1)
-    with pytest.raises(UncleanEndError, match=r"policy 'restore_tail_bounded': the run ended at "
-                                              r"step \d+ with .*1 of 1 CPU blocks still held"):
+    loop = _loop(MOONCAKE_20, "eager+restore:0.5+tail", gpu_blocks=16384, cpu_blocks=1)
+    with pytest.raises(UncleanEndError, match=r"policy 'eager\+restore:0\.5\+tail': the run ended "
+                                              r"at step \d+ with .*1 of 1 CPU blocks still held"):
         loop.run()
 
 

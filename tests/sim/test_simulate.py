@@ -33,8 +33,8 @@ def test_repeat_prompt_hits_the_gpu_prefix_cache():
     # B repeats A's 64-token prompt after A finished: 3 blocks hit (the last token is always
     # recomputed, so the 4th block is prefilled again, and counts as recomputed).
     wl = Workload([_req("a", 1, 64), _req("b", 1, 64, after="a")], B)
-    res = simulate(wl, gpu_blocks=64, cpu_blocks=64, policies=["no_cpu"], bound=False)
-    row = _row(res, "no_cpu")
+    res = simulate(wl, gpu_blocks=64, cpu_blocks=64, policies=["none"], bound=False)
+    row = _row(res, "none")
     assert row["prompt_tokens"] == 128
     assert row["gpu_hit_tokens"] == 48
     assert row["cpu_hit_tokens"] == 0
@@ -50,14 +50,14 @@ def test_cpu_tier_serves_what_the_gpu_evicted():
     # blocks 0-1 hit the GPU, block 2 the CPU, block 3 holds the last token and is recomputed.
     wl = Workload([_req("a", 1, 64), _req("c", 2, 64, after="a"), _req("b", 1, 64, after="c")],
                   B)
-    res = simulate(wl, gpu_blocks=6, cpu_blocks=16, policies=["no_cpu", "restore_tail"],
+    res = simulate(wl, gpu_blocks=6, cpu_blocks=16, policies=["none", "eager+restore+tail"],
                    bound=False)
-    row = _row(res, "restore_tail")
+    row = _row(res, "eager+restore+tail")
     assert (row["gpu_hit_tokens"], row["cpu_hit_tokens"]) == (32, 16)
     assert row["stored_blocks"] == 8  # A's and C's four blocks each, by finish flushes
     assert row["loaded_blocks"] == 1
     assert row["recomputed_tokens"] == 16
-    base = _row(res, "no_cpu")
+    base = _row(res, "none")
     assert (base["gpu_hit_tokens"], base["cpu_hit_tokens"]) == (32, 0)
     assert base["recomputed_tokens"] == 32
 
@@ -66,8 +66,8 @@ def test_preemption_when_the_gpu_runs_out():
     # Two 64-token prompts decoding 40 tokens each in 9 GPU blocks: together they need 2 x 7
     # blocks by the end, so the newer one is preempted (recompute) and runs after the first.
     wl = Workload([_req("a", 1, 64, 40), _req("b", 2, 64, 40)], B)
-    res = simulate(wl, gpu_blocks=9, cpu_blocks=32, policies=["no_cpu"], bound=False)
-    row = _row(res, "no_cpu")
+    res = simulate(wl, gpu_blocks=9, cpu_blocks=32, policies=["none"], bound=False)
+    row = _row(res, "none")
     assert row["finished"] == 2
     assert row["preemptions"] >= 1
     assert row["recomputed_tokens"] > 0
@@ -75,8 +75,8 @@ def test_preemption_when_the_gpu_runs_out():
 
 def test_a_request_larger_than_the_gpu_is_rejected_not_fatal():
     wl = Workload([_req("big", 1, 200), _req("small", 2, 32)], B)
-    res = simulate(wl, gpu_blocks=8, cpu_blocks=8, policies=["no_cpu"], bound=False)
-    row = _row(res, "no_cpu")
+    res = simulate(wl, gpu_blocks=8, cpu_blocks=8, policies=["none"], bound=False)
+    row = _row(res, "none")
     assert (row["rejected"], row["finished"]) == (1, 1)
 
 
@@ -86,7 +86,7 @@ def test_hit_rates_and_the_bound_cover_the_same_requests():
     # runs do, and "again" does not wait for it. "small" and "small2" share 32 tokens.
     wl = Workload([_req("big", 1, 200), _req("again", 1, 64, after="big"),
                    _req("small", 2, 48), _req("small2", 2, 48, after="small")], B)
-    res = simulate(wl, gpu_blocks=8, cpu_blocks=8, policies=["no_cpu", "restore_tail"])
+    res = simulate(wl, gpu_blocks=8, cpu_blocks=8, policies=["none", "eager+restore+tail"])
     assert res.conditions["rejected"] == 1
     for r in res.rows + res.bounds:
         assert (r["rejected"], r["finished"], r["prompt_tokens"]) == (1, 3, 64 + 48 + 48)
@@ -100,7 +100,7 @@ def test_hit_rates_and_the_bound_cover_the_same_requests():
     header, _, *lines = res.table().splitlines()
     assert header.split()[:2] == ["policy", "rejected"]
     assert [line.split()[:2] for line in lines] == [
-        ["no_cpu", "1"], ["restore_tail", "1"], ["eager", "1"], ["eager+nextuse", "1"],
+        ["none", "1"], ["eager+restore+tail", "1"], ["eager", "1"], ["eager+nextuse", "1"],
         ["lazy+nextuse", "1"], ["eager+inf", "1"]]
 
 

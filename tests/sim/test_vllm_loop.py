@@ -24,7 +24,7 @@ def workload():
                           first_user_tokens=256, user_tokens=96, output_tokens=48, seed=3)
 
 
-POLICIES = ["no_cpu", "control", "restore_tail_bounded_arc"]
+POLICIES = ["none", "eager", "eager+restore:0.5+tail+arc"]
 
 
 def test_rows_have_simulates_shape_and_everything_finishes(workload):
@@ -51,7 +51,7 @@ def test_rows_have_simulates_shape_and_everything_finishes(workload):
 def test_ample_gpu_gives_the_serving_loops_hits_exactly(workload):
     # Nothing is ever evicted and every turn waits for the previous one: both loops must see
     # the same prefix hits, token for token, and recompute nothing.
-    kw = {"gpu_tokens": 1 << 18, "cpu_tokens": 1 << 18, "policies": ["no_cpu", "control"],
+    kw = {"gpu_tokens": 1 << 18, "cpu_tokens": 1 << 18, "policies": ["none", "eager"],
           "bound": False, "parts": session_sets(workload)}
     vllm, ours = simulate(workload, engine="vllm", **kw), simulate(workload, **kw)
     for a, b in zip(vllm.rows, ours.rows, strict=True):
@@ -68,7 +68,7 @@ def test_ample_gpu_gives_the_serving_loops_hits_exactly(workload):
 def test_bad_input(workload):
     with pytest.raises(ValueError, match="integrity"):
         simulate(workload, engine="vllm", integrity=True)
-    with pytest.raises(ValueError, match="unknown policy"):
+    with pytest.raises(ValueError, match="unknown setup"):
         simulate(workload, engine="vllm", policies=["nope"])
     with pytest.raises(ValueError, match="Mamba"):
         simulate(workload, engine="vllm", model="nemotron-h-8b")
@@ -86,7 +86,7 @@ def test_under_gpu_pressure_the_serving_loop_is_vllms_step_for_step(full_isl):
     # prefill reservation, the CPU lookup before allocation, scheduler_reserve_full_isl), and
     # the connector gets finished loads in completion order: every modeled figure agrees.
     wl = agent_workload(num_conversations=8, min_turns=3, max_turns=6, seed=0)
-    kw = {"gpu_tokens": 12288, "cpu_tokens": 16384, "policies": ["no_cpu", "control"],
+    kw = {"gpu_tokens": 12288, "cpu_tokens": 16384, "policies": ["none", "eager"],
           "bound": False}
     overrides = {"scheduler_reserve_full_isl": full_isl}
     loop = simulate(wl, **serving_loop_options(overrides), **kw)

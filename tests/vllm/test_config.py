@@ -79,9 +79,14 @@ def test_every_online_setup_of_the_study_is_one_key(setup):
     assert parse_extra_config(extra_config_for(policy)) == cfg
 
 
-@pytest.mark.parametrize("name", ["control", "restore_tail_bounded_arc"])
-def test_presets_are_accepted_as_the_simulator_accepts_them(name):
-    assert parse_extra_config({"setup": name}).setup == tier_policy(name).composition
+@pytest.mark.parametrize(("name", "composition"), [
+    ("control", "eager"), ("restore_tail_bounded_arc", "eager+restore:0.5+tail+arc")])
+def test_a_removed_preset_name_is_one_error_naming_the_composition(name, composition):
+    with pytest.raises(ValueError) as e:
+        parse_extra_config({"setup": name})
+    msg = str(e.value)
+    assert msg.startswith(f"KVTritonConnector: kv_connector_extra_config['setup'] = {name!r}: ")
+    assert msg.endswith(f"write {composition!r}"), msg
 
 
 @pytest.mark.parametrize(("setup", "named"), [
@@ -128,38 +133,49 @@ def test_bad_value_names_key_and_allowed_values(key, value, allowed):
 
 
 @pytest.mark.parametrize(("extra", "setup"), [
-    ({"restore": True}, "eager+restore+tail"),  # the defaults they always had
+    ({"restore": True}, "eager+restore+tail"),  # the defaults they had
+    ({"cpu_eviction": "lru"}, "eager+restore+tail"),  # where {} runs eager
     ({"restore": False, "cpu_free_order": "head_first"}, "eager"),  # vLLM's connector
     ({"cpu_eviction": "arc", "restore_share": 0.5}, "eager+restore:0.5+tail+arc"),
     ({"offload": "lazy", "lazy_target_blocks": 64}, "lazy+tail"),  # lazy drops the re-store
-])
-def test_per_axis_keys_spell_a_setup(extra, setup):
-    assert parse_extra_config(extra).setup == setup
-
-
-@pytest.mark.parametrize(("extra", "setup"), [
+    ({"restore_share": 0.00001}, "eager+restore:0.00001+tail"),
     ({"setup": "eager+restore+tail", "restore": True, "cpu_eviction": "lru"},
-     "eager+restore+tail"),
-    ({"setup": "lazy", "offload": "lazy", "restore": False}, "lazy"),
+     "eager+restore+tail"),  # beside a setup they agree with
+    ({"setup": "eager", "cpu_eviction": "arc"}, "eager+arc"),  # or change
 ])
-def test_a_per_axis_key_that_agrees_with_the_setup_is_accepted(extra, setup):
-    assert parse_extra_config(extra).setup == setup
+def test_a_removed_per_axis_key_is_one_error_naming_the_setup_to_write(extra, setup):
+    """A setup has one spelling: the per-axis keys are refused at start-up, and the error says
+    which ``setup`` means what they meant."""
+    with pytest.raises(ValueError) as e:
+        parse_extra_config(extra)
+    msg = str(e.value)
+    assert msg.startswith("KVTritonConnector: kv_connector_extra_config[") and "\n" not in msg
+    assert "no longer read" in msg and msg.endswith(f'write {{"setup": "{setup}"}} instead'), msg
+    assert parse_extra_config({**{k: v for k, v in extra.items() if k not in (
+        "offload", "restore", "restore_share", "cpu_free_order", "cpu_eviction")},
+        "setup": setup}).setup == setup
+
+
+@pytest.mark.parametrize(("extra", "named"), [
+    ({"offload": "lazy", "restore": True}, "'lazy' with 're-store' means nothing"),
+    ({"setup": "lazy", "restore": True}, "'lazy' with 're-store' means nothing"),
+    ({"restore": False, "restore_share": 0.5}, "a re-store share with re-store off"),
+    ({"restore": "yes"}, "['restore'] = 'yes' is not allowed; expected true or false"),
+])
+def test_removed_keys_that_no_setup_can_say_are_one_error_saying_why(extra, named):
+    with pytest.raises(ValueError) as e:
+        parse_extra_config(extra)
+    msg = str(e.value)
+    assert "no longer read" in msg and "these say nothing a setup can: " in msg, msg
+    assert named in msg and "KVTritonConnector" not in msg[20:], msg
 
 
 # Contradictions: each one error at start-up naming the key (issue 24, item 5, and the keys the
 # setup makes meaningless).
 CONTRADICTIONS = [
-    ({"offload": "lazy", "restore": True}, "'offload' = \"lazy\", 'restore' = true]: 'lazy' "
-                                           "with 're-store' means nothing"),
-    ({"setup": "lazy", "restore": True}, "['restore'] = true contradicts setup 'lazy'"),
-    ({"setup": "eager+restore", "offload": "lazy"},
-     "['offload'] = \"lazy\" contradicts setup 'eager+restore'"),
-    ({"setup": "eager", "cpu_eviction": "arc"}, "['cpu_eviction'] = \"arc\" contradicts"),
     ({"setup": "eager+arc", "lazy_target_blocks": 64},
      "['lazy_target_blocks'] = 64 with the eager setup 'eager+arc'"),
     ({"lazy_target_blocks": 64}, "['lazy_target_blocks'] = 64 with the eager setup"),
-    ({"restore": False, "restore_share": 0.5}, "['restore_share'] = 0.5 with re-store off"),
-    ({"setup": "eager", "restore_share": 0.5}, "['restore_share'] = 0.5 contradicts setup"),
     ({"setup": "eager", "max_restores_per_step": 4},
      "['max_restores_per_step'] = 4 with the setup 'eager', which never re-stores"),
     ({"setup": "lazy", "max_restores_per_key": 2}, "['max_restores_per_key'] = 2 with the setup"),
@@ -243,12 +259,6 @@ def test_a_setup_with_tiny_or_huge_numbers_runs_as_written(setup):
     assert cfg.planner_config(world_size=1, max_num_batched_tokens=8192) == cfg.policy.planner
     assert cfg.describe().startswith(f"setup {setup} (")
     assert parse_extra_config(extra_config_for(cfg.policy)) == cfg
-
-
-def test_a_per_axis_share_composes_a_setup_that_parses():
-    cfg = parse_extra_config({"restore_share": 0.00001})
-    assert cfg.setup == "eager+restore:0.00001+tail" and cfg.restore_share == 0.00001
-    assert cfg.describe().startswith("setup eager+restore:0.00001+tail (")
 
 
 # ---- the lfu sketch is counted at start-up (issue 36, item 7) ---------------------------------

@@ -123,7 +123,8 @@ def restore_turns(seed: int = 1) -> list:
 def test_restore_through_the_engine(model_dir, restore, late):
     """``late``: every transfer reported late, as on a GPU (``inject("late_reports")``)."""
     turns = restore_turns()
-    small = {"cpu_bytes_per_rank": 25 * BLOCK_BYTES, "restore": restore}
+    small = {"cpu_bytes_per_rank": 25 * BLOCK_BYTES,
+             "setup": "eager+restore+tail" if restore else "eager+tail"}
     ref = run_turns(model_dir, turns, connector=None)
     run = run_turns(model_dir, turns, connector=small,
                     patch=(lambda: inject("late_reports")) if late else None)

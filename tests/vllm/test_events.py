@@ -26,7 +26,7 @@ def test_kv_events_use_vllm_field_names(model_dir):
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
     s, _side, drv = build(model_dir, cpu_blocks=3, enable_kv_cache_events=True,
-                         extra_config={"cpu_free_order": "head_first"})
+                         extra_config={"setup": "eager+restore"})
     seen = []
     take = s.connector.take_events
 

@@ -69,7 +69,7 @@ def test_eager_round_trip_store_then_load(model_dir):
 
 
 def test_lazy_round_trip(model_dir):
-    s, side, drv = build(model_dir, extra_config={"offload": "lazy", "lazy_target_blocks": 64})
+    s, side, drv = build(model_dir, extra_config={"setup": "lazy+tail", "lazy_target_blocks": 64})
     p = tokens(3, 6 * BS)
     drv.add(vllm_request("a", p, 2, BS))
     run(drv)
@@ -88,7 +88,7 @@ def test_lazy_hybrid_round_trip(model_dir):
     each store names the group of its block's hash (vLLM's group id suffix), the CPU registers
     it under that group, and a later request's hit loads both groups."""
     s, side, drv = build(model_dir, groups=(FULL, WINDOW), num_gpu_blocks=64,
-                         extra_config={"offload": "lazy", "lazy_target_blocks": 64})
+                         extra_config={"setup": "lazy+tail", "lazy_target_blocks": 64})
     p = tokens(44, 8 * BS)
     groups_of_stores = []
     real_build = s.connector.build_connector_meta
@@ -160,7 +160,7 @@ def test_in_flight_store_is_not_stored_again(model_dir):
 
 def test_lru_eviction_order_and_head_first_freeing(model_dir):
     # A CPU tier of 6 blocks: the second request's stores evict the first's oldest blocks.
-    s, side, drv = build(model_dir, cpu_blocks=6, extra_config={"cpu_free_order": "head_first"})
+    s, side, drv = build(model_dir, cpu_blocks=6, extra_config={"setup": "eager+restore"})
     pa = tokens(10, 4 * BS)
     drv.add(vllm_request("a", [*pa, 1], 1, BS))
     run(drv)
@@ -191,7 +191,7 @@ def test_cpu_hit_pinned_while_allocation_waits(model_dir):
     # step, while c's stores fill the small CPU tier. The hit's blocks stay pinned throughout,
     # so when c finishes b still loads all of them.
     s, side, drv = build(model_dir, num_gpu_blocks=18, cpu_blocks=8, max_num_seqs=4,
-                         extra_config={"cpu_free_order": "head_first"})
+                         extra_config={"setup": "eager+restore"})
     pa = tokens(12, 4 * BS)
     drv.add(vllm_request("a", [*pa, 1], 1, BS))
     run(drv)
@@ -339,7 +339,7 @@ def test_multi_group_null_blocks_are_skipped(model_dir):
 @pytest.mark.parametrize("restore", [True, False], ids=["restore", "no_restore"])
 def test_restore_fills_the_hole_of_a_running_request(model_dir, restore):
     s, side, drv = build(model_dir, num_gpu_blocks=32,
-                         extra_config={"restore": restore, "cpu_free_order": "head_first"})
+                         extra_config={"setup": "eager+restore" if restore else "eager"})
     p = tokens(40, 8 * BS)
     drv.add(vllm_request("a", p, 3 * BS, BS))  # keeps running while its blocks are stored
     step_until(drv, lambda so: side.cpu_pool.num_cached_keys >= 8)
@@ -511,10 +511,13 @@ def test_mixed_block_sizes_hit_on_the_scheduler_block(model_dir):
 
 
 @pytest.mark.parametrize(("extra", "message"), [
-    ({"restore": "yes"}, r"\['restore'\] = 'yes' is not allowed; expected true or false"),
+    ({"scan": "fast"}, r"\['scan'\] = 'fast' is not allowed; expected one of 'fused', 'loop'"),
     ({"cpu_blocks": 8}, r"unknown kv_connector_extra_config key 'cpu_blocks'"),
     ({"cpu_bytes_per_rank": 100}, r"too small for one CPU block"),
-], ids=["bad_value", "unknown_key", "too_small"])
+    # A removed per-axis key names the setup it meant ({} runs eager, this ran re-store).
+    ({"cpu_eviction": "lru"}, r"\['cpu_eviction' = \"lru\"\]: the per-axis keys .* are no longer "
+                              r"read; .* write \{\"setup\": \"eager\+restore\+tail\"\} instead"),
+], ids=["bad_value", "unknown_key", "too_small", "removed_key"])
 def test_bad_setting_is_one_error_when_the_scheduler_starts(model_dir, extra, message):
     with pytest.raises(ValueError, match=message):
         make_scheduler(model_dir, [FULL], num_gpu_blocks=16, extra_config=extra)
