@@ -2,7 +2,7 @@
 and the re-store map.
 
 - ``policies_<tag>.json`` (``policies_<tag>_full.json`` with ``--full``): every setup of
-  ``kvtriton.setups.ABLATION`` (each axis changed alone from the control) plus the in-loop
+  ``bench.tier_study.ABLATION`` (each axis changed alone from the control) plus the in-loop
   bounds (``BOUNDS``), at a CPU tier the size of the GPU and at four times that, on the agent
   generator, the shipped coding-agent traces and the shipped Mooncake trace. Every row carries
   ``gap_closed``: its share of the gap between the control and the in-loop Belady bound at the
@@ -34,6 +34,9 @@ from collections import Counter
 
 from bench.common import OneLineParser, write_result
 from bench.tier_study import (
+    ABLATION,
+    COMBINED,
+    HINTED_COMBINED,
     SPLIT_TEXT,
     SPLITS,
     figures,
@@ -43,7 +46,7 @@ from bench.tier_study import (
     ttft_tolerance_s,
     workloads,
 )
-from kvtriton.setups import ABLATION, BOUNDS, COMBINED, HINTED_COMBINED, tier_policy
+from kvtriton.setups import BOUNDS, tier_policy
 from kvtriton.sim import (
     CC_AGENTIC_SAMPLE,
     Workload,

@@ -1,7 +1,8 @@
-"""What the tier studies share (``bench_policies``, ``tune_shares``): the workloads at their
-quick and full sizes with the hints a server has and the oracle closes, how each is split into
-train and test parts, the TTFT rule's tolerance, and the process pool that runs one simulation
-per task. Not a study: studies import it, never each other.
+"""What the tier studies share (``bench_policies``, ``tune_shares``): the setups they run
+(``ABLATION``: each axis changed alone from the control; ``COMBINED``: combinations of axes),
+the workloads at their quick and full sizes with the hints a server has and the oracle closes,
+how each is split into train and test parts, the TTFT rule's tolerance, and the process pool
+that runs one simulation per task. Not a study: studies import it, never each other.
 """
 
 from __future__ import annotations
@@ -21,6 +22,18 @@ from kvtriton.sim import (
 )
 from kvtriton.sim.splits import SPLIT_SEED
 from kvtriton.sim.workloads import first_turns, serving_workload
+
+#: Every axis changed alone from the control (the ablation the benchmark runs).
+ABLATION = ("eager", "eager+restore", "eager+restore:0.5", "eager+tail", "eager+arc",
+            "eager+s3fifo", "eager+lfu:64", "eager+second", "eager+refresh", "eager+hints",
+            "eager+waiting", "lazy")
+
+#: Combinations of the axes that pay, run beside the ablation.
+COMBINED = ("lazy+hints", "lazy+hinted", "lazy+hinted+hints", "eager+refresh+arc",
+            "eager+restore:0.5+tail+arc", "eager+lfu:64+waiting")
+#: The combinations that use hints (the first of ``COMBINED``).
+HINTED_COMBINED = COMBINED[:3]
+
 
 #: How each workload is split (``kvtriton.sim.splits``): the best setup is chosen on the train
 #: part and judged on the test part. Mooncake is one long trace: its time halves. The others

@@ -55,12 +55,10 @@ from kvtriton.eviction.lfu import DEFAULT_WINDOW_TIERS
 from kvtriton.planner import PlannerConfig
 
 __all__ = [
-    "ABLATION",
     "AXES",
     "BOUNDS",
     "DEFAULT_POLICIES",
     "DEFAULT_SETUP",
-    "HINTED_COMBINED",
     "NEXT_USE_BOUNDS",
     "REFUSED",
     "REMOVED_PRESETS",
@@ -356,17 +354,6 @@ REMOVED_PRESETS = {
 DEFAULT_POLICIES = ("none", "eager", "eager+restore", "eager+restore+tail",
                     "eager+restore:0.5+tail", "eager+restore:0.5+tail+arc",
                     "eager+restore:0.5+tail+s3fifo")
-
-#: Every axis changed alone from the control (the ablation the benchmark runs).
-ABLATION = ("eager", "eager+restore", "eager+restore:0.5", "eager+tail", "eager+arc",
-            "eager+s3fifo", "eager+lfu:64", "eager+second", "eager+refresh", "eager+hints",
-            "eager+waiting", "lazy")
-
-#: Combinations of the axes that pay, run beside the ablation.
-COMBINED = ("lazy+hints", "lazy+hinted", "lazy+hinted+hints", "eager+refresh+arc",
-            "eager+restore:0.5+tail+arc", "eager+lfu:64+waiting")
-#: The combinations that use hints (the first of ``COMBINED``).
-HINTED_COMBINED = COMBINED[:3]
 
 #: The bounds measured in the same serving loop: next-use eviction under either store mode
 #: (the in-loop Belady bound is the better of the two), and a tier that never evicts.

@@ -12,10 +12,10 @@ import pytest
 from hypothesis import given, reject
 from hypothesis import strategies as st
 
+from bench.tier_study import ABLATION
 from kvtriton.eviction.lfu import DEFAULT_WINDOW_TIERS
 from kvtriton.planner import PlannerConfig
 from kvtriton.setups import (
-    ABLATION,
     AXES,
     BOUNDS,
     REFUSED,

@@ -1,14 +1,10 @@
 """Frequency-first eviction: a TinyLFU-style sketch of demand, the least-demanded block first.
 
-Hypothesis (issue 26, item 4, the conversational gap). On chat-like traffic most blocks are used
-once, and a block's chance of being used again grows with how many requests already held it (on
-the Mooncake trace: 0.43 after one request, 0.85 after two, and the median gap to the next use
-falls from about 570 requests after one use to about 30 after ten). A recency queue (LRU) keeps
-the blocks of the last few dozen requests, most of which never come back; the next-use bound
-keeps the popular ones. The CPU tier's own hits do not show popularity (a popular block is
-mostly hit on the GPU), so the demand is counted where a server sees all of it: every request
-the planner admits counts each distinct key of its prompt once (``on_request``), whether the
-block is then a GPU hit, a CPU hit or computed.
+Demand is counted where a server sees all of it: every request the planner admits counts each
+distinct key of its prompt once (``on_request``), whether the block is then a GPU hit, a CPU hit
+or computed. The CPU tier's own hits would not show it (a popular block is mostly hit on the
+GPU). Why frequency should help on chat-like traffic, and where it loses to recency, is the
+studies' (``bench/conversational_gap.py``, ``bench/lfu_recency.py``).
 
 ``FrequencySketch``: a count-min sketch (``depth`` rows of ``width`` saturating counters,
 TinyLFU's estimator) with aging: once it has counted ``window`` sightings, every counter is

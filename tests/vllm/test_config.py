@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvtriton.setups import ABLATION, BOUNDS, COMBINED, DEFAULT_SETUP, tier_policy
+from bench.tier_study import ABLATION, COMBINED
+from kvtriton.setups import BOUNDS, DEFAULT_SETUP, tier_policy
 from kvtriton.vllm.config import (
     DEFAULT_CPU_BYTES_PER_RANK,
     ConnectorConfig,

@@ -18,8 +18,9 @@ import pytest
 pytest.importorskip("vllm")
 os.environ["HF_HUB_OFFLINE"] = "1"
 
+from bench.tier_study import ABLATION, COMBINED
 from helpers.vllm_driver import BS, assert_idle, build, cpu_hashes, run, tokens
-from kvtriton.setups import ABLATION, COMBINED, tier_policy
+from kvtriton.setups import tier_policy
 from kvtriton.sim.vllm_scheduler import tiny_model_dir, vllm_request
 from kvtriton.vllm.signals import HINT_KEY, LOGGED_CHARS, shorten
 
