@@ -46,7 +46,7 @@ from bench.tier_study import (
     ttft_tolerance_s,
     workloads,
 )
-from kvtriton.setups import BOUNDS, tier_policy
+from kvtriton.setups import BOUNDS, CONTROL, tier_policy
 from kvtriton.sim import (
     CC_AGENTIC_SAMPLE,
     Workload,
@@ -126,8 +126,8 @@ def best_online(rows: list[dict], tolerance_s: float = 0.0, part: str | None = N
     some of it, with modeled TTFT p50 and p90 no more than ``tolerance_s`` above the
     control's; None if no such setup. ``part``: judged on that part of the split only (the
     train part, when a choice is to be reported on the test part)."""
-    control = next(r for r in rows if r["composition"] == "eager")
-    fair = [r for r in rows if not r["oracle"] and r["composition"] not in ("eager", "none")
+    control = next(r for r in rows if r["composition"] == CONTROL)
+    fair = [r for r in rows if not r["oracle"] and r["composition"] not in (CONTROL, "none")
             and r.get("hint_source") != "oracle closes"
             and figures(r, part).get("gap_closed") is not None
             and figures(r, part)["gap_closed"] > 0
@@ -146,8 +146,8 @@ def ablation_tasks(wl: Workload, gpu_tokens: int, policies: tuple[str, ...],
     parts = split_named(split, wl) if split is not None else None
     for ratio in ratios:
         cap = {"gpu_tokens": gpu_tokens, "cpu_tokens": ratio * gpu_tokens, "parts": parts}
-        for p in dict.fromkeys(("eager", *policies, *bounds)):
-            control = p == "eager"
+        for p in dict.fromkeys((CONTROL, *policies, *bounds)):
+            control = p == CONTROL
             tasks.append(((ratio, p), wl, {**cap, "policies": [p], "bound": control,
                                            "in_loop_bounds": ()}))
         tasks += [((ratio, p + ORACLE_CLOSES), oracle_wl,
@@ -179,9 +179,9 @@ def ablation(tag: str, wl: Workload, gpu_tokens: int, policies: tuple[str, ...],
                                           bounds), progress, tag)
     runs, targets = [], []
     for ratio in ratios:
-        control = results[(ratio, "eager")]
+        control = results[(ratio, CONTROL)]
         online = [slim(results[(ratio, p)]["rows"][0]) for p in dict.fromkeys(
-            ("eager", *policies))]
+            (CONTROL, *policies))]
         for row in online:
             if reads_hints(row["composition"]):
                 row["hint_source"] = "causal" if oracle_wl is not None else "as given"
@@ -195,7 +195,7 @@ def ablation(tag: str, wl: Workload, gpu_tokens: int, policies: tuple[str, ...],
         rows = online + oracles
         bound = in_loop_bound(rows)
         tolerance = ttft_tolerance_s(res["conditions"])
-        control_row = next(r for r in rows if r["composition"] == "eager")
+        control_row = next(r for r in rows if r["composition"] == CONTROL)
         for r in rows:
             r["ttft_no_worse"] = ttft_ok(r, control_row, tolerance)
             r["ttft_no_worse_strict"] = ttft_ok(r, control_row)
@@ -232,7 +232,7 @@ def _target(tag: str, ratio: int, rows: list[dict], bound: dict, tolerance: floa
     choose_on, judge_on = (TRAIN, TEST) if split is not None else (None, None)
     best = best_online(rows, tolerance, choose_on)
     strict = best_online(rows, 0.0, choose_on)
-    control = next(r for r in rows if r["composition"] == "eager")
+    control = next(r for r in rows if r["composition"] == CONTROL)
     gap_points = 100 * (figures(bound, judge_on)["token_hit_rate"]
                         - figures(control, judge_on)["token_hit_rate"])
     no_gap = gap_points < MATERIAL_GAP_POINTS
@@ -293,7 +293,7 @@ def map_tasks(grid: tuple[Workload, int, tuple, tuple]) -> list[tuple]:
     return [((i, j, f), wl, {"gpu_tokens": gpu, "cpu_tokens": int(ratio * gpu),
                              "max_running": mr, "policies": [f], "bound": False})
             for i, mr in enumerate(running) for j, ratio in enumerate(ratios)
-            for f in ("eager", *MAP_FORMS)]
+            for f in (CONTROL, *MAP_FORMS)]
 
 
 def restore_map(tag: str, quick: bool, progress: bool, results_dir=None, grid=None,
@@ -308,7 +308,7 @@ def restore_map(tag: str, quick: bool, progress: bool, results_dir=None, grid=No
     grid = grid if grid is not None else map_grid(tag, quick)
     wl, gpu, ratios, running = grid
     t0 = time.perf_counter()
-    forms = ("eager", *MAP_FORMS)
+    forms = (CONTROL, *MAP_FORMS)
     if results is None:
         results = run_all(map_tasks(grid), progress, f"re-store map {tag}")
     hit = {f: [[0.0] * len(ratios) for _ in running] for f in forms}
@@ -318,7 +318,7 @@ def restore_map(tag: str, quick: bool, progress: bool, results_dir=None, grid=No
         hit[f][i][j] = row["token_hit_rate"]
         if f in thrash:
             thrash[f][i][j] = row["restore_thrash"]
-    gain = {f: [[hit[f][i][j] - hit["eager"][i][j] for j in range(len(ratios))]
+    gain = {f: [[hit[f][i][j] - hit[CONTROL][i][j] for j in range(len(ratios))]
                 for i in range(len(running))] for f in MAP_FORMS}
     payload = {"tag": tag, "workload": wl.name, "requests": len(wl), "gpu_tokens": gpu,
                "ratios": list(ratios), "max_running": list(running), "hit_rate": hit,

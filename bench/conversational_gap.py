@@ -35,7 +35,9 @@ from pathlib import Path
 
 import numpy as np
 
-CONTROL, BOUND, LAZY_BOUND = "eager", "eager+nextuse", "lazy+nextuse"
+from kvtriton.setups import CONTROL
+
+BOUND, LAZY_BOUND = "eager+nextuse", "lazy+nextuse"
 #: Share of the control-to-bound gap the target asks for on Mooncake's test half, and the most
 #: a chosen setup may lose (points of token hit rate) on the other workloads' test parts.
 TARGET_GAP_SHARE, TOLERANCE_POINTS = 0.25, -0.2

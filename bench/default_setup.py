@@ -32,10 +32,10 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import RESULTS_DIR
+from kvtriton.setups import CONTROL
 
 POLICY_FILES = ("policies_agent.json", "policies_cc_agentic.json",
                 "policies_cc_agentic_full.json", "policies_mooncake.json", "policies_glm5.json")
-CONTROL = "eager"
 MIN_CELLS = 4
 
 

@@ -19,7 +19,7 @@ import time
 
 from bench.common import OneLineParser, write_result
 from bench.tier_study import SPLITS, run_all, slim, ttft_ok, ttft_tolerance_s, workloads
-from kvtriton.setups import DEFAULT_PROTECT_SHARE, canonical_number
+from kvtriton.setups import CONTROL, DEFAULT_PROTECT_SHARE, canonical_number
 from kvtriton.sim.splits import TEST, TRAIN, split_named
 
 SHARES = (0.25, 0.5, 0.75)
@@ -41,11 +41,11 @@ def tune(tag: str, progress: bool = False) -> dict:
     parts = split_named(SPLITS[tag], wl)
     kw = {"gpu_tokens": gpu, "cpu_tokens": gpu, "parts": parts, "bound": False,
           "in_loop_bounds": ()}
-    names = ["eager"] + [_with_share(s, f) for s in TUNED[tag] for f in SHARES]
+    names = [CONTROL] + [_with_share(s, f) for s in TUNED[tag] for f in SHARES]
     results = run_all([(n, wl, {**kw, "policies": [n]}) for n in names], progress, tag)
     rows = {n: slim(results[n]["rows"][0]) for n in names}
-    control = rows["eager"]
-    tolerance = ttft_tolerance_s(results["eager"]["conditions"])
+    control = rows[CONTROL]
+    tolerance = ttft_tolerance_s(results[CONTROL]["conditions"])
 
     def gain(row: dict, part: str) -> float:
         return 100 * (row["parts"][part]["token_hit_rate"]

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kvtriton.setups import CONTROL
+
 __all__ = [
     "PLANNER_VARIANTS",
     "plot_capacity",
@@ -299,13 +301,13 @@ def plot_gain_over_control(runs: list[dict], path: str | Path, title: str = "") 
     ``policy``, ``oracle`` and ``token_hit_rate``; oracle rows are drawn only as the bound."""
     plt = _pyplot()
     names = [r["policy"] for r in runs[0]["rows"]
-             if not r.get("oracle") and r["composition"] != "eager"]
+             if not r.get("oracle") and r["composition"] != CONTROL]
     width = 0.8 / len(runs)
     fig, ax = plt.subplots(figsize=(max(6.0, 0.7 * len(names) + 2), 3.8))
     x = np.arange(len(names))
     for k, run in enumerate(runs):
         rows = run["rows"]
-        base = next((r["token_hit_rate"] for r in rows if r["composition"] == "eager"), None)
+        base = next((r["token_hit_rate"] for r in rows if r["composition"] == CONTROL), None)
         if base is None:
             raise ValueError(f"plot_gain_over_control: run {run['label']!r} has no 'eager' "
                              "row (the control every gain is measured from)")

@@ -15,7 +15,13 @@ import numpy as np
 
 from kvtriton.validation import check_request_keys, is_int
 
-__all__ = ["PlannerMeta", "Request", "StepOutput", "Transfer"]
+__all__ = ["HINTS", "PlannerMeta", "Request", "StepOutput", "Transfer"]
+
+#: The continuation hints a request may end with (None is no hint): ``"continue"``: this turn's
+#: context will be reused soon (an agent turn that ended in a tool call); ``"close"``: the client
+#: closes the session after this turn (nothing of it will be asked for again by this
+#: conversation). The simulator's workloads, the planner and the connector read this one tuple.
+HINTS = ("continue", "close")
 
 
 @dataclass(slots=True, eq=False)

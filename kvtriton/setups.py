@@ -57,6 +57,7 @@ from kvtriton.planner import PlannerConfig
 __all__ = [
     "AXES",
     "BOUNDS",
+    "CONTROL",
     "DEFAULT_POLICIES",
     "DEFAULT_SETUP",
     "NEXT_USE_BOUNDS",
@@ -347,6 +348,10 @@ REMOVED_PRESETS = {
     "restore_tail_bounded_arc": "eager+restore:0.5+tail+arc",
     "restore_tail_bounded_s3fifo": "eager+restore:0.5+tail+s3fifo",
 }
+
+#: The control: every axis at its default, vLLM's ``SimpleCPUOffloadConnector``. Studies measure
+#: every setup against it.
+CONTROL = "eager"
 
 #: What ``simulate`` runs when given no setups: no tier, the control, re-store unbounded and
 #: bounded by half the tier (running requests' blocks past half of it mostly evict another

@@ -1,6 +1,6 @@
 """Continuation hints on a tier's eviction: protect what will be reused soon, drop what will not.
 
-A request may end with a hint about its context (``kvtriton.sim.workload.HINTS``): ``continue``
+A request may end with a hint about its context (``kvtriton.records.HINTS``): ``continue``
 (an agent turn that ended in a tool call: the next turn comes within seconds and extends this
 context) or ``close`` (the client closed the session). ``HintedQueue`` wraps any eviction queue
 and keeps two segments beside it: *drop* blocks (keys last held by a closed session), evicted

@@ -49,14 +49,14 @@ from kvtriton.planner.scan import FusedSelector
 from kvtriton.planner.stats import PlannerStats
 from kvtriton.planner.stores import StoreJob, Stores
 from kvtriton.pool import BlockPool, GpuPool
-from kvtriton.records import PlannerMeta, Request, StepOutput, Transfer
+from kvtriton.records import HINTS, PlannerMeta, Request, StepOutput, Transfer
 from kvtriton.specs import KVLayout
 from kvtriton.validation import block_id_array, check_request_keys, is_int
 
 __all__ = ["OffloadPlanner"]
 
 #: What ``request_finished`` may be told of a turn's future (None: nothing).
-_HINTS = (None, "continue", "close")
+_HINTS = (None, *HINTS)
 
 
 class OffloadPlanner:

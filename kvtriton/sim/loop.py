@@ -31,8 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvtriton.eviction import EvictionQueue, make_eviction_queue
-from kvtriton.eviction.protected import CLOSED, NORMAL, PROTECTED, HintedQueue
+from kvtriton.eviction import EvictionQueue
 from kvtriton.planner import OffloadPlanner
 from kvtriton.pool import BlockPool
 from kvtriton.records import Request
@@ -46,6 +45,7 @@ from kvtriton.sim.next_use import NextUse, NextUseQueue
 from kvtriton.sim.scheduler import BatchScheduler, SeqBlocks
 from kvtriton.sim.workload import Workload, WorkloadRequest
 from kvtriton.specs import KVLayout
+from kvtriton.tier_signals import SignalBook, cpu_queue, distinct_by_depth
 
 __all__ = ["POOL_BYTES_PER_BLOCK", "ServingLoop", "gpu_blocks_for", "num_keys"]
 
@@ -91,8 +91,7 @@ class ServingLoop(ServingClock):
         self.planner: OffloadPlanner | None = None
         self._index = {wr.request_id: i for i, wr in enumerate(workload.requests)}
         self._next_use: NextUse | None = None
-        self._hinted: HintedQueue | None = None
-        self._waiting: np.ndarray | None = None
+        self._signals: SignalBook | None = None
         if policy.planner is not None:
             if policy.infinite_cpu:
                 cpu_blocks = num_keys(keys)
@@ -108,30 +107,21 @@ class ServingLoop(ServingClock):
                                     count_recomputed=True, integrity=integrity,
                                     reserve_full_isl=reserve_full_isl)
         self.sched.on_first_admit = self._first_admit
-        if self._next_use is not None or self._hinted is not None:
-            self._last_holder = np.full(num_keys(keys), -1, dtype=np.int64)
         self._keys = keys
         self.step_no = 0
 
     def _cpu_queue(self, policy: TierPolicy, keys: list[np.ndarray]) -> EvictionQueue:
-        """The CPU pool's eviction: the named queue, the next-use oracle, or either under
-        hints."""
+        """The CPU pool's eviction as the setup builds it (``kvtriton.tier_signals``), with the
+        next-use oracle from the trace, and the signal book where hints or the lookahead
+        reorder it."""
+        oracle = None
         if policy.cpu_eviction == "nextuse":
             self._next_use = NextUse(keys, num_keys(keys))
-            queue: EvictionQueue = NextUseQueue(self._next_use)
-        else:
-            queue = make_eviction_queue(policy.cpu_eviction)
-        if policy.hints or policy.lookahead:
-            # A full segment lets go of the oldest continue hint, or of the newest arrival in
-            # the waiting queue (the last to be admitted).
-            if policy.hints:
-                queue = self._hinted = HintedQueue(queue, policy.hint_protect_share)
-            else:
-                queue = self._hinted = HintedQueue(queue, policy.waiting_protect_share,
-                                                   demote="newest")
-        if policy.lookahead:
-            # Waiting requests holding each key: protected while at least one waits.
-            self._waiting = np.zeros(num_keys(keys), dtype=np.int32)
+            oracle = NextUseQueue(self._next_use)
+        queue, hinted = cpu_queue(policy, oracle)
+        if hinted is not None:
+            self._signals = SignalBook(hinted, self._free_cpu_block, hints=policy.hints,
+                                       lookahead=policy.lookahead)
         return queue
 
     def _first_admit(self, seq: _Seq) -> None:
@@ -139,45 +129,19 @@ class ServingLoop(ServingClock):
         i = self._index[seq.req.request_id]
         if self._next_use is not None:
             self._next_use.consume(i)
-        if self._hinted is not None:
-            self._last_holder[self._keys[i].ravel()] = i
-        if self._waiting is not None:
-            self._note_waiting(i, -1)
-
-    def _note_waiting(self, i: int, delta: int) -> None:
-        """Request ``i`` joined (+1) or left (-1: admitted, its lookup done) the waiting queue:
-        the keys it holds are protected while some waiting request holds them."""
-        keys, depths = self._keys_and_depths(i)
-        waiting = self._waiting
-        waiting[keys] += delta
-        changed = waiting[keys] == (1 if delta > 0 else 0)
-        self._hinted.hint(keys[changed], PROTECTED if delta > 0 else NORMAL,
-                          self._free_cpu_block, depths[changed])
+        if self._signals is not None:
+            self._signals.admitted(i, self._keys[i])
 
     def _free_cpu_block(self, key: int) -> int | None:
         """The free CPU block caching ``key`` (a hint moves it now), or None."""
         b = self.cpu.get_cached_block(key)
         return b if b is not None and self.cpu.is_free(b) else None
 
-    def _keys_and_depths(self, i: int) -> tuple[np.ndarray, np.ndarray]:
-        """Request ``i``'s distinct keys and the first position (hash block) each has in it."""
-        by_position = self._keys[i].T.ravel()  # position-major: first occurrence = shallowest
-        keys, first = np.unique(by_position, return_index=True)
-        return keys, (first // self._keys[i].shape[0]).astype(np.int32)
-
     def _apply_hint(self, seq: _Seq) -> None:
-        """A finished turn's hint reaches the CPU tier: ``continue`` protects its keys,
-        ``close`` marks the keys this turn held last as first to go, no hint clears both."""
+        """A finished turn's hint reaches the CPU tier (``SignalBook.finished``)."""
         i = self._index[seq.req.request_id]
-        keys, depths = self._keys_and_depths(i)
         hint = seq.wr.hint
-        if hint == "close":
-            last = self._last_holder[keys] == i
-            keys, depths = keys[last], depths[last]
-            level = CLOSED
-        else:
-            level = PROTECTED if hint == "continue" else NORMAL
-        self._hinted.hint(keys, level, self._free_cpu_block, depths)
+        self._signals.finished(i, self._keys[i], hint)
         self.metrics.hints[hint or "none"] = self.metrics.hints.get(hint or "none", 0) + 1
 
     @staticmethod
@@ -192,8 +156,8 @@ class ServingLoop(ServingClock):
             req = Request(wr.request_id, self._keys[i], num_prompt_tokens=wr.prompt_len,
                           num_tokens=wr.prompt_len)
             self.sched.add(_Seq(req, wr=wr, arrival_s=at, hint=wr.hint))
-            if self._waiting is not None:
-                self._note_waiting(i, +1)
+            if self._signals is not None:
+                self._signals.arrived(i, *distinct_by_depth(self._keys[i]))
 
     def _chunks(self, scheduled: dict[str, int]):
         """The step's chunks as ``ServingClock._step_seconds`` takes them."""
@@ -277,5 +241,5 @@ class ServingLoop(ServingClock):
         if self.planner is not None:
             m.planner = self.planner.stats.as_dict()
             m.planner["running_evictions"] = self.planner.selector.running_evictions
-        if self._hinted is not None:
-            m.planner["protect_overflow"] = self._hinted.protect_overflow
+        if self._signals is not None:
+            m.planner["protect_overflow"] = self._signals.queue.protect_overflow

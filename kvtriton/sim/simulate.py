@@ -9,7 +9,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvtriton.setups import BOUNDS, DEFAULT_POLICIES, NEXT_USE_BOUNDS, TierPolicy, tier_policy
+from kvtriton.setups import (
+    BOUNDS,
+    CONTROL,
+    DEFAULT_POLICIES,
+    NEXT_USE_BOUNDS,
+    TierPolicy,
+    tier_policy,
+)
 from kvtriton.sim.cost import CostModel, ServingCost
 from kvtriton.sim.keys import workload_keys
 from kvtriton.sim.loop import ServingLoop, gpu_blocks_for, num_keys
@@ -148,7 +155,6 @@ class SimulationResult:
 
 
 #: The control every gap is measured from: vLLM's SimpleCPUOffloadConnector.
-CONTROL = "eager"
 
 
 def gap_closed(hit_rate: float, control: float, bound: float) -> float | None:

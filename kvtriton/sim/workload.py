@@ -27,16 +27,11 @@ from dataclasses import asdict, dataclass, fields, replace
 import numpy as np
 
 from kvtriton.hashing import chain_hashes
+from kvtriton.records import HINTS
 from kvtriton.validation import is_finite_number, is_int
 
 __all__ = ["HINTS", "MAX_AGENT_REQUESTS", "AgentConfig", "Workload", "WorkloadRequest",
            "agent_workload", "mark_session_close"]
-
-# The continuation hints a request may carry (``WorkloadRequest.hint``; None is no hint):
-# "continue": this turn's context will be reused soon (e.g. an agent turn that ended in a tool
-# call); "close": the client closes the session after this turn (nothing of it will be asked for
-# again by this conversation).
-HINTS = ("continue", "close")
 
 # The most requests the agent generator makes: past it a typo such as 1e12 conversations would
 # run for hours before anything is reported.

@@ -71,10 +71,10 @@ def test_protection_ends_when_the_queue_empties():
                        max_running=1)
     peak = 0
     while loop.step():
-        peak = max(peak, loop._hinted.protected_blocks)
+        peak = max(peak, loop._signals.queue.protected_blocks)
     assert peak == P_BLOCKS
-    assert not loop._waiting.any()
-    assert loop._hinted.protected_blocks == 0
+    assert loop._signals.keys_held_waiting == 0 and not loop._signals.waiting_keys()
+    assert loop._signals.queue.protected_blocks == 0
 
 
 def test_the_protected_share_is_bounded():

@@ -264,5 +264,5 @@ def test_recycled_key_ids_start_over_in_the_plain_order():
     queue.hint(ids[2:], CLOSED, lambda _k: None)
     signals.forget(ids[[0, 2]])
     assert [queue.level(int(k)) for k in ids] == [NORMAL, PROTECTED, NORMAL, CLOSED]
-    assert signals._holder[ids[[0, 2]]].tolist() == [-1, -1]
-    assert signals._holder[ids[[1, 3]]].tolist() == [0, 0]
+    assert signals.book.last_holder(ids[[0, 2]]).tolist() == [-1, -1]
+    assert signals.book.last_holder(ids[[1, 3]]).tolist() == [0, 0]
