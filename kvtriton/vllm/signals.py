@@ -10,8 +10,9 @@ blocks to the plain eviction order. The rules are ``kvtriton.tier_signals.Signal
 ``kvtriton.sim.loop.ServingLoop`` applies to a workload's hints too. "Held last" is counted per
 key from admissions: a block a later request was admitted with belongs to that request's future,
 not to the closed one. That scopes a close without a session id, so the connector takes none.
-Hinted admission (``lazy+hinted``) gets the hint from here too. A hint that is not one of the two is a warning naming the request, counted in
-``malformed_hints``; the request is served as if it had none. A hint sent to a setup that uses
+Hinted admission (``lazy+hinted``) gets the hint from here too. A hint that is not one of the
+two is a warning naming the request, counted in ``malformed_hints``; the request is served as if
+it had none. A hint sent to a setup that uses
 none (neither ``hints`` nor ``hinted`` admission) changes nothing: it is counted in
 ``hints_ignored``, not as applied, with one warning per connector. Client values in a warning are
 cut to ``LOGGED_CHARS`` characters (``shorten``): a log line's length must not be the client's.
