@@ -377,11 +377,6 @@ class BlockPool:
         out = self._allocate(n)
         return out if type(out) is list else out.tolist()
 
-    def get_new_block_array(self, n: int) -> np.ndarray:
-        """``get_new_blocks`` as an int64 array (a batch's CPU blocks, without a list)."""
-        out = self._allocate(n)
-        return out if type(out) is np.ndarray else np.array(out, dtype=np.int64)
-
     def _allocate(self, n: int) -> list[int] | np.ndarray:
         if (type(n) is not int and not is_int(n)) or n < 0:  # the common case first: hot path
             raise ValueError(f"get_new_blocks: n must be a non-negative int, got {n!r}")

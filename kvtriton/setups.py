@@ -1,5 +1,5 @@
 """The CPU-tier setups, as compositions of policy axes: the one vocabulary of the simulator,
-the benchmarks and the connector's settings (``kvtriton.vllm.config.ConnectorConfig.for_setup``).
+the benchmarks and the connector's settings (``kvtriton.vllm.config.extra_config_for``).
 
 A setup is written as axis values joined by ``+``, in any order, each axis at most once; an axis
 left out takes its default (the control's value):

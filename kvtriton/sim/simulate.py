@@ -325,10 +325,12 @@ def simulate(
 
     ``engine="vllm"`` runs every policy through vLLM's own ``Scheduler`` with
     ``KVTritonConnector`` instead (``kvtriton.sim.vllm_loop``; needs vLLM): the same arguments,
-    checks, clock and rows. There the in-loop bounds, hints, the lookahead, admission rules other
-    than ``all`` and integrity checks are refused (the connector takes no such axis, and no bytes
-    move); ``scheduler_overrides`` sets vLLM ``SchedulerConfig`` fields (e.g.
-    ``{"scheduler_reserve_full_isl": False}``) and ``reserve_full_isl`` is then vLLM's own.
+    checks, clock and rows. There a setup the connector refuses
+    (``kvtriton.vllm.config.refusal``: the oracle ``nextuse`` and the ``inf`` capacity, which
+    need the trace's future) and integrity checks (no bytes move) are refused; hints, the
+    lookahead and every admission rule run as in ``vllm serve``. ``scheduler_overrides`` sets
+    vLLM ``SchedulerConfig`` fields (e.g. ``{"scheduler_reserve_full_isl": False}``) and
+    ``reserve_full_isl`` is then vLLM's own.
 
     ``check_only``: check every argument as a run would, then return the result with its
     conditions and no rows, having run nothing (a driver of several runs checks them all first).

@@ -77,12 +77,9 @@ class KVTritonConnector(KVConnectorBase_V1, SupportsHMA):
 
     The hole this leaves, kept by measurement: a block the scan passed as cached that the same
     step's allocation then evicts is not stored again for that request (without re-store), where
-    vLLM's cursor, stopped at it, may store it later. Keeping the cursor at such a block
-    (``python -m bench.hole_rewind``, the simulator with and without it) moved the agent
-    workload's hit rate by -0.96, -0.22 and +0.84 points (``eager``, ``eager+arc``,
-    ``eager+tail``) and left the first 800 requests of the coding-agent and Mooncake traces
-    unchanged (0.00 points each): no consistent gain, so the cursor is not held back;
-    ``restore`` stores such blocks again where it matters.
+    vLLM's cursor, stopped at it, may store it later. Keeping the cursor at such a block gave no
+    consistent gain (``python -m bench --only hole_rewind``; the figures are in the paper), so
+    the cursor is not held back; ``restore`` stores such blocks again where it matters.
 
     Two deliberate differences: vLLM dedups stores by GPU block id only, so two GPU blocks that
     hold one hash (vLLM never merges them) are copied twice, into two CPU blocks; kvtriton dedups
