@@ -25,15 +25,15 @@ with ``--no-study-workloads``; the tier study's workloads add about 10).
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import time
 from collections.abc import Iterator
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+
+from bench.tier_study import run_all
 
 #: The setups on the chat shape: the control, the study's frequency setups, the shorter window,
 #: and the references (next use: an oracle; a tier that holds everything).
@@ -116,17 +116,6 @@ def _task(task: tuple) -> tuple:
     with miss_only() if miss else contextlib.nullcontext():
         res = simulate(wl, bound=False, in_loop_bounds=(), **kw)
     return key, {r["policy"]: _row(r) for r in res.rows}
-
-
-def run_tasks(tasks: list[tuple], progress: bool) -> dict:
-    workers = max(1, min(len(tasks), os.cpu_count() or 1))
-    out = {}
-    with ProcessPoolExecutor(max_workers=workers) as pool:
-        for n, (key, rows) in enumerate(pool.map(_task, tasks), 1):
-            out[key] = rows
-            if progress:
-                print(f"  lfu recency: {n}/{len(tasks)} done ({'/'.join(key)})", flush=True)
-    return out
 
 
 def chat_tasks(seeds: list[int]) -> list[tuple]:
@@ -240,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     tags = () if args.no_study_workloads else STUDY_WORKLOADS
     # The longest simulations first: the study workloads', then the chat seeds.
     tasks = study_tasks(tags) + chat_tasks(seeds)
-    results = run_tasks(tasks, not args.quiet)
+    results = run_all(tasks, not args.quiet, "lfu recency", _task)
     summary = summarise(results, seeds, chosen)
     chat = {str(s): {**results[(f"chat/{s}", "all")],
                      **{f"{p} (miss only)": r

@@ -8,6 +8,7 @@ that runs one simulation per task. Not a study: studies import it, never each ot
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 
 from kvtriton.sim import (
@@ -110,13 +111,16 @@ def _simulate(args: tuple) -> tuple:
     return key, simulate(wl, **kw).to_dict()
 
 
-def run_all(tasks: list[tuple], progress: bool, what: str) -> dict:
-    """Run ``tasks`` (see ``_simulate``) on every core; results by key."""
+def run_all(tasks: list[tuple], progress: bool, what: str,
+            task: Callable[[tuple], tuple] | None = None) -> dict:
+    """Run ``tasks`` on every core, each through ``task`` (a module-level function from a task
+    to ``(key, result)``; default ``_simulate``); results by key."""
     out = {}
     workers = max(1, min(len(tasks), os.cpu_count() or 1))
     with ProcessPoolExecutor(max_workers=workers) as pool:
-        for n, (key, res) in enumerate(pool.map(_simulate, tasks), 1):
+        for n, (key, res) in enumerate(pool.map(task or _simulate, tasks), 1):
             out[key] = res
             if progress:
-                print(f"  {what}: {n}/{len(tasks)} done ({key})", flush=True)
+                shown = "/".join(map(str, key)) if isinstance(key, tuple) else key
+                print(f"  {what}: {n}/{len(tasks)} done ({shown})", flush=True)
     return out
