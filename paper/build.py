@@ -1,4 +1,4 @@
-"""Regenerate ``paper/paper.md``, its figures and the README's results from ``bench/results/``.
+"""Regenerate ``paper/paper.md``, its figures and ``docs/results.md`` from ``bench/results/``.
 
 Every number in the paper comes from a results file written by ``python -m bench``; the prose
 lives in ``paper/template.md`` with ``{{name}}`` placeholders that this script fills. ``INPUTS``
@@ -1329,20 +1329,20 @@ def build() -> None:
     # A generated value may cite a section ({{sec_...}}): one more pass fills those.
     text = re.sub(r"\{\{(sec_\w+)\}\}", lambda m: v[m.group(1)], text)
     (PAPER / "paper.md").write_text(text)
-    readme = ROOT / "README.md"
+    results_page = ROOT / "docs" / "results.md"
     summary = "\n\n".join(x for x in (
         f"Abstract figures: {v['abstract_planner']}{v['abstract_vs_vllm']}; "
         f"{v['abstract_policies']}.",
         v.get("planner_table", ""), v.get("targets_text", ""),
         v.get("mooncake_claim", ""),
         "**The connector's default.** " + v.get("default_text", ""),
-        "Full write-up with figures and conditions: [paper/paper.md](paper/paper.md).") if x)
+        "Full write-up with figures and conditions: [paper/paper.md](../paper/paper.md).") if x)
     summary = re.sub(r"\{\{(sec_\w+)\}\}", lambda m: v[m.group(1)], summary)
-    body = readme.read_text()
+    body = results_page.read_text()
     new = re.sub(r"(<!-- results:begin[^>]*-->\n).*?(<!-- results:end -->)",
                  lambda m: m.group(1) + summary + "\n" + m.group(2), body, flags=re.S)
-    readme.write_text(new)
-    print(f"wrote {PAPER / 'paper.md'}, figures in {FIGURES}, results section of {readme}")
+    results_page.write_text(new)
+    print(f"wrote {PAPER / 'paper.md'}, figures in {FIGURES}, {results_page}")
 
 
 def _shown(path: Path) -> str:
