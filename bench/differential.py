@@ -65,7 +65,7 @@ import os
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -261,7 +261,7 @@ def _planted_row(model_dir, name: str, seeds: list[int], baseline: dict[int, Rec
     return row
 
 
-def mutation_table(model_dir, seeds: range, mutations: list[str] | None = None,
+def mutation_table(model_dir, seeds: Sequence[int], mutations: list[str] | None = None,
                    baseline: dict[int, Record] | None = None,
                    progress: Callable[[str], None] | None = None) -> dict:
     """Per bug class (``MUTATIONS``), planted two ways over ``seeds``: from the start
