@@ -4,6 +4,8 @@ PY := $(VENV)/bin/python
 BENCH_ARGS ?=
 PAPER_ARGS ?=
 GPU_CHECK_ARGS ?=
+# Test processes: each test file runs whole in one (module fixtures once); 2 halve the suite on 2 cores
+TEST_WORKERS ?= 2
 
 .PHONY: bench test lint paper clean gpu-check gpu-check-dry-run
 
@@ -23,9 +25,10 @@ $(VENV)/.vllm: $(VENV)/.installed tools/install_vllm.sh
 	@bash tools/install_vllm.sh $(VENV)
 	@touch $@
 
-## test: the whole test suite (Triton kernels under TRITON_INTERPRET=1 without a GPU)
+## test: the whole test suite (Triton kernels under TRITON_INTERPRET=1 without a GPU), in
+## TEST_WORKERS processes (pytest-xdist, a file per process at a time; TEST_WORKERS=0: one)
 test: $(VENV)/.installed $(VENV)/.vllm
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
