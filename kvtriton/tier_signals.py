@@ -37,7 +37,7 @@ from kvtriton.eviction import (
 if TYPE_CHECKING:
     from kvtriton.setups import TierPolicy
 
-__all__ = ["SignalBook", "cpu_queue", "distinct_by_depth"]
+__all__ = ["SignalBook", "cpu_queue"]
 
 
 def cpu_queue(setup: TierPolicy, next_use: EvictionQueue | None = None
@@ -61,7 +61,7 @@ def cpu_queue(setup: TierPolicy, next_use: EvictionQueue | None = None
     return hinted, hinted
 
 
-def distinct_by_depth(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _distinct_by_depth(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The distinct keys of a ``(groups, positions)`` key array and the first position (hash
     block) each has in it."""
     by_position = keys.T.ravel()  # position-major: a key's first occurrence is its shallowest
@@ -98,11 +98,12 @@ class SignalBook:
         if len(keys):
             self.queue.hint(keys, level, self._free_block, depths)
 
-    def arrived(self, holder: Hashable, keys: np.ndarray, depths: np.ndarray) -> None:
-        """``holder`` joined the waiting queue holding the distinct ``keys`` (first positions
-        ``depths``); counted once until it leaves."""
+    def arrived(self, holder: Hashable, keys: np.ndarray) -> None:
+        """``holder`` joined the waiting queue holding ``keys`` (``(groups, positions)``);
+        counted once until it leaves."""
         if not self.lookahead or holder in self._waiting:
             return
+        keys, depths = _distinct_by_depth(keys)
         self._waiting[holder] = (keys, depths)
         if len(keys):
             self._count = _grown(self._count, int(keys.max()) + 1, 0)
@@ -142,7 +143,7 @@ class SignalBook:
         serial = self._serial.pop(holder, None)
         if not self.hints or keys is None or not keys.size:
             return
-        uniq, depths = distinct_by_depth(keys)
+        uniq, depths = _distinct_by_depth(keys)
         if hint == "close":
             # Keys a later admitted request holds are its future, not this closed session's.
             self._holder = _grown(self._holder, int(uniq.max()) + 1, -1)

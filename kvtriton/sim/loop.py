@@ -45,7 +45,7 @@ from kvtriton.sim.next_use import NextUse, NextUseQueue
 from kvtriton.sim.scheduler import BatchScheduler, SeqBlocks
 from kvtriton.sim.workload import Workload, WorkloadRequest
 from kvtriton.specs import KVLayout
-from kvtriton.tier_signals import SignalBook, cpu_queue, distinct_by_depth
+from kvtriton.tier_signals import SignalBook, cpu_queue
 
 __all__ = ["POOL_BYTES_PER_BLOCK", "ServingLoop", "gpu_blocks_for", "num_keys"]
 
@@ -157,7 +157,7 @@ class ServingLoop(ServingClock):
                           num_tokens=wr.prompt_len)
             self.sched.add(_Seq(req, wr=wr, arrival_s=at, hint=wr.hint))
             if self._signals is not None:
-                self._signals.arrived(i, *distinct_by_depth(self._keys[i]))
+                self._signals.arrived(i, self._keys[i])
 
     def _chunks(self, scheduled: dict[str, int]):
         """The step's chunks as ``ServingClock._step_seconds`` takes them."""

@@ -38,7 +38,7 @@ import numpy as np
 from kvtriton.pool import BlockPool
 from kvtriton.records import HINTS
 from kvtriton.setups import TierPolicy
-from kvtriton.tier_signals import SignalBook, cpu_queue, distinct_by_depth
+from kvtriton.tier_signals import SignalBook, cpu_queue
 from kvtriton.vllm.keys import KeyIds
 from kvtriton.vllm.requests import lookup_request
 
@@ -119,7 +119,7 @@ class TierSignals:
         if self.book is None or not self.lookahead_on:
             return
         keys = lookup_request(vreq, self._keys, self._suffixes).keys
-        self.book.arrived(vreq.request_id, *distinct_by_depth(keys))
+        self.book.arrived(vreq.request_id, keys)
 
     def admitted(self, rid: str, keys: np.ndarray) -> None:
         """``rid`` was given blocks, holding ``keys`` (``update_state_after_alloc``)."""
