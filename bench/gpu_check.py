@@ -12,7 +12,8 @@ limit, and is skipped below ``MIN_STEP_S``):
    and engine tests, the fuzz with ``GPU_FUZZ_EXAMPLES`` examples per machine) or ``gpu``,
    selected by marker from ``tests/`` (``pytest``, JUnit XML to ``tests.xml``);
 5. ``kernel_check``: every backend against the torch reference on every preset;
-6. ``bench``: ``bench_kernels --quick``: bandwidth against the copy-engine ceiling, host time
+6. ``bench``: ``bench.kernels.bandwidth --quick``: bandwidth against the copy-engine ceiling, host
+time
    per launch, the piece-size sweep and the GEMM contention run, each target judged.
 
 Everything lands in one folder (``bench/results/gpu/`` by default): each step's JSON, a log per
@@ -66,7 +67,8 @@ GPU_FUZZ_EXAMPLES = 10
 # interpreter never pays.
 TESTS_MEASURED_S = 59
 TESTS_FACTOR = 2
-TARGETS_MISSED_RC = 3  # bench_kernels.EXIT_TARGET_MISSED: it ran to the end, a target missed
+# bench.kernels.bandwidth.EXIT_TARGET_MISSED: it ran to the end, a target missed.
+TARGETS_MISSED_RC = 3
 
 ENV_PROBE = """
 import json, platform, subprocess, sys
@@ -116,7 +118,7 @@ def plan(out: Path, python: str, venv: Path, dry_run: bool) -> list[Step]:
              "-m", GPU_TESTS_MARKER, "--continue-on-collection-errors",
              f"--junitxml={out / 'tests.xml'}", *(["--collect-only"] if dry_run else [])]
     compiled = [vpy, "-m", "kvtriton.kernels.compiled", "--arch", "90", "80", "device"]
-    bench = [vpy, "-m", "bench.bench_kernels", "--dry-run" if dry_run else "--quick",
+    bench = [vpy, "-m", "bench.kernels.bandwidth", "--dry-run" if dry_run else "--quick",
              "--results-dir", str(out)]
     bench_json = "bench_kernels_cpu_dryrun.json" if dry_run else "bench_kernels_quick.json"
     # Limits on the GPU box (they add up to BUDGET_S); the dry run's fit the CPU.
@@ -126,7 +128,7 @@ def plan(out: Path, python: str, venv: Path, dry_run: bool) -> list[Step]:
         Step("compiled", compiled, 45, ("setup",), output="compiled.txt"),
         Step("tests", tests, 90 if dry_run else TESTS_MEASURED_S * TESTS_FACTOR, ("setup",),
              env={"KVTRITON_FUZZ_EXAMPLES": str(GPU_FUZZ_EXAMPLES)}),
-        Step("kernel_check", [vpy, "-m", "bench.kernel_check", "--results-dir", str(out)], 40,
+        Step("kernel_check", [vpy, "-m", "bench.kernels.check", "--results-dir", str(out)], 40,
              ("setup",)),
         Step("bench", bench, 120, ("setup",), missed_rc=TARGETS_MISSED_RC,
              targets_file=bench_json),

@@ -67,17 +67,29 @@ def _gib(text: str) -> float:
     return v
 
 
-def _policies(text: str) -> list[str]:
+def _setups(text: str) -> list[str]:
     """Presets or compositions, each checked here so that a typo fails before any run."""
-    from kvtriton.setups import tier_policy
+    from kvtriton.setups import tier_setup
 
     items = _csv(text)
     for item in items:
         try:
-            tier_policy(item)
+            tier_setup(item)
         except ValueError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
     return items
+
+
+class _RenamedFlag(argparse.Action):
+    """An old spelling of a flag: stores into the new one's ``dest`` and warns once on stderr."""
+
+    def __init__(self, option_strings, dest, new: str, **kwargs):
+        self.new = new
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"kvtriton: warning: {option_string} is now {self.new}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
 
 
 def _csv(text: str) -> list[str]:
@@ -209,7 +221,7 @@ def _cmd_simulate(args) -> int:
     vllm = args.engine == "vllm"
     try:
         # simulate checks every argument for the chosen engine before it runs anything.
-        res = simulate(wl, model=args.model, gpu=args.gpu, policies=args.policies,
+        res = simulate(wl, model=args.model, gpu=args.gpu, setups=args.setups,
                        token_budget=args.token_budget, max_running=args.max_running,
                        integrity=args.integrity, integrity_backend=args.integrity_backend,
                        bound=not args.no_bound, progress=not args.quiet, engine=args.engine,
@@ -243,7 +255,7 @@ def _cmd_simulate(args) -> int:
           f"({c['cpu_gib']:.1f} GiB); {engine}, {args.gpu} cost model")
     print(res.table())
     if res.bound is not None:
-        print(f"bound: {res.bound['policy']}: {res.bound['hit_rate']:.1%}")
+        print(f"bound: {res.bound['setup']}: {res.bound['hit_rate']:.1%}")
     from kvtriton.plots import plot_simulation
 
     doc = res.to_dict()
@@ -305,17 +317,17 @@ def _cmd_trace_stats(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvtriton.setups import DEFAULT_POLICIES, grammar_help
+    from kvtriton.setups import DEFAULT_SETUPS, grammar_help
     from kvtriton.sim.cost import GPUS
     from kvtriton.sim.replay import DEFAULT_EVICTIONS
     from kvtriton.sim.simulate import ENGINES
     from kvtriton.specs import PRESETS
 
     ap = _Parser(prog="kvtriton", description="A CPU tier for an LLM server's KV cache: "
-                 "simulate policies, replay traces through one cache tier, describe traces.")
+                 "simulate setups, replay traces through one cache tier, describe traces.")
     sub = ap.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    s = sub.add_parser("simulate", help="serving-loop simulation, policies side by side")
+    s = sub.add_parser("simulate", help="serving-loop simulation, setups side by side")
     _add_workload_args(s)
     s.add_argument("--model", default="llama3-8b", choices=sorted(PRESETS))
     s.add_argument("--gpu", default="H100", choices=sorted(GPUS))
@@ -326,9 +338,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"{tier.upper()} capacity in GiB of KV")
         s.add_argument(f"--{tier}-blocks", type=_positive_int, default=None,
                        help=f"{tier.upper()} capacity in blocks")
-    s.add_argument("--policies", type=_policies, default=list(DEFAULT_POLICIES),
+    s.add_argument("--setups", type=_setups, default=list(DEFAULT_SETUPS),
                    help="comma-separated tier setups, e.g. eager+restore:0.5+tail, lazy+hints: "
                         + grammar_help().replace("%", "%%"))
+    s.add_argument("--policies", type=_setups, dest="setups", action=_RenamedFlag, new="--setups",
+                   help=argparse.SUPPRESS)
     s.add_argument("--token-budget", type=_positive_int, default=8192)
     s.add_argument("--max-running", type=_positive_int, default=256)
     s.add_argument("--integrity", action="store_true",
@@ -341,7 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip the bounds: the in-loop next-use and unbounded-tier runs and the "
                         "Belady cache-only replay")
     s.add_argument("--json", metavar="PATH")
-    s.add_argument("--plot", metavar="PATH", help="PNG: hit rate and TTFT per policy")
+    s.add_argument("--plot", metavar="PATH", help="PNG: hit rate and TTFT per setup")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
     s.add_argument("--engine", choices=ENGINES, default="kvtriton",
                    help="which scheduler runs the workload: kvtriton's own ServingLoop "

@@ -56,13 +56,13 @@ def _save(fig, path: str | Path, dpi: int = 130) -> Path:
 
 
 def plot_simulation(result, path: str | Path) -> Path:
-    """Two panels: token hit rate per policy (GPU and CPU parts, Belady bound as a line) and the
-    TTFT distribution per policy (empirical CDF, log time)."""
+    """Two panels: token hit rate per setup (GPU and CPU parts, Belady bound as a line) and the
+    TTFT distribution per setup (empirical CDF, log time)."""
     plt = _pyplot()
     rows = result.rows if hasattr(result, "rows") else result["rows"]
     bound = result.bound if hasattr(result, "bound") else result.get("bound")
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    names = [r["policy"] for r in rows]
+    names = [r["setup"] for r in rows]
     gpu = np.array([r["gpu_hit_tokens"] / max(r["prompt_tokens"], 1) for r in rows])
     cpu = np.array([r["cpu_hit_tokens"] / max(r["prompt_tokens"], 1) for r in rows])
     x = np.arange(len(rows))
@@ -78,7 +78,7 @@ def plot_simulation(result, path: str | Path) -> Path:
     for r in rows:
         ttft = np.sort(np.asarray(r.get("ttft_all_s", []), dtype=float))
         if len(ttft):
-            ax2.plot(ttft, np.arange(1, len(ttft) + 1) / len(ttft), label=r["policy"])
+            ax2.plot(ttft, np.arange(1, len(ttft) + 1) / len(ttft), label=r["setup"])
     ax2.set_xscale("log")
     ax2.set_xlabel("modeled TTFT (s)")
     ax2.set_ylabel("fraction of requests")
@@ -88,14 +88,14 @@ def plot_simulation(result, path: str | Path) -> Path:
 
 
 def plot_sweep(sweep, path: str | Path) -> Path:
-    """Hit rate versus capacity, one line per policy, and the infinite-cache maximum."""
+    """Hit rate versus capacity, one line per setup, and the infinite-cache maximum."""
     plt = _pyplot()
     d = sweep.to_dict() if hasattr(sweep, "to_dict") else sweep
     fig, ax = plt.subplots(figsize=(6.5, 4))
     caps = np.asarray(d["capacities_tokens"], dtype=float)
-    for policy, rates in d["hit_rate"].items():
-        ax.plot(caps, 100 * np.asarray(rates), marker="o", label=policy,
-                ls="--" if policy == "belady" else "-")
+    for setup, rates in d["hit_rate"].items():
+        ax.plot(caps, 100 * np.asarray(rates), marker="o", label=setup,
+                ls="--" if setup == "belady" else "-")
     ax.axhline(100 * d["max_hit_rate"], color="k", lw=1, ls=":", label="infinite cache")
     ax.set_xscale("log")
     ax.set_xlabel("cache capacity (tokens)")
@@ -189,15 +189,15 @@ def plot_vs_vllm(doc: dict, path: str | Path) -> Path:
     return _save(fig, path, dpi=140)
 
 
-def plot_capacity(doc: dict, policies: list[str], path: str | Path) -> Path:
+def plot_capacity(doc: dict, setups: list[str], path: str | Path) -> Path:
     """Token hit rate, recomputed tokens and modeled TTFT p90 versus CPU capacity, one line per
-    policy, the Belady bound as a dashed line (``bench/results/sim_<workload>.json``)."""
+    setup, the Belady bound as a dashed line (``bench/results/sim_<workload>.json``)."""
     plt = _pyplot()
     runs = doc["runs"]
     fig, (ax1, ax3, ax2) = plt.subplots(1, 3, figsize=(14, 3.8))
     caps = [run["cpu_tokens"] for run in runs]
-    for p in policies:
-        rates = [next(r for r in run["rows"] if r["policy"] == p) for run in runs]
+    for p in setups:
+        rates = [next(r for r in run["rows"] if r["setup"] == p) for run in runs]
         ax1.plot(caps, [100 * r["token_hit_rate"] for r in rates], marker="o", label=p)
         ax3.plot(caps, [r["recomputed_tokens"] for r in rates], marker="o", label=p)
         ax2.plot(caps, [r["ttft_p90_s"] for r in rates], marker="o", label=p)
@@ -262,7 +262,7 @@ def plot_connector_soak(doc: dict, path: str | Path) -> Path:
 def plot_restore_map(doc: dict, path: str | Path) -> Path:
     """Heat maps of re-store's gain over eager stores, in token hit-rate points, one panel per
     re-store form: CPU/GPU capacity ratio across, running requests (``max_running``) down.
-    ``doc``: ``bench.bench_policies.restore_map``'s result (``ratios``, ``max_running``,
+    ``doc``: ``bench.tier_study.setups.restore_map``'s result (``ratios``, ``max_running``,
     ``gain[form][i_running][i_ratio]``)."""
     plt = _pyplot()
     forms = list(doc["gain"])
@@ -298,9 +298,9 @@ def plot_gain_over_control(runs: list[dict], path: str | Path, title: str = "") 
     per capacity, with the in-loop bound's gain drawn as a dashed tick over each group: a loss
     of a point reads as a point whatever the size of the gap (a share of a small gap would
     magnify it). ``runs``: ``[{"label": ..., "rows": [...]}]``, rows with ``composition``,
-    ``policy``, ``oracle`` and ``token_hit_rate``; oracle rows are drawn only as the bound."""
+    ``setup``, ``oracle`` and ``token_hit_rate``; oracle rows are drawn only as the bound."""
     plt = _pyplot()
-    names = [r["policy"] for r in runs[0]["rows"]
+    names = [r["setup"] for r in runs[0]["rows"]
              if not r.get("oracle") and r["composition"] != CONTROL]
     width = 0.8 / len(runs)
     fig, ax = plt.subplots(figsize=(max(6.0, 0.7 * len(names) + 2), 3.8))
@@ -311,7 +311,7 @@ def plot_gain_over_control(runs: list[dict], path: str | Path, title: str = "") 
         if base is None:
             raise ValueError(f"plot_gain_over_control: run {run['label']!r} has no 'eager' "
                              "row (the control every gain is measured from)")
-        by = {r["policy"]: r["token_hit_rate"] for r in rows}
+        by = {r["setup"]: r["token_hit_rate"] for r in rows}
         vals = [100 * (by[n] - base) if n in by else np.nan for n in names]
         offset = (k - (len(runs) - 1) / 2) * width
         bars = ax.bar(x + offset, vals, width, label=run["label"])

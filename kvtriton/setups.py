@@ -1,4 +1,4 @@
-"""The CPU-tier setups, as compositions of policy axes: the one vocabulary of the simulator,
+"""The CPU-tier setups, as compositions of setup axes: the one vocabulary of the simulator,
 the benchmarks and the connector's settings (``kvtriton.vllm.config.extra_config_for``).
 
 A setup is written as axis values joined by ``+``, in any order, each axis at most once; an axis
@@ -58,16 +58,16 @@ __all__ = [
     "AXES",
     "BOUNDS",
     "CONTROL",
-    "DEFAULT_POLICIES",
     "DEFAULT_SETUP",
+    "DEFAULT_SETUPS",
     "NEXT_USE_BOUNDS",
     "REFUSED",
     "REMOVED_PRESETS",
-    "TierPolicy",
+    "TierSetup",
     "canonical_number",
     "grammar_help",
-    "parse_policy",
-    "tier_policy",
+    "parse_setup",
+    "tier_setup",
 ]
 
 # Eviction rules a composition may name; ``nextuse`` needs the simulator's knowledge of the
@@ -156,7 +156,7 @@ def grammar_help() -> str:
 
 
 @dataclass(frozen=True, slots=True)
-class TierPolicy:
+class TierSetup:
     """A CPU tier setup: planner switches (``None``: no CPU tier), the CPU pool's eviction, and
     the simulator-side axes (hints, oracle eviction, unbounded capacity)."""
 
@@ -175,7 +175,7 @@ class TierPolicy:
 
     @property
     def oracle(self) -> bool:
-        """Whether the setup uses knowledge of the future (a bound, not an online policy)."""
+        """Whether the setup uses knowledge of the future (a bound, not an online setup)."""
         return self.cpu_eviction in ORACLE_EVICTIONS or self.infinite_cpu
 
     @property
@@ -208,7 +208,7 @@ def _share(token: str, value: str) -> float:
     """``value`` as a share in [0, 1]: digits and a point only (no sign, space or exponent)."""
     f = float(value) if _SHARE.fullmatch(value) else float("nan")
     if not 0.0 <= f <= 1.0:
-        raise ValueError(f"policy axis {token!r}: the share must be a number in [0, 1], "
+        raise ValueError(f"setup axis {token!r}: the share must be a number in [0, 1], "
                          f"got {value!r}")
     return f
 
@@ -216,7 +216,7 @@ def _share(token: str, value: str) -> float:
 def _window(token: str, value: str) -> float:
     """``value`` as a window >= 0: digits and a point only (no sign, space or exponent)."""
     if not _SHARE.fullmatch(value):
-        raise ValueError(f"policy axis {token!r}: the window must be a number >= 0, "
+        raise ValueError(f"setup axis {token!r}: the window must be a number >= 0, "
                          f"got {value!r}")
     return float(value)
 
@@ -275,19 +275,19 @@ def _describe(store: str, restore: bool, share: float | None, free: str, evictio
     return ", ".join(words)
 
 
-def parse_policy(spec: str, name: str | None = None) -> TierPolicy:
-    """The ``TierPolicy`` a composition such as ``eager+restore+tail+arc`` names.
+def parse_setup(spec: str, name: str | None = None) -> TierSetup:
+    """The ``TierSetup`` a composition such as ``eager+restore+tail+arc`` names.
 
     ``ValueError`` naming the value for an unknown axis value, an axis given twice, or a
     contradictory combination."""
     if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(f"policy must be a non-empty string, got {spec!r}")
+        raise ValueError(f"setup must be a non-empty string, got {spec!r}")
     spec = spec.strip()
     if spec == "none":
-        return TierPolicy(name or "none", None, "lru", "GPU prefix cache only",
+        return TierSetup(name or "none", None, "lru", "GPU prefix cache only",
                           composition="none")
     if any(c.isspace() for c in spec):
-        raise ValueError(f"policy {spec!r}: a composition has no spaces (axis values joined by "
+        raise ValueError(f"setup {spec!r}: a composition has no spaces (axis values joined by "
                          "'+', e.g. eager+restore:0.5)")
     seen: dict[str, str] = {}  # axis name -> the token that set it
     values: dict[str, str] = {}  # axis name -> its value, without the share
@@ -298,10 +298,10 @@ def parse_policy(spec: str, name: str | None = None) -> TierPolicy:
         axis = _TOKENS.get(head)
         if axis is None or (colon and head not in _TAKES_SHARE | _TAKES_WINDOW):
             raise ValueError(
-                f"policy {spec!r}: unknown axis value {token!r}; known: "
+                f"setup {spec!r}: unknown axis value {token!r}; known: "
                 f"{', '.join(v for a in AXES for v in a.values)}")
         if axis.name in seen:
-            raise ValueError(f"policy {spec!r}: {seen[axis.name]!r} and {token!r} both set the "
+            raise ValueError(f"setup {spec!r}: {seen[axis.name]!r} and {token!r} both set the "
                              f"{axis.name}")
         seen[axis.name] = token
         values[axis.name] = head
@@ -312,7 +312,7 @@ def parse_policy(spec: str, name: str | None = None) -> TierPolicy:
     resolved = {a.name: values.get(a.name, a.default) for a in AXES}
     for condition, reason in REFUSED:
         if all(resolved[name] in allowed for name, allowed in condition.items()):
-            raise ValueError(f"policy {spec!r}: {reason}")
+            raise ValueError(f"setup {spec!r}: {reason}")
     store, eviction = resolved["store"], resolved["eviction"]
     # The queue's name carries its window (``make_eviction_queue`` reads it); the default window
     # is spelled without one.
@@ -333,7 +333,7 @@ def parse_policy(spec: str, name: str | None = None) -> TierPolicy:
     planner = PlannerConfig(restore=restore, cpu_free_order=free, restore_share=share,
                             lazy=store == "lazy", admission=admission,
                             refresh_on_gpu_hit=refresh)
-    return TierPolicy(name or canonical, planner, eviction, _describe(*args),
+    return TierSetup(name or canonical, planner, eviction, _describe(*args),
                       hint_protect_share=protect, waiting_protect_share=waiting,
                       infinite_cpu=infinite, composition=canonical)
 
@@ -356,7 +356,7 @@ CONTROL = "eager"
 #: What ``simulate`` runs when given no setups: no tier, the control, re-store unbounded and
 #: bounded by half the tier (running requests' blocks past half of it mostly evict another
 #: running request's block: see the thrash counts) with each online eviction.
-DEFAULT_POLICIES = ("none", "eager", "eager+restore", "eager+restore+tail",
+DEFAULT_SETUPS = ("none", "eager", "eager+restore", "eager+restore+tail",
                     "eager+restore:0.5+tail", "eager+restore:0.5+tail+arc",
                     "eager+restore:0.5+tail+s3fifo")
 
@@ -366,14 +366,14 @@ BOUNDS = ("eager+nextuse", "lazy+nextuse", "eager+inf")
 NEXT_USE_BOUNDS = ("eager+nextuse", "lazy+nextuse")
 
 
-def tier_policy(name: str) -> TierPolicy:
-    """The setup a composition names (``parse_policy``); a preset name of earlier versions is a
+def tier_setup(name: str) -> TierSetup:
+    """The setup a composition names (``parse_setup``); a preset name of earlier versions is a
     ``ValueError`` that says which composition to write."""
     if name in REMOVED_PRESETS:
         raise ValueError(f"{name!r} was a preset name and is no longer read (a setup has one "
                          f"spelling): write {REMOVED_PRESETS[name]!r}")
     try:
-        return parse_policy(name)
+        return parse_setup(name)
     except ValueError as e:
         if isinstance(name, str) and "+" not in name and name.split(":")[0] not in _TOKENS \
                 and name != "none":
@@ -382,6 +382,6 @@ def tier_policy(name: str) -> TierPolicy:
         raise
 
 #: The connector's setup when ``kv_connector_extra_config`` names none: the study's choice for a
-#: workload nobody characterised (``bench/default_setup.py`` states the rule and
+#: workload nobody characterised (``bench/tier_study/default_setup.py`` states the rule and
 #: ``paper/build.py`` checks that the results still choose it).
 DEFAULT_SETUP = "eager"

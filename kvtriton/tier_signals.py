@@ -35,12 +35,12 @@ from kvtriton.eviction import (
 )
 
 if TYPE_CHECKING:
-    from kvtriton.setups import TierPolicy
+    from kvtriton.setups import TierSetup
 
 __all__ = ["SignalBook", "cpu_queue"]
 
 
-def cpu_queue(setup: TierPolicy, next_use: EvictionQueue | None = None
+def cpu_queue(setup: TierSetup, next_use: EvictionQueue | None = None
               ) -> tuple[EvictionQueue, HintedQueue | None]:
     """The CPU pool's eviction queue for ``setup`` and, where the setup uses hints or the
     lookahead, the ``HintedQueue`` it is (else None). ``next_use``: the queue to use for the

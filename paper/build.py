@@ -26,8 +26,8 @@ FIGURES = PAPER / "figures"
 
 sys.path.insert(0, str(ROOT))
 
-from bench.bench_vs_vllm import RATIO_TARGETS  # noqa: E402 - the repo root goes first
 from bench.studies import always_written, writers  # noqa: E402
+from bench.vllm.vs_vllm import RATIO_TARGETS  # noqa: E402 - the repo root goes first
 from kvtriton.plots import (  # noqa: E402
     PLANNER_VARIANTS,
     plot_gain_over_control,
@@ -41,11 +41,11 @@ from kvtriton.plots import (  # noqa: E402
 
 WORKLOADS = (("agent", "agent generator"), ("cc_agentic", "coding-agent traces"),
              ("mooncake", "Mooncake trace"), ("glm5", "GLM-5 prefill trace"))
-# The workloads with a re-store map (``bench_policies.FULL_MAPS``).
+# The workloads with a re-store map (``bench.tier_study.setups.FULL_MAPS``).
 MAP_TAGS = ("agent", "cc_agentic", "mooncake")
 # Every results file the paper reads, by name (``bench/results/<name>.json``).
 INPUTS = ("hole_demo", "planner", "vs_vllm", "vs_vllm_quick", "vs_vllm_evict_share",
-          *(f"policies_{key}" for tag, _ in WORKLOADS for key in (tag, f"{tag}_full")),
+          *(f"setups_{key}" for tag, _ in WORKLOADS for key in (tag, f"{tag}_full")),
           *(f"restore_map_{tag}" for tag in MAP_TAGS),
           "replay_mooncake", "replay_agent", "replay_cc_agentic", "kernel_check", "bench_kernels",
           "vllm_engine", "tune_shares", "conversational_gap", "lfu_recency")
@@ -91,7 +91,7 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 def hole_section(v: dict) -> None:
     doc = _load("hole_demo")
     if doc is None:
-        v["hole_text"] = "*Pending: `python -m bench.hole_demo` has not been run.*"
+        v["hole_text"] = "*Pending: `python -m bench.planner.hole_demo` has not been run.*"
         v["fig_hole"] = ""
         return
     by = {r["restore"]: r for r in doc["rows"]}
@@ -127,7 +127,7 @@ def planner_section(v: dict) -> None:
     v["bookkeeping_text"] = ("the planner benchmark has not been run" if doc is None
                              else _bookkeeping(doc))
     if doc is None:
-        v["planner_text"] = "*Pending: `python -m bench.bench_planner` has not been run.*"
+        v["planner_text"] = "*Pending: `python -m bench.planner.scaling` has not been run.*"
         v["planner_table"] = v["fig_planner"] = ""
         v["abstract_planner"] = "the planner benchmark has not been run"
         return
@@ -190,7 +190,7 @@ def planner_section(v: dict) -> None:
     v["fig_planner"] = "![planner cost per step](figures/planner.png)"
 
 
-# The variants of ``bench_vs_vllm`` in the paper's words.
+# The variants of ``bench.vllm.vs_vllm`` in the paper's words.
 VS_VLLM_VARIANTS = {
     "vllm_control": "vLLM control (cursor scan)",
     "vllm_rescan_restore": "vLLM re-scan re-store",
@@ -211,7 +211,7 @@ VS_VLLM_TARGETS = {
 
 
 # The variants of each ratio target, numerator first (a results file written before
-# ``bench_vs_vllm`` recorded them with each target).
+# ``bench.vllm.vs_vllm`` recorded them with each target).
 VS_VLLM_COMPARED = {name: (num, den) for name, num, den, _, _ in RATIO_TARGETS}
 
 
@@ -222,7 +222,7 @@ def _vs_vllm() -> dict | None:
 
 
 def _evictions(settings: dict) -> str:
-    """What the scenario evicts before each step, as ``bench_vs_vllm`` recorded it."""
+    """What the scenario evicts before each step, as ``bench.vllm.vs_vllm`` recorded it."""
     if settings.get("evict_per_request") is not None:
         return (f"{settings['evict_per_request']} of the CPU's cached blocks per running "
                 "request, its LRU victims, evicted before each step (as many at every block "
@@ -289,7 +289,7 @@ def _sizes_table(doc: dict) -> str:
 
 
 def _evict_share_text(doc: dict | None) -> str:
-    """The same targets with evictions as a share of the cached blocks (``bench_vs_vllm --name
+    """The same targets with evictions as a share of the cached blocks (``bench.vllm.vs_vllm --name
     vs_vllm_evict_share``): the blocks a re-store step redoes grow with the context there."""
     if doc is None:
         return ("\n\nWith evictions as a share of the cached blocks (the study "
@@ -320,12 +320,12 @@ def _evict_share_text(doc: dict | None) -> str:
 
 def vs_vllm_section(v: dict) -> None:
     """Section 3.1's comparison with vLLM's own scheduler, measured in the same process
-    (``bench_vs_vllm``): per-step time by part at the targets' sizes, and each target's
+    (``bench.vllm.vs_vllm``): per-step time by part at the targets' sizes, and each target's
     verdict, all from ``vs_vllm.json``."""
     doc = _vs_vllm()
     v["abstract_vs_vllm"] = ""
     if doc is None:
-        v["vs_vllm_text"] = ("*Pending: `python -m bench.bench_vs_vllm` (needs vLLM) has not "
+        v["vs_vllm_text"] = ("*Pending: `python -m bench.vllm.vs_vllm` (needs vLLM) has not "
                              "been run.*")
         v["vs_vllm_table"] = ""
         return
@@ -348,7 +348,7 @@ def vs_vllm_section(v: dict) -> None:
                     + [f"{r['parts_ms'][p]:.3f}" for p in parts])
     m = doc["machine"]
     lines = [f"Beside vLLM {s['vllm']}'s own scheduler, in one process "
-             f"(`python -m bench.bench_vs_vllm`): {_machine(doc)}. Every variant runs the same "
+             f"(`python -m bench.vllm.vs_vllm`): {_machine(doc)}. Every variant runs the same "
              f"scenario, interleaved step by step: R running requests of "
              f"{' or '.join(f'{b:,}' for b in s['blocks_per_request'])} blocks of "
              f"{s['block_tokens']} tokens, one new block each per step, "
@@ -390,20 +390,21 @@ def _gap(x) -> str:
     return "-" if x is None else f"{100 * x:.0f}%"
 
 
-# ``bench_policies --full`` writes ``policies_<tag>_full``: the whole traces, a larger generator.
-POLICY_LABELS = {**dict(WORKLOADS), "cc_agentic": "coding-agent traces (first turns)",
+# ``bench.tier_study.setups --full`` writes ``setups_<tag>_full``: the whole traces, a larger
+# generator.
+SETUP_LABELS = {**dict(WORKLOADS), "cc_agentic": "coding-agent traces (first turns)",
                  "agent_full": "agent generator (full size)",
                  "cc_agentic_full": "coding-agent traces (whole)",
                  "mooncake_full": "Mooncake trace (every setup)",
                  "glm5_full": "GLM-5 prefill trace (every setup)"}
 
 
-def _policy_docs() -> dict[str, dict]:
-    """Per tag (``_full`` for a ``--full`` run), the policy benchmark's results; a file written
+def _setup_docs() -> dict[str, dict]:
+    """Per tag (``_full`` for a ``--full`` run), the setup benchmark's results; a file written
     before hints were split into causal and oracle ones is read as what it was
     (``_legacy_hints``)."""
     docs = {key: doc for tag, _ in WORKLOADS for key in (tag, f"{tag}_full")
-            if (doc := _load(f"policies_{key}")) is not None}
+            if (doc := _load(f"setups_{key}")) is not None}
     for doc in docs.values():
         _legacy_hints(doc)
     return docs
@@ -413,7 +414,7 @@ def _legacy_hints(doc: dict) -> None:
     """Before ``hint_source``, every hinted setup ran on a workload with each session's last
     turn marked ``close`` (an oracle). Such rows are renamed ``[oracle closes]`` and each
     target's best setup is chosen again without them, by the benchmark's own rule."""
-    from bench.bench_policies import ORACLE_CLOSES, best_online, reads_hints
+    from bench.tier_study.setups import ORACLE_CLOSES, best_online, reads_hints
 
     for run, t in zip(doc["runs"], doc["targets"], strict=True):
         rows = run["rows"]
@@ -424,9 +425,9 @@ def _legacy_hints(doc: dict) -> None:
             continue
         for r in legacy:
             r["hint_source"] = "oracle closes"
-            r["policy"] = r["composition"] + ORACLE_CLOSES
+            r["setup"] = r["composition"] + ORACLE_CLOSES
         best = best_online(rows)
-        t.update(best=best["policy"] if best else None,
+        t.update(best=best["setup"] if best else None,
                  gap_closed=best["gap_closed"] if best else None)
         if not t.get("no_gap"):
             t["met"] = bool(best and best["gap_closed"] >= t["target"])
@@ -446,13 +447,13 @@ def _bounds_intro(docs: dict) -> str:
             if cob and online:
                 best = max(online, key=lambda r: r["token_hit_rate"])
                 gaps.append((100 * (cob["hit_rate"] - best["token_hit_rate"]), tag,
-                             run["cpu_ratio"], best["policy"]))
+                             run["cpu_ratio"], best["setup"]))
     if not gaps:
         return "No run recorded the cache-only Belady figure."
     far, near = max(gaps), min(gaps)
 
     def where(g: tuple) -> str:
-        return f"{POLICY_LABELS[g[1]]}, CPU {g[2]}x, `{g[3]}`"
+        return f"{SETUP_LABELS[g[1]]}, CPU {g[2]}x, `{g[3]}`"
 
     passes = [g for g in gaps if g[0] < 0]
     head = ("The cache-only Belady figure over GPU + CPU capacity is passed by no online setup "
@@ -481,13 +482,13 @@ def split_text(docs: dict) -> str:
     lines = []
     for tag, doc in docs.items():
         if not doc.get("split"):
-            lines.append(f"- {POLICY_LABELS[tag]}: written before the split; its figures are "
+            lines.append(f"- {SETUP_LABELS[tag]}: written before the split; its figures are "
                          "over the whole run, and nothing is chosen from it.")
             continue
         control = next(r for r in doc["runs"][0]["rows"] if r["composition"] == "eager")
         sizes = ", ".join(f"{name} {p['requests']:,} requests ({p['prompt_tokens']:,} prompt "
                           "tokens)" for name, p in control["parts"].items())
-        lines.append(f"- {POLICY_LABELS[tag]}: {doc['split_text']}: {sizes}.")
+        lines.append(f"- {SETUP_LABELS[tag]}: {doc['split_text']}: {sizes}.")
     return "\n".join(lines)
 
 
@@ -507,19 +508,19 @@ def hybrid_waste(v: dict) -> None:
                          else "no preset has groups of different block bytes.")
 
 
-def policies_section(v: dict) -> None:
-    docs = _policy_docs()
+def setups_section(v: dict) -> None:
+    docs = _setup_docs()
     if not docs:
-        for k in ("policies_text", "ablation_table", "policies_tables", "fig_gap",
+        for k in ("setups_text", "ablation_table", "setups_tables", "fig_gap",
                   "targets_text", "bounds_text", "hints_text", "split_text"):
-            v[k] = "*Pending: `python -m bench.bench_policies` has not been run.*"
-        v["abstract_policies"] = "the policy benchmark has not been run"
+            v[k] = "*Pending: `python -m bench.tier_study.setups` has not been run.*"
+        v["abstract_setups"] = "the setup benchmark has not been run"
         return
-    labels = POLICY_LABELS
+    labels = SETUP_LABELS
     first = next(iter(docs.values()))
     cond = first["runs"][0]["conditions"]
     cm = cond["cost_model"]
-    v["policies_text"] = (
+    v["setups_text"] = (
         f"Machine: {_machine(first)}. Model {cond['model']} on a modeled {cond['gpu']} "
         f"({cond['layout']}); token budget {cond['token_budget']:,} per step, at most "
         f"{cond['max_running']} running requests; cost model: MFU {cm['mfu']}, step overhead "
@@ -533,12 +534,12 @@ def policies_section(v: dict) -> None:
         for run in doc["runs"]:
             cols.append(f"{labels[tag]}, CPU {run['cpu_ratio']}x")
             keys.append((tag, run["cpu_ratio"]))
-    by = {(tag, run["cpu_ratio"]): {r["policy"]: r for r in run["rows"]}
+    by = {(tag, run["cpu_ratio"]): {r["setup"]: r for r in run["rows"]}
           for tag, doc in docs.items() for run in doc["runs"]}
     names = []
     for doc in docs.values():
         for run in doc["runs"]:
-            names += [r["policy"] for r in run["rows"] if r["policy"] not in names]
+            names += [r["setup"] for r in run["rows"] if r["setup"] not in names]
     small = {(tag, t["cpu_ratio"]) for tag, doc in docs.items() for t in doc["targets"]
              if t.get("no_gap")}
     rows = []
@@ -566,7 +567,7 @@ def policies_section(v: dict) -> None:
               "re-store thrash", "TTFT p50 / p90 / mean (s)"]
     for tag, doc in docs.items():
         for run in doc["runs"]:
-            trs = [[f"`{r['policy']}`" + (" (bound)" if r["oracle"] else ""),
+            trs = [[f"`{r['setup']}`" + (" (bound)" if r["oracle"] else ""),
                     _pct(r["token_hit_rate"]), _gap(r.get("gap_closed")),
                     f"{r['cpu_hit_tokens']:,}", f"{r['stored_blocks']:,}",
                     f"{r['restored_blocks']:,}", f"{r['restore_thrash']:,}",
@@ -578,7 +579,7 @@ def policies_section(v: dict) -> None:
                 f"**{labels[tag]}, CPU {run['cpu_ratio']}x the GPU** ({run['cpu_tokens']:,} "
                 "tokens)" + (f"; cache-only Belady over GPU + CPU: {_pct(cob['hit_rate'])}"
                              if cob else "") + ":\n\n" + _table(detail, trs))
-    v["policies_tables"] = "\n\n".join(tables)
+    v["setups_tables"] = "\n\n".join(tables)
     figs = []
     for tag, doc in docs.items():
         runs = [{"label": f"CPU {run['cpu_ratio']}x", "rows": run["rows"]}
@@ -617,7 +618,8 @@ def policies_section(v: dict) -> None:
     v["targets_text"] = ("" if tol is None else (
         f"No worse means no more than {tol:.2f} s above the control's p50 and p90: one "
         "scheduler step at the full token budget (step overhead plus a full-budget prefill, "
-        "`bench_policies.ttft_tolerance_s`). A prompt's prefill moves in whole steps, so a "
+        "`bench.tier_study.setups.ttft_tolerance_s`). A prompt's prefill moves in whole steps, "
+        "so a "
         "smaller change is below the cost model's resolution. Mean TTFT is in the detail "
         "tables. Rows given oracle closes are never the best setup.\n\n")) + "\n".join(
         target_line(tag, t) for tag, doc in docs.items() for t in doc["targets"])
@@ -644,13 +646,13 @@ def policies_section(v: dict) -> None:
     hl = []
     for tag, doc in docs.items():
         for run in doc["runs"]:
-            rb = {r["policy"]: r for r in run["rows"]}
+            rb = {r["setup"]: r for r in run["rows"]}
             pairs = [("lazy+hints", "lazy"), ("lazy+hinted", "lazy"),
                      ("lazy+hinted+hints", "lazy+hints"), ("eager+hints", "eager"),
                      ("eager+second", "eager"), ("eager+waiting", "eager"),
                      ("eager+refresh", "eager"), ("eager+arc", "eager"),
                      ("eager+s3fifo", "eager"), ("eager+refresh+arc", "eager+arc")]
-            pairs += [(r["policy"], r["composition"]) for r in run["rows"]
+            pairs += [(r["setup"], r["composition"]) for r in run["rows"]
                       if r.get("hint_source") == "oracle closes"]
             cells = [f"`{a}` {100 * (rb[a]['token_hit_rate'] - rb[b]['token_hit_rate']):+.1f} "
                      f"over `{b}`" for a, b in pairs if a in rb and b in rb]
@@ -665,7 +667,7 @@ def policies_section(v: dict) -> None:
         "setup." + "".join(
             f" The file of the {labels[tag]} was written before this split: its hinted rows "
             "are the oracle-close runs only (`python -m bench --only "
-            + ("cc_agentic_whole" if tag.endswith("_full") else "policies")
+            + ("cc_agentic_whole" if tag.endswith("_full") else "setups")
             + "` adds the causal ones)." for tag, doc in docs.items() if doc.get("legacy_hints"))
         + "\n\n" + "\n".join(hl))
     # Abstract: the best online setup per workload at CPU = GPU.
@@ -680,7 +682,7 @@ def policies_section(v: dict) -> None:
         elif t["best"]:
             ab.append(f"`{t['best']}` closes {_gap(t['gap_closed'])} of the gap to the in-loop "
                       f"bound on the {labels[tag]} at CPU {t['cpu_ratio']}x")
-    v["abstract_policies"] = "; ".join(ab) if ab else "no online setup beat the control"
+    v["abstract_setups"] = "; ".join(ab) if ab else "no online setup beat the control"
 
 
 def _map_cells(docs: dict) -> list[dict]:
@@ -694,7 +696,7 @@ def _map_cells(docs: dict) -> list[dict]:
         for run, t in zip(doc["runs"], doc["targets"], strict=True):
             ratio = run["cpu_ratio"]
             control = next(r for r in run["rows"] if r["composition"] == "eager")
-            best = next((r for r in run["rows"] if r["policy"] == t["best"]), None)
+            best = next((r for r in run["rows"] if r["setup"] == t["best"]), None)
             test = None if best is None else 100 * (
                 best["parts"]["test"]["token_hit_rate"]
                 - control["parts"]["test"]["token_hit_rate"])
@@ -719,7 +721,7 @@ SHORT_LABELS = {"agent": "agent", "cc_agentic": "coding agent", "mooncake": "Moo
 
 def shares_section(v: dict) -> None:
     """The protected shares tuned on the train part, judged on the test part
-    (``bench/tune_shares.py``; optional: a study run by name)."""
+    (``bench/tier_study/tune_shares.py``; optional: a study run by name)."""
     doc = _load("tune_shares")
     if doc is None:
         v["shares_text"] = ("The protected share of `hints` and `waiting` is 0.5 throughout, fixed "
@@ -731,22 +733,22 @@ def shares_section(v: dict) -> None:
         for r in w["setups"]:
             grid = ", ".join(f"{g['share']:g}: {g['train_points']:+.2f}" for g in r["grid"])
             lines.append(
-                f"- {POLICY_LABELS.get(tag, tag)}, `{r['setup']}`: train gains over the control "
+                f"- {SETUP_LABELS.get(tag, tag)}, `{r['setup']}`: train gains over the control "
                 f"by share ({grid} points); chosen {r['chosen_share']:g}, which gains "
                 f"{r['chosen_test_points']:+.2f} points on the test part against "
                 f"{r['fixed_test_points']:+.2f} at the fixed {r['fixed_share']:g} "
                 f"({r['tuning_gain_test_points']:+.2f} from tuning).")
     v["shares_text"] = (
         "The protected share of `hints` and `waiting` is 0.5 in every other figure, fixed before "
-        "any result. Tuned on the train part (`bench/tune_shares.py`, shares "
+        "any result. Tuned on the train part (`bench/tier_study/tune_shares.py`, shares "
         + ", ".join(f"{x:g}" for x in doc["shares"]) + f"; rule: {doc['rule']}; "
         f"{_machine(doc)}):\n\n" + "\n".join(lines))
 
 
 def conversational_gap_section(v: dict) -> None:
-    """The conversational gap (``bench/conversational_gap.py``; a study by name): what the gap
-    on chat traffic consists of, each candidate chosen on Mooncake's train half and judged on
-    its test half and the other workloads' test parts."""
+    """The conversational gap (``bench/tier_study/conversational_gap.py``; a study by name): what
+    the gap on chat traffic consists of, each candidate chosen on Mooncake's train half and judged
+    on its test half and the other workloads' test parts."""
     doc = _load("conversational_gap")
     if doc is None:
         v["gap_study_text"] = ("*The conversational-gap study has not been run "
@@ -811,7 +813,8 @@ def conversational_gap_section(v: dict) -> None:
                    for k, x in doc["not_built"].items())
     met = doc["target_met_by"]
     v["gap_study_text"] = (
-        f"**The conversational gap** (`bench/conversational_gap.py`; {_machine(doc)}). On the "
+        f"**The conversational gap** (`bench/tier_study/conversational_gap.py`; "
+        f"{_machine(doc)}). On the "
         "Mooncake trace at CPU = GPU the in-loop bound is "
         f"{bound['test']['token_hit_rate'] / control['test']['token_hit_rate']:.1f} times the "
         "control on the test half. Target: "
@@ -834,8 +837,8 @@ def conversational_gap_section(v: dict) -> None:
 
 
 def lfu_recency_section(v: dict) -> None:
-    """Where frequency-first eviction loses (``bench/lfu_recency.py``; a study by name): the
-    sequential-chat shape on held-out seeds, and the sketch's two changes on the tier study's
+    """Where frequency-first eviction loses (``bench/tier_study/lfu_recency.py``; a study by name):
+    the sequential-chat shape on held-out seeds, and the sketch's two changes on the tier study's
     workloads by part."""
     doc = _load("lfu_recency")
     if doc is None:
@@ -860,7 +863,8 @@ def lfu_recency_section(v: dict) -> None:
     verdict = ("frequency loses here" if sm["lfu_loses"] else
                "frequency does not lose on the held-out seeds")
     v["lfu_recency_text"] = (
-        f"**Where frequency loses** (`bench/lfu_recency.py`; {_machine(doc)}). A long chat-like "
+        f"**Where frequency loses** (`bench/tier_study/lfu_recency.py`; {_machine(doc)}). A "
+        f"long chat-like "
         "run in the real engine on a tier of 150 blocks gave `eager+lfu:64` a fraction of "
         "`eager`'s CPU hits. The simulator's sequential-chat shape (`--workload chat`: "
         f"{cfg['num_conversations']} conversations of {cfg['min_turns']}-{cfg['max_turns']} "
@@ -906,10 +910,10 @@ def _lfu_verdicts(doc: dict) -> str:
 def decision_map_section(v: dict) -> None:
     """Which setup wins where: the study's cells against the workload traits, each winner
     chosen on the train part with its test-part figures, and the rules they support."""
-    cells = _map_cells(_policy_docs())
+    cells = _map_cells(_setup_docs())
     if not cells:
-        v["decision_map_text"] = ("*Pending: no policy results with a train/test split "
-                                  "(`python -m bench --only policies`).*")
+        v["decision_map_text"] = ("*Pending: no setup results with a train/test split "
+                                  "(`python -m bench --only setups`).*")
         v["fig_decision_map"] = ""
         return
     from kvtriton.plots import plot_decision_map
@@ -971,7 +975,7 @@ def restore_map_section(v: dict) -> None:
     labels = dict(WORKLOADS)
     docs = {tag: doc for tag in MAP_TAGS if (doc := _load(f"restore_map_{tag}"))}
     if not docs:
-        v["restore_map_text"] = "*Pending: `python -m bench.bench_policies --only map`.*"
+        v["restore_map_text"] = "*Pending: `python -m bench.tier_study.setups --only map`.*"
         v["fig_restore_map"] = ""
         v["abstract_restore"] = "the re-store map has not been run"
         return
@@ -1042,11 +1046,11 @@ def replay_section(v: dict) -> None:
         if doc is None:
             continue
         s = doc["sweep"]
-        policies = list(s["hit_rate"])
-        header = ["capacity (tokens)", *policies]
-        rows = [[f"{c:,}"] + [_pct(s["hit_rate"][p][i]) for p in policies]
+        setups = list(s["hit_rate"])
+        header = ["capacity (tokens)", *setups]
+        rows = [[f"{c:,}"] + [_pct(s["hit_rate"][p][i]) for p in setups]
                 for i, c in enumerate(s["capacities_tokens"])]
-        rows.append(["infinite"] + [_pct(s["max_hit_rate"])] * len(policies))
+        rows.append(["infinite"] + [_pct(s["max_hit_rate"])] * len(setups))
         tables.append(f"**{label}** ({s['requests']:,} requests, {s['hash_block_size']}-token "
                       f"blocks; {_machine(doc)}):\n\n" + _table(header, rows))
         plot_sweep(s, FIGURES / f"replay_{tag}.png")
@@ -1071,7 +1075,7 @@ def replay_section(v: dict) -> None:
 def kernel_section(v: dict) -> None:
     chk = _load("kernel_check")
     if chk is None:
-        v["kernel_check_table"] = "*Pending: `python -m bench.kernel_check` has not been run.*"
+        v["kernel_check_table"] = "*Pending: `python -m bench.kernels.check` has not been run.*"
     else:
         rows = [[r["preset"], r["layout"], str(r["pairs"]),
                  "yes" if r["store_bit_exact"] else "**no**",
@@ -1084,7 +1088,8 @@ def kernel_section(v: dict) -> None:
         v["kernel_bw_text"] = ("**Pending.** No GPU was available to any run behind this "
                                "paper, so the kernel's bandwidth, its ratio to the link's "
                                "ceiling and the comparison with per-block and batched copies "
-                               "are not reported. `python -m bench.bench_kernels` measures them "
+                               "are not reported. `python -m bench.kernels.bandwidth` measures "
+                               "them "
                                "on a CUDA machine, and this section fills in from its JSON.")
         v["fig_kernels"] = ""
         return
@@ -1099,7 +1104,7 @@ def kernel_section(v: dict) -> None:
 def default_section(v: dict) -> None:
     """The connector's default and the rule that picks it; the build stops if the results no
     longer pick ``kvtriton.setups.DEFAULT_SETUP``."""
-    from bench.default_setup import CONTROL, choose_on_train
+    from bench.tier_study.default_setup import CONTROL, choose_on_train
     from kvtriton.setups import DEFAULT_SETUP
 
     try:
@@ -1110,7 +1115,8 @@ def default_section(v: dict) -> None:
     if got["setup"] != DEFAULT_SETUP:
         raise SystemExit(f"paper/build.py: the results choose {got['setup']!r} as the "
                          f"connector's default, kvtriton.setups.DEFAULT_SETUP is "
-                         f"{DEFAULT_SETUP!r}: the evidence moved (python -m bench.default_setup)")
+                         f"{DEFAULT_SETUP!r}: the evidence moved (python -m "
+                         f"bench.tier_study.default_setup)")
     def pts(x: float | None) -> str:
         return "-" if x is None else f"{x:+.2f}"
 
@@ -1131,7 +1137,8 @@ def default_section(v: dict) -> None:
         f"A connector started without a `setup` runs `{DEFAULT_SETUP}`. The candidates are the "
         "setups it runs with nothing from the client or the scheduler (no hints, no waiting-"
         f"queue lookahead, no oracle); the rule: {got['rule']}, over the {got['cells']} cells "
-        "(workload x CPU capacity) of the policy study (`bench/default_setup.py`). " + verdict
+        "(workload x CPU capacity) of the setup study (`bench/tier_study/default_setup.py`). "
+        + verdict
         + " A first form of the rule, asking for two workloads, chose `eager+arc` from four "
         "cells; measured on the other workloads it lost points, and the rule asks for every "
         "workload since. The rule reads the train part of each run (Section {{sec_which}}); "
@@ -1173,8 +1180,8 @@ def engine_section(v: dict) -> None:
         "Each workload is replayed by time stamp (arrivals and think times x"
         f"{c['time_scale']:g}), once per system, each turn's trace hint in "
         "`kv_transfer_params`; outputs are cut to "
-        f"{c['max_output_tokens']} tokens (`python -m bench.bench_vllm`, "
-        "`bench/bench_vllm.py` says how the traces are shrunk). The simulator then replays the "
+        f"{c['max_output_tokens']} tokens (`python -m bench.vllm.engine`, "
+        "`bench/vllm/engine.py` says how the traces are shrunk). The simulator then replays the "
         "same workload at the same sizes on a clock fitted to this engine's own steps "
         "(`MeasuredCost`, least squares over every step of every system). The connector's "
         f"default setup, `{c.get('default_setup', 'default')}`, is the row of that name"
@@ -1308,7 +1315,7 @@ def build() -> None:
     hole_section(v)
     planner_section(v)
     vs_vllm_section(v)
-    policies_section(v)
+    setups_section(v)
     decision_map_section(v)
     shares_section(v)
     conversational_gap_section(v)
@@ -1332,7 +1339,7 @@ def build() -> None:
     results_page = ROOT / "docs" / "results.md"
     summary = "\n\n".join(x for x in (
         f"Abstract figures: {v['abstract_planner']}{v['abstract_vs_vllm']}; "
-        f"{v['abstract_policies']}.",
+        f"{v['abstract_setups']}.",
         v.get("planner_table", ""), v.get("targets_text", ""),
         v.get("mooncake_claim", ""),
         "**The connector's default.** " + v.get("default_text", ""),

@@ -78,7 +78,7 @@ def test_triton_is_imported_when_integrity_is_asked_for():
     # The negative control of the checks above: the same probe does see Triton once it is used.
     mods = _modules_after("from kvtriton.sim import agent_workload, simulate\n"
                           "simulate(agent_workload(num_conversations=1, min_turns=1, max_turns=1,"
-                          " seed=0), gpu_blocks=256, cpu_blocks=64, policies=['eager'],"
+                          " seed=0), gpu_blocks=256, cpu_blocks=64, setups=['eager'],"
                           " integrity=True, bound=False)")
     assert "kvtriton.sim.integrity" in mods and "triton" in mods
 

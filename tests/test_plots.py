@@ -9,8 +9,8 @@ pytest.importorskip("matplotlib")
 from kvtriton.plots import plot_gain_over_control
 
 
-def _row(policy: str, hit: float, oracle: bool = False) -> dict:
-    return {"policy": policy, "composition": policy, "oracle": oracle, "token_hit_rate": hit}
+def _row(setup: str, hit: float, oracle: bool = False) -> dict:
+    return {"setup": setup, "composition": setup, "oracle": oracle, "token_hit_rate": hit}
 
 
 def test_gain_figure_draws_setups_over_the_control_with_the_bound(tmp_path):

@@ -15,7 +15,7 @@ from kvtriton.eviction import CLOSED, PROTECTED, ARCQueue, HintedQueue, LRUQueue
 from kvtriton.pool import BlockPool
 
 NUM_BLOCKS = 24
-POLICIES = {
+SETUPS = {
     "lru": LRUQueue,
     "arc": ARCQueue,
     "s3fifo": S3FIFOQueue,
@@ -33,8 +33,8 @@ OPS = st.lists(st.tuples(st.sampled_from(["alloc", "cache", "free", "hit", "hint
 class _Side:
     """A pool plus the log of what its listeners heard, per-key or batched."""
 
-    def __init__(self, policy: str, batched: bool) -> None:
-        self.pool = BlockPool(NUM_BLOCKS, eviction=POLICIES[policy](), enable_events=True)
+    def __init__(self, setup: str, batched: bool) -> None:
+        self.pool = BlockPool(NUM_BLOCKS, eviction=SETUPS[setup](), enable_events=True)
         self.batched = batched
         self.log: list[tuple[str, int, int]] = []
         self.calls = 0
@@ -81,8 +81,8 @@ def _state(pool: BlockPool):
     return deep_state({k: v for k, v in vars(pool).items() if not k.startswith("_on_")})
 
 
-def _run(policy: str, ops) -> tuple[_Side, _Side]:
-    sides = (_Side(policy, batched=True), _Side(policy, batched=False))
+def _run(setup: str, ops) -> tuple[_Side, _Side]:
+    sides = (_Side(setup, batched=True), _Side(setup, batched=False))
     next_key, cached_keys = 1000, []
     for op, a, b in ops:
         one, two = sides
@@ -110,7 +110,7 @@ def _run(policy: str, ops) -> tuple[_Side, _Side]:
                 for side in sides:
                     side.pool.touch([x])
                     side.held.append(x)
-        elif op == "hint" and policy.startswith("hinted") and cached_keys:
+        elif op == "hint" and setup.startswith("hinted") and cached_keys:
             keys = np.array(cached_keys[-(b + 1):], dtype=np.int64)
             for side in sides:
                 side.pool.eviction.hint(keys, PROTECTED if a % 2 else CLOSED,
@@ -119,11 +119,11 @@ def _run(policy: str, ops) -> tuple[_Side, _Side]:
     return sides
 
 
-@pytest.mark.parametrize("policy", list(POLICIES))
+@pytest.mark.parametrize("setup", list(SETUPS))
 @settings(max_examples=60, deadline=None)
 @given(ops=OPS)
-def test_batched_allocation_decides_as_one_by_one(policy, ops):
-    one, two = _run(policy, ops)
+def test_batched_allocation_decides_as_one_by_one(setup, ops):
+    one, two = _run(setup, ops)
     assert one.log == two.log
     assert _state(one.pool) == _state(two.pool)
     assert one.pool.take_events() == two.pool.take_events()

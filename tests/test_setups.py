@@ -1,4 +1,4 @@
-"""The CPU-tier setups (``kvtriton.setups``): the removed preset names, compositions of policy
+"""The CPU-tier setups (``kvtriton.setups``): the removed preset names, compositions of setup
 axes parsed to one canonical name with each axis setting its own switch, refusals that name the
 value, the ablation, and the grammar written once as data, strict about what it accepts and the
 source of the CLI's help text."""
@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, reject
 from hypothesis import strategies as st
 
-from bench.tier_study import ABLATION
+from bench.tier_study.study import ABLATION
 from kvtriton.eviction.lfu import DEFAULT_WINDOW_TIERS
 from kvtriton.planner import PlannerConfig
 from kvtriton.setups import (
@@ -21,8 +21,8 @@ from kvtriton.setups import (
     REFUSED,
     REMOVED_PRESETS,
     canonical_number,
-    parse_policy,
-    tier_policy,
+    parse_setup,
+    tier_setup,
 )
 
 # ---- presets and compositions --------------------------------------------------------------------
@@ -42,13 +42,13 @@ def test_removed_presets_name_the_setups_they_always_were():
     for name, (cfg, eviction) in want.items():
         with pytest.raises(ValueError, match=rf"^{name!r} was a preset name .* write "
                                              rf"{re.escape(repr(REMOVED_PRESETS[name]))}$"):
-            tier_policy(name)
-        pol = tier_policy(REMOVED_PRESETS[name])
+            tier_setup(name)
+        pol = tier_setup(REMOVED_PRESETS[name])
         assert (pol.planner, pol.cpu_eviction, pol.hints, pol.oracle) == (
             cfg, eviction, False, False), name
-    assert tier_policy(REMOVED_PRESETS["no_cpu"]).planner is None
+    assert tier_setup(REMOVED_PRESETS["no_cpu"]).planner is None
     # "restore" was a preset and is still a composition: the same setup.
-    assert tier_policy("restore").planner == PlannerConfig(restore=True,
+    assert tier_setup("restore").planner == PlannerConfig(restore=True,
                                                           cpu_free_order="head_first")
 
 
@@ -63,19 +63,19 @@ def test_removed_presets_name_the_setups_they_always_were():
     ("eager+inf", "eager+inf"),
 ])
 def test_compositions_parse_to_one_canonical_name(spec, canonical):
-    pol = tier_policy(spec)
+    pol = tier_setup(spec)
     assert pol.composition == canonical
-    assert tier_policy(canonical).planner == pol.planner
+    assert tier_setup(canonical).planner == pol.planner
 
 
 def test_each_axis_sets_its_own_switch():
-    p = parse_policy("lazy+tail+arc+hints:0.3")
+    p = parse_setup("lazy+tail+arc+hints:0.3")
     assert (p.planner.lazy, p.planner.restore, p.planner.cpu_free_order, p.cpu_eviction,
             p.hint_protect_share) == (True, False, "tail_first", "arc", 0.3)
-    p = parse_policy("eager+restore:0.25+second")
+    p = parse_setup("eager+restore:0.25+second")
     assert (p.planner.restore_share, p.planner.admission) == (0.25, "second")
-    assert parse_policy("eager+nextuse").oracle and parse_policy("eager+inf").oracle
-    assert not parse_policy("eager+hints").oracle
+    assert parse_setup("eager+nextuse").oracle and parse_setup("eager+inf").oracle
+    assert not parse_setup("eager+hints").oracle
 
 
 @pytest.mark.parametrize(("spec", "named"), [
@@ -100,7 +100,7 @@ def test_each_axis_sets_its_own_switch():
 ])
 def test_bad_compositions_name_the_value(spec, named):
     with pytest.raises(ValueError) as e:
-        tier_policy(spec)
+        tier_setup(spec)
     assert named in str(e.value)
 
 
@@ -109,15 +109,15 @@ def test_the_ablation_changes_one_axis_at_a_time():
     # store mode swapped ("lazy"). Combinations are kept apart (COMBINED).
     assert ABLATION[0] == "eager"
     for spec in ABLATION[1:]:
-        parts = tier_policy(spec).composition.split("+")
+        parts = tier_setup(spec).composition.split("+")
         assert parts == ["lazy"] or (parts[0] == "eager" and len(parts) == 2), spec
-    assert all(tier_policy(b).oracle for b in BOUNDS)
+    assert all(tier_setup(b).oracle for b in BOUNDS)
 
 
 def test_lookahead_composition():
-    p = parse_policy("waiting:0.25+lazy")
+    p = parse_setup("waiting:0.25+lazy")
     assert p.composition == "lazy+waiting:0.25" and p.lookahead and not p.hints
-    assert parse_policy("eager+waiting").waiting_protect_share == 0.5
+    assert parse_setup("eager+waiting").waiting_protect_share == 0.5
 
 
 # ---- the grammar ---------------------------------------------------------------------------------
@@ -127,20 +127,20 @@ def test_lookahead_composition():
                                   "eager+hints:", "lazy+waiting:"])
 def test_a_share_axis_with_no_number_is_refused(spec):
     with pytest.raises(ValueError, match=r"the share must be a number in \[0, 1\], got ''"):
-        tier_policy(spec)
+        tier_setup(spec)
 
 
 @pytest.mark.parametrize("spec", ["eager+hints: 0.5", "eager+ restore", "eager +tail",
                                   "eager+restore:0.5 +tail", "hints :0.5"])
 def test_spaces_inside_a_composition_are_refused_alike(spec):
     with pytest.raises(ValueError, match="a composition has no spaces"):
-        tier_policy(spec)
+        tier_setup(spec)
 
 
 @pytest.mark.parametrize("share", ["-0", "-0.0", "1e-1", "nan", "inf", "0x1", "1.5"])
 def test_a_share_is_digits_and_a_point_in_range(share):
     with pytest.raises(ValueError, match=f"got {share!r}"):
-        tier_policy(f"eager+restore:{share}")
+        tier_setup(f"eager+restore:{share}")
 
 
 @pytest.mark.parametrize(("share", "canonical"), [("0", "eager+restore:0"),
@@ -148,7 +148,7 @@ def test_a_share_is_digits_and_a_point_in_range(share):
                                                   ("1.", "eager+restore:1"),
                                                   ("0.50", "eager+restore:0.5")])
 def test_good_shares_print_canonically(share, canonical):
-    assert tier_policy(f"eager+restore:{share}").composition == canonical
+    assert tier_setup(f"eager+restore:{share}").composition == canonical
 
 
 @pytest.mark.parametrize(("spec", "reason"), [
@@ -161,7 +161,7 @@ def test_good_shares_print_canonically(share, canonical):
 ])
 def test_bounds_compose_only_where_they_mean_something(spec, reason):
     with pytest.raises(ValueError) as e:
-        tier_policy(spec)
+        tier_setup(spec)
     assert reason in str(e.value)
 
 
@@ -174,7 +174,7 @@ def _example(condition: dict[str, tuple[str, ...]]) -> str:
                          ids=[_example(c) for c, _ in REFUSED])
 def test_every_refused_composition_gives_its_reason(condition, reason):
     with pytest.raises(ValueError) as e:
-        tier_policy(_example(condition))
+        tier_setup(_example(condition))
     assert reason in str(e.value)
 
 
@@ -183,8 +183,8 @@ def test_every_axis_value_parses_alone_or_with_what_it_needs():
         for value in axis.values:
             token = value.replace(":F", ":0.25").replace(":W", ":4")
             needs = "lazy+" if token == "hinted" else ""
-            policy = tier_policy(needs + token)
-            assert policy.composition  # a canonical name for every value
+            setup = tier_setup(needs + token)
+            assert setup.composition  # a canonical name for every value
 
 
 def test_the_help_lists_every_axis_value(capsys):
@@ -198,11 +198,11 @@ def test_the_help_lists_every_axis_value(capsys):
 
 
 def test_lfu_carries_its_window_in_the_queue_name():
-    assert parse_policy("eager+lfu").cpu_eviction == "lfu"
-    assert parse_policy("eager+lfu:16").composition == "eager+lfu"  # the default window
-    p = parse_policy("eager+lfu:4+waiting")
+    assert parse_setup("eager+lfu").cpu_eviction == "lfu"
+    assert parse_setup("eager+lfu:16").composition == "eager+lfu"  # the default window
+    p = parse_setup("eager+lfu:4+waiting")
     assert (p.cpu_eviction, p.composition, p.oracle) == ("lfu:4", "eager+lfu:4+waiting", False)
-    assert "no aging" in parse_policy("eager+lfu:0").description
+    assert "no aging" in parse_setup("eager+lfu:0").description
 
 
 # ---- names that parse back (issue 36, item 6) ----------------------------------------------------
@@ -248,29 +248,29 @@ def _setups(draw) -> str:
 @given(spec=_setups())
 def test_every_name_printed_parses_back_to_its_setup(spec):
     try:
-        policy = parse_policy(spec)
+        setup = parse_setup(spec)
     except ValueError as e:
         if not any(reason in str(e) for _, reason in REFUSED):
             raise
         reject()
-    name = policy.composition
+    name = setup.composition
     assert _NAME.fullmatch(name), name
     for token in name.split("+"):
         _, colon, number = token.partition(":")
         assert not colon or _NUMBER.fullmatch(number), name
-    again = parse_policy(name)
-    assert again == policy and again.composition == name and again.name == name
+    again = parse_setup(name)
+    assert again == setup and again.composition == name and again.name == name
     # The name says the numbers written, not a rounding of them.
     shares = {t.partition(":")[0]: float(t.partition(":")[2]) for t in spec.split("+")
               if ":" in t}
     if "restore" in shares:
-        assert policy.planner.restore_share == shares["restore"]
+        assert setup.planner.restore_share == shares["restore"]
     if "hints" in shares:
-        assert policy.hint_protect_share == shares["hints"]
+        assert setup.hint_protect_share == shares["hints"]
     if "waiting" in shares:
-        assert policy.waiting_protect_share == shares["waiting"]
+        assert setup.waiting_protect_share == shares["waiting"]
     if "lfu" in shares:
-        assert float(policy.cpu_eviction.partition(":")[2] or DEFAULT_WINDOW_TIERS) == shares["lfu"]
+        assert float(setup.cpu_eviction.partition(":")[2] or DEFAULT_WINDOW_TIERS) == shares["lfu"]
 
 
 @pytest.mark.parametrize(("spec", "canonical"), [
@@ -282,7 +282,7 @@ def test_every_name_printed_parses_back_to_its_setup(spec):
     ("eager+waiting:0.000125", "eager+waiting:0.000125"),
 ])
 def test_small_and_large_numbers_are_written_in_digits(spec, canonical):
-    assert parse_policy(spec).composition == canonical
+    assert parse_setup(spec).composition == canonical
 
 
 @pytest.mark.parametrize(("value", "text"), [(0.0, "0"), (1.0, "1"), (1e-5, "0.00001"),

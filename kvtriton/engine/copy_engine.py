@@ -36,7 +36,7 @@ __all__ = [
 # Smallest piece (bytes) the copy engine gets in backend="auto": vLLM PR #42212 (H100, batched
 # DMA) measured 40-44 GB/s from 28 KiB pieces against 3.8-7.1 GB/s at 4-24 KiB, the SM kernel
 # winning below. `make gpu-check` measures the crossover on the machine it runs on
-# (bench_kernels: "copy_engine" against "kernel" per piece size).
+# (bench.kernels.bandwidth: "copy_engine" against "kernel" per piece size).
 COPY_ENGINE_MIN_PIECE_BYTES = 28 * 1024
 # Most pieces one step sends through the copy engine in backend="auto": each is one copy_ call
 # of a few microseconds of host time (no cuMemcpyBatchAsync through torch), so 256 pieces keep

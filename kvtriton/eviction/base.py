@@ -92,7 +92,7 @@ class EvictionQueue(ABC):
 
     def on_evicted(self, block_id: int, key: int) -> None:  # noqa: B027 - optional hook
         """The hashes of ``block_id`` (primary ``key``) are being dropped. Ghost lists use it.
-        Policies without ghost state need nothing here."""
+        Setups without ghost state need nothing here."""
 
     def forget_block(self, block_id: int) -> None:  # noqa: B027 - optional hook
         """``block_id`` was handed out by a queue wrapping this one, not by ``pop``: drop any

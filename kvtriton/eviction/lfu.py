@@ -4,7 +4,7 @@ Demand is counted where a server sees all of it: every request the planner admit
 distinct key of its prompt once (``on_request``), whether the block is then a GPU hit, a CPU hit
 or computed. The CPU tier's own hits would not show it (a popular block is mostly hit on the
 GPU). Why frequency should help on chat-like traffic, and where it loses to recency, is the
-studies' (``bench/conversational_gap.py``, ``bench/lfu_recency.py``).
+studies' (``bench/tier_study/conversational_gap.py``, ``bench/tier_study/lfu_recency.py``).
 
 ``FrequencySketch``: a count-min sketch (``depth`` rows of ``width`` saturating counters,
 TinyLFU's estimator) with aging: once it has counted ``window`` sightings, every counter is
@@ -38,8 +38,8 @@ from kvtriton.eviction.base import EvictionQueue, LinkedQueue
 __all__ = ["DEFAULT_WINDOW_TIERS", "SKETCH_DEPTH", "FrequencySketch", "LFUQueue"]
 
 #: The aging window ``lfu`` means without ``:W``, in tier sizes (TinyLFU samples about ten
-#: times the cache; a power of two). ``bench/conversational_gap.py`` chooses among 4, 16 and 64
-#: on the Mooncake trace's first half (it chose 64, spelled ``lfu:64``).
+#: times the cache; a power of two). ``bench/tier_study/conversational_gap.py`` chooses among 4, 16
+#and 64 : on the Mooncake trace's first half (it chose 64, spelled ``lfu:64``).
 DEFAULT_WINDOW_TIERS = 16
 
 # Odd 64-bit multipliers (splitmix64's and two golden-ratio variants): one hash per row.

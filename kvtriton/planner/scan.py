@@ -125,7 +125,7 @@ class FusedSelector(StoreSelector):
         self._wanted_buf_len = 0
         self.running_evictions = 0
         self.running_present = 0
-        # Seconds spent in the batch listeners (``bench_vs_vllm`` reports it per step).
+        # Seconds spent in the batch listeners (``bench.vllm.vs_vllm`` reports it per step).
         self.listen_s = 0.0
 
     # ---- capacity -------------------------------------------------------------------------

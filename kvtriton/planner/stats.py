@@ -1,4 +1,4 @@
-"""Counters and gauges the planner keeps; every figure the simulator reports per policy."""
+"""Counters and gauges the planner keeps; every figure the simulator reports per setup."""
 
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ class PlannerStats:
     abandoned_stores: int = 0
     select_calls: int = 0
     select_s: float = 0.0
-    # The rest of a step's build, by part (``bench_vs_vllm`` reports them): the new blocks
+    # The rest of a step's build, by part (``bench.vllm.vs_vllm`` reports them): the new blocks
     # joining the tables, the CPU blocks allocated (evictions included), the batch listeners
     # those evictions called, the GPU sources pinned and flagged in flight.
     tables_s: float = 0.0

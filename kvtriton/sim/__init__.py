@@ -4,7 +4,7 @@ Importing it does not import Triton or the transfer engine: integrity mode loads
 simulation asks for it.
 """
 
-from kvtriton.setups import DEFAULT_POLICIES, TierPolicy
+from kvtriton.setups import DEFAULT_SETUPS, TierSetup
 from kvtriton.sim.cost import GPUS, MODELS, CostModel, transfer_s
 from kvtriton.sim.replay import ReplayResult, SweepResult, capacity_sweep, max_hit_rate, replay
 from kvtriton.sim.simulate import SimulationResult, simulate
@@ -32,7 +32,7 @@ from kvtriton.sim.workload import (
 
 __all__ = [
     "CC_AGENTIC_SAMPLE",
-    "DEFAULT_POLICIES",
+    "DEFAULT_SETUPS",
     "GLM5_SAMPLE",
     "GPUS",
     "HINTS",
@@ -44,7 +44,7 @@ __all__ = [
     "ReplayResult",
     "SimulationResult",
     "SweepResult",
-    "TierPolicy",
+    "TierSetup",
     "TraceError",
     "Workload",
     "WorkloadRequest",

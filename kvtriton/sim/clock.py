@@ -50,7 +50,7 @@ class Link:
 
 
 class ServingClock(ABC):
-    """One workload's clock under one tier policy: a subclass supplies ``step()`` (one scheduler
+    """One workload's clock under one tier setup: a subclass supplies ``step()`` (one scheduler
     step, False when everything is done) and ``_end_run()`` (its end-of-run checks and
     counters); ``run()`` drives it and returns the metrics.
 
@@ -149,7 +149,7 @@ class ServingClock(ABC):
         times = [q[0][0] for q in (self._arrivals, self._completions) if q]
         if not times:
             if busy:
-                raise RuntimeError(f"policy {self.metrics.policy!r}: {requests_left} requests "
+                raise RuntimeError(f"setup {self.metrics.setup!r}: {requests_left} requests "
                                    "left with nothing scheduled and no arrival or transfer to "
                                    "wait for")
             return False

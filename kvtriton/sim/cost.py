@@ -327,7 +327,7 @@ class MeasuredCost:
 
     Built by ``fit`` from ``(step_features(chunks), measured seconds)`` samples, so the
     simulator's clock can replay a workload at the speed of the engine that was measured
-    (``bench.bench_vllm``). ``r2`` and ``samples`` say how well and from how much it was fitted.
+    (``bench.vllm.engine``). ``r2`` and ``samples`` say how well and from how much it was fitted.
     """
 
     step_overhead_s: float

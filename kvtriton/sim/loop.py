@@ -1,6 +1,6 @@
 """A serving loop close to vLLM's scheduler, driving ``OffloadPlanner`` as vLLM drives a connector.
 
-The scheduler step itself (``kvtriton.sim.scheduler.BatchScheduler``, vLLM 0.32's policy):
+The scheduler step itself (``kvtriton.sim.scheduler.BatchScheduler``, vLLM 0.32's setup):
 running requests first (decode, or the next chunk of a prefill), then requests whose CPU load
 landed, then waiting ones in arrival order while the token budget, the GPU blocks and
 ``max_running`` allow. A new request is looked up in the GPU prefix cache, then in the CPU tier;
@@ -17,7 +17,7 @@ The clock (``kvtriton.sim.clock.ServingClock``, shared with ``VllmLoop``) adds t
 time: arrivals (a conversation's next turn arrives its think time after the previous one
 finished), modeled compute time per step, stores and loads that complete after their modeled
 transfer time on a per-direction link and reach the planner at the first step boundary after
-that, and the run's metrics. This module adds the CPU tier's policy signals (next-use oracle,
+that, and the run's metrics. This module adds the CPU tier's setup signals (next-use oracle,
 hints, waiting-queue lookahead) and the clean-end check. Time is modeled
 (``kvtriton.sim.cost``), except the planner's own cost, which is measured. A run ends clean: it
 steps on until the planner has nothing pending (the last finish flush issued, every transfer
@@ -35,7 +35,7 @@ from kvtriton.eviction import EvictionQueue
 from kvtriton.planner import OffloadPlanner
 from kvtriton.pool import BlockPool
 from kvtriton.records import Request
-from kvtriton.setups import TierPolicy
+from kvtriton.setups import TierSetup
 from kvtriton.sim.clock import ServingClock, gpu_blocks_for
 from kvtriton.sim.cost import ServingCost
 from kvtriton.sim.errors import UncleanEndError
@@ -71,34 +71,34 @@ class _Seq(SeqBlocks):
 
 
 class ServingLoop(ServingClock):
-    """One simulation of one workload under one tier policy; ``run()`` returns its metrics.
+    """One simulation of one workload under one tier setup; ``run()`` returns its metrics.
 
     ``integrity``: a hook that moves real bytes (``kvtriton.sim.integrity.IntegrityChecker``),
     attached to both pools. ``reserve_full_isl``: admit a request only when its whole sequence
     fits (vLLM 0.32's default); False admits it on its first chunk."""
 
     def __init__(self, workload: Workload, keys: list[np.ndarray], layout: KVLayout,
-                 policy: TierPolicy, cost: ServingCost, *, gpu_blocks: int, cpu_blocks: int,
+                 setup: TierSetup, cost: ServingCost, *, gpu_blocks: int, cpu_blocks: int,
                  token_budget: int = 8192, max_running: int = 256,
                  integrity: IntegrityHook | None = None,
                  progress: Callable[[int, int], None] | None = None,
                  reserve_full_isl: bool = True) -> None:
-        super().__init__(workload, layout, cost, RunMetrics(policy=policy.name),
+        super().__init__(workload, layout, cost, RunMetrics(setup=setup.name),
                          gpu_blocks=gpu_blocks, progress=progress)
-        self.policy = policy
+        self.setup = setup
         self.gpu = BlockPool(gpu_blocks + 1)
         self.cpu: BlockPool | None = None
         self.planner: OffloadPlanner | None = None
         self._index = {wr.request_id: i for i, wr in enumerate(workload.requests)}
         self._next_use: NextUse | None = None
         self._signals: SignalBook | None = None
-        if policy.planner is not None:
-            if policy.infinite_cpu:
+        if setup.planner is not None:
+            if setup.infinite_cpu:
                 cpu_blocks = num_keys(keys)
-            self.cpu = BlockPool(cpu_blocks + 1, eviction=self._cpu_queue(policy, keys),
+            self.cpu = BlockPool(cpu_blocks + 1, eviction=self._cpu_queue(setup, keys),
                                  medium="CPU")
-            self.planner = OffloadPlanner(layout, self.gpu, self.cpu, policy.planner)
-            self.world_size = policy.planner.world_size
+            self.planner = OffloadPlanner(layout, self.gpu, self.cpu, setup.planner)
+            self.world_size = setup.planner.world_size
         self.integrity = integrity
         if integrity is not None:
             integrity.attach(self.gpu, self.cpu)
@@ -110,18 +110,18 @@ class ServingLoop(ServingClock):
         self._keys = keys
         self.step_no = 0
 
-    def _cpu_queue(self, policy: TierPolicy, keys: list[np.ndarray]) -> EvictionQueue:
+    def _cpu_queue(self, setup: TierSetup, keys: list[np.ndarray]) -> EvictionQueue:
         """The CPU pool's eviction as the setup builds it (``kvtriton.tier_signals``), with the
         next-use oracle from the trace, and the signal book where hints or the lookahead
         reorder it."""
         oracle = None
-        if policy.cpu_eviction == "nextuse":
+        if setup.cpu_eviction == "nextuse":
             self._next_use = NextUse(keys, num_keys(keys))
             oracle = NextUseQueue(self._next_use)
-        queue, hinted = cpu_queue(policy, oracle)
+        queue, hinted = cpu_queue(setup, oracle)
         if hinted is not None:
-            self._signals = SignalBook(hinted, self._free_cpu_block, hints=policy.hints,
-                                       lookahead=policy.lookahead)
+            self._signals = SignalBook(hinted, self._free_cpu_block, hints=setup.hints,
+                                       lookahead=setup.lookahead)
         return queue
 
     def _first_admit(self, seq: _Seq) -> None:
@@ -191,7 +191,7 @@ class ServingLoop(ServingClock):
             self.now += self._step_seconds(self._chunks(scheduled))
             for seq in sched.advance(scheduled, self._sampled):
                 self.metrics.finished += 1
-                if self.policy.hints:
+                if self.setup.hints:
                     self._apply_hint(seq)
                 self._release_successors(seq.req.request_id)
             self.metrics.steps += 1
@@ -227,7 +227,7 @@ class ServingLoop(ServingClock):
                      "still held" for pool in (self.gpu, self.cpu)
                      if pool is not None and pool.num_used_blocks]
         if problems:
-            raise UncleanEndError(f"policy {self.policy.name!r}: the run ended at step "
+            raise UncleanEndError(f"setup {self.setup.name!r}: the run ended at step "
                                   f"{self.step_no} with " + "; ".join(problems))
 
     def _end_run(self) -> None:

@@ -32,7 +32,7 @@ class SetupRow(TypedDict, total=False):
     ``rows``). Tokens are prompt tokens; times are modeled seconds except ``wall_s`` and the
     planner's milliseconds, which are measured."""
 
-    policy: str  # the setup's name (a composition, or a preset's name when given one)
+    setup: str  # the setup's name (a composition, or a preset's name when given one)
     composition: str  # canonical composition (kvtriton.setups)
     oracle: bool  # uses knowledge of the future: a bound, not an online setup
     cpu_blocks: int  # CPU tier size in blocks (0: no tier)
@@ -92,7 +92,7 @@ class RunMetrics:
     Token counts, hit rates and TTFTs cover the admitted requests; ``rejected`` counts the
     others (larger than the whole GPU pool)."""
 
-    policy: str
+    setup: str
     requests: int = 0
     finished: int = 0
     rejected: int = 0
@@ -152,7 +152,7 @@ class RunMetrics:
         hits = self.gpu_hit_tokens + self.cpu_hit_tokens
         queue = list(self.queue_by_request.values())
         return {
-            "policy": self.policy,
+            "setup": self.setup,
             "requests": self.requests,
             "finished": self.finished,
             "rejected": self.rejected,
@@ -196,7 +196,7 @@ class RunMetrics:
 
 
 _COLUMNS = [
-    ("policy", "policy", "{}"),
+    ("setup", "setup", "{}"),
     ("rejected", "rejected", "{:,}"),
     ("token_hit_rate", "hit rate", "{:.1%}"),
     ("gap_closed", "gap closed", "{:.0%}"),

@@ -7,7 +7,7 @@ that holds it again (``len(workload)``: never). It moves when a request is first
 lookup ran and it got blocks), not when it arrives: a waiting request still counts as a future
 use. Closed-loop turns may be admitted out of trace order; the rule stays "trace order", which
 is what this bound is: Belady's MIN rule for the CPU tier inside the serving loop, not a proof
-of optimality (the GPU's own LRU, the store mode and the timing stay the policy's).
+of optimality (the GPU's own LRU, the store mode and the timing stay the setup's).
 """
 
 from __future__ import annotations

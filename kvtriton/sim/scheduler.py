@@ -1,7 +1,8 @@
 """The KV side of a vLLM-like scheduler step, around ``OffloadPlanner`` as vLLM drives a connector.
 
 One implementation, used by the serving-loop simulator (``kvtriton.sim.loop``), the tests'
-planner driver (``tests/helpers/planner_driver.py``) and the memory soak (``bench/bench_soak.py``):
+planner driver (``tests/helpers/planner_driver.py``) and the memory soak
+(``bench/planner/soak.py``):
 
 - ``KVScheduler``: the GPU pool, the planner and per-request block tables (``SeqBlocks``), and the
   operations a caller sequences itself: a GPU prefix-cache lookup and the planner's CPU lookup,

@@ -1,4 +1,4 @@
-"""``simulate()``: one workload, several CPU-tier policies, side by side, on kvtriton's serving
+"""``simulate()``: one workload, several CPU-tier setups, side by side, on kvtriton's serving
 loop or vLLM's scheduler. Every argument is checked here once, for both engines, before any run.
 """
 
@@ -12,10 +12,10 @@ from typing import Any
 from kvtriton.setups import (
     BOUNDS,
     CONTROL,
-    DEFAULT_POLICIES,
+    DEFAULT_SETUPS,
     NEXT_USE_BOUNDS,
-    TierPolicy,
-    tier_policy,
+    TierSetup,
+    tier_setup,
 )
 from kvtriton.sim.cost import CostModel, ServingCost
 from kvtriton.sim.keys import workload_keys
@@ -49,9 +49,9 @@ def machine_memory_bytes() -> int | None:
 
 
 def _check_memory(layout: KVLayout, n_gpu: int, n_cpu: int, integrity: bool,
-                  engine: str, policies: Sequence[TierPolicy] = ()) -> None:
+                  engine: str, setups: Sequence[TierSetup] = ()) -> None:
     """``ValueError`` naming the capacities if the pools (and integrity tensors) they need are
-    more than this machine's memory, or naming the setup of ``policies`` whose eviction memory
+    more than this machine's memory, or naming the setup of ``setups`` whose eviction memory
     (the ``lfu`` sketch) on top of them is: refused before anything is allocated. The setups
     run one after another, so only the largest sketch is held at once."""
     need = ServingLoop.bytes_needed(n_gpu, n_cpu)
@@ -72,10 +72,10 @@ def _check_memory(layout: KVLayout, n_gpu: int, n_cpu: int, integrity: bool,
                          f"about {need / GiB:,.1f} GiB, more than this machine's "
                          f"{have / GiB:,.1f} GiB of memory")
     # The CPU pool has a null block besides the n_cpu blocks of the tier.
-    sketch, pol = max(((p.eviction_bytes(n_cpu + 1), p) for p in policies),
+    sketch, pol = max(((p.eviction_bytes(n_cpu + 1), p) for p in setups),
                       default=(0, None), key=lambda t: t[0])
     if need + sketch > have:
-        raise ValueError(f"policy {pol.name!r}: its LFU sketch for the CPU tier of {n_cpu:,} "
+        raise ValueError(f"setup {pol.name!r}: its LFU sketch for the CPU tier of {n_cpu:,} "
                          f"blocks takes {sketch / GiB:,.1f} GiB, which with the simulator's "
                          f"{what} about {need / GiB:,.1f} GiB is more than this machine's "
                          f"{have / GiB:,.1f} GiB of memory; use a smaller window W (lfu:W takes "
@@ -130,14 +130,14 @@ def belady_bound(workload: Workload, layout: KVLayout, n_gpu: int, n_cpu: int,
     n_tokens = (n_gpu + n_cpu) * layout.groups[0].block_size
     r = replay(_admitted(workload, rejected) if rejected else workload, n_tokens,
                eviction=BELADY)
-    return {"policy": "belady (cache-only replay, GPU + CPU capacity)",
+    return {"setup": "belady (cache-only replay, GPU + CPU capacity)",
             "capacity_tokens": r.capacity_tokens, "hit_rate": r.hit_rate,
             "requests": r.requests, "rejected": len(rejected)}
 
 
 @dataclass(slots=True)
 class SimulationResult:
-    """Per-policy summaries plus the conditions they ran under."""
+    """Per-setup summaries plus the conditions they ran under."""
 
     workload: str
     conditions: dict
@@ -202,7 +202,7 @@ def _check_parts(workload: Workload, parts: Mapping[str, str] | None) -> None:
                              "str")
 
 
-def _check_engine(engine: str, chosen: list[TierPolicy], layout: KVLayout, model: str,
+def _check_engine(engine: str, chosen: list[TierSetup], layout: KVLayout, model: str,
                   integrity: bool, integrity_backend: str | None, token_budget: int,
                   max_running: int) -> None:
     """``ValueError`` for what ``engine`` cannot run; ``ImportError`` (one line) when vLLM is
@@ -286,7 +286,7 @@ def simulate(
     cpu_blocks: int | None = None,
     cpu_tokens: int | None = None,
     cpu_gib: float | None = None,
-    policies: Sequence[str] = DEFAULT_POLICIES,
+    setups: Sequence[str] = DEFAULT_SETUPS,
     token_budget: int = 8192,
     max_running: int = 256,
     integrity: bool = False,
@@ -301,7 +301,7 @@ def simulate(
     cost: ServingCost | None = None,
     parts: Mapping[str, str] | None = None,
 ) -> SimulationResult:
-    """Replay ``workload`` through the serving loop once per policy.
+    """Replay ``workload`` through the serving loop once per setup.
 
     The layout is the ``model`` preset at the workload's ``hash_block_size`` as block size.
     Capacities are given in blocks, tokens or GiB (defaults: 262,144 GPU tokens, 32 GiB of
@@ -310,20 +310,20 @@ def simulate(
     context length. ``bound`` adds Belady's MIN in a cache-only replay of the same total (GPU +
     CPU) capacity: an upper bound on the hit rate of any eviction policy. Hit rates and the bound
     cover the same requests, the admitted ones: a rejected request is left out of both (which
-    requests are rejected depends on the GPU size only, not on the policy). Raises
+    requests are rejected depends on the GPU size only, not on the setup). Raises
     ``ValueError`` for unknown names, impossible sizes, capacities whose pools (and integrity
     tensors) would not fit this machine's memory, and a workload whose every request is
     rejected. ``reserve_full_isl``: admit a request only when its whole sequence fits in the
     GPU blocks (vLLM 0.32's default, ``scheduler_reserve_full_isl``); False admits it when its
     first chunk fits.
 
-    ``policies`` are setups, compositions of ``kvtriton.setups`` axes. With ``bound``,
+    ``setups`` are setups, compositions of ``kvtriton.setups`` axes. With ``bound``,
     ``in_loop_bounds`` also run in the same loop (default: next-use eviction and an unbounded
-    tier; see ``kvtriton.sim.next_use``), and the control (``eager``) runs if no policy is it:
+    tier; see ``kvtriton.sim.next_use``), and the control (``eager``) runs if no setup is it:
     every row then carries ``gap_closed``, its share of the gap between the control and the
     next-use bound.
 
-    ``engine="vllm"`` runs every policy through vLLM's own ``Scheduler`` with
+    ``engine="vllm"`` runs every setup through vLLM's own ``Scheduler`` with
     ``KVTritonConnector`` instead (``kvtriton.sim.vllm_loop``; needs vLLM): the same arguments,
     checks, clock and rows. There a setup the connector refuses
     (``kvtriton.vllm.config.refusal``: the oracle ``nextuse`` and the ``inf`` capacity, which
@@ -352,14 +352,14 @@ def simulate(
         raise ValueError("scheduler_overrides are vLLM SchedulerConfig fields: only with "
                          "engine='vllm'")
     _check_parts(workload, parts)
-    chosen = [tier_policy(p) for p in policies]
+    chosen = [tier_setup(p) for p in setups]
     layout = preset(model, block_size=workload.hash_block_size)
     _check_engine(engine, chosen, layout, model, integrity, integrity_backend, token_budget,
                   max_running)
     vllm_engine = engine == "vllm"
-    oracles = [tier_policy(p) for p in in_loop_bounds] if bound and not vllm_engine else []
+    oracles = [tier_setup(p) for p in in_loop_bounds] if bound and not vllm_engine else []
     if oracles and not any(p.composition == CONTROL for p in chosen):
-        oracles.insert(0, tier_policy(CONTROL))
+        oracles.insert(0, tier_setup(CONTROL))
     if cost is None:
         cost = CostModel.named(model, gpu)
     n_gpu, n_cpu = tier_blocks(layout, gpu_blocks=gpu_blocks, gpu_tokens=gpu_tokens,
@@ -405,7 +405,7 @@ def simulate(
     if integrity:
         # Imported only when asked for: it brings torch's transfer engine and Triton.
         from kvtriton.sim.integrity import IntegrityChecker
-    def run(pol: TierPolicy) -> SetupRow:
+    def run(pol: TierSetup) -> SetupRow:
         # Each checker is sized for its own tier: the unbounded bound's holds every key.
         tier = num_keys(keys) if pol.infinite_cpu else n_cpu
         checker = IntegrityChecker(layout, n_gpu, tier, integrity_backend) if integrity else None
@@ -435,12 +435,12 @@ def simulate(
 
 
 def _simulate_on_vllm(workload: Workload, layout: KVLayout, cost: ServingCost,
-                      chosen: list[TierPolicy], n_gpu: int, n_cpu: int, conditions: dict, *,
+                      chosen: list[TierSetup], n_gpu: int, n_cpu: int, conditions: dict, *,
                       token_budget: int, max_running: int, progress: bool,
                       scheduler_overrides: dict[str, Any] | None,
                       reserve_full_isl: bool,
                       parts: Mapping[str, str] | None = None) -> SimulationResult:
-    """Every policy of ``chosen`` through ``VllmLoop`` (arguments checked by ``simulate``)."""
+    """Every setup of ``chosen`` through ``VllmLoop`` (arguments checked by ``simulate``)."""
     import tempfile
 
     import vllm

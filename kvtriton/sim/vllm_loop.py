@@ -1,7 +1,7 @@
 """The serving loop on vLLM's real scheduler: ``simulate(..., engine="vllm")``, the
 ``--engine vllm`` of ``kvtriton simulate``.
 
-The same workloads (``kvtriton.sim.Workload``), policies, cost model and clock
+The same workloads (``kvtriton.sim.Workload``), setups, cost model and clock
 (``kvtriton.sim.clock.ServingClock``) as kvtriton's ``ServingLoop``, but every scheduling
 decision is made by vLLM's own ``Scheduler`` (admission, chunked prefill, preemption, prefix
 caching in vLLM's ``BlockPool``) with ``KVTritonConnector`` as its connector (no connector for
@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtriton.setups import TierPolicy
+from kvtriton.setups import TierSetup
 from kvtriton.sim.clock import ServingClock
 from kvtriton.sim.cost import ServingCost
 from kvtriton.sim.metrics import RunMetrics
@@ -106,25 +106,25 @@ def _time_connector_calls(connector: Any, metrics: RunMetrics) -> None:
 
 
 class VllmLoop(ServingClock):
-    """One workload under one policy through vLLM's scheduler; ``run()`` returns its metrics.
+    """One workload under one setup through vLLM's scheduler; ``run()`` returns its metrics.
     ``model_dir``: a model folder vLLM's configs read (``tiny_model_dir``); no model runs."""
 
-    def __init__(self, workload: Workload, layout: KVLayout, policy: TierPolicy,
+    def __init__(self, workload: Workload, layout: KVLayout, setup: TierSetup,
                  cost: ServingCost, *, gpu_blocks: int, cpu_blocks: int, token_budget: int,
                  max_running: int, model_dir: str, max_model_len: int,
                  progress: Any = None,
                  scheduler_overrides: dict[str, Any] | None = None) -> None:
         from kvtriton.sim.vllm_scheduler import make_scheduler
 
-        super().__init__(workload, layout, cost, RunMetrics(policy=policy.name),
+        super().__init__(workload, layout, cost, RunMetrics(setup=setup.name),
                          gpu_blocks=gpu_blocks, progress=progress)
-        self.policy = policy
-        connector = policy.planner is not None
+        self.setup = setup
+        connector = setup.planner is not None
         self.scheduler = make_scheduler(
             model_dir, list(layout.groups), num_gpu_blocks=gpu_blocks + 1,
             kv_connector="KVTritonConnector" if connector else None,
             kv_connector_module_path="kvtriton.vllm" if connector else None,
-            extra_config=extra_config_for(policy) if connector else None,
+            extra_config=extra_config_for(setup) if connector else None,
             cpu_blocks=cpu_blocks if connector else None, max_num_seqs=max_running,
             max_num_batched_tokens=token_budget, max_model_len=max_model_len,
             scheduler_overrides=scheduler_overrides)

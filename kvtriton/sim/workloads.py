@@ -95,8 +95,8 @@ DEFAULT_AGENT = AgentConfig(num_conversations=24, min_turns=6, max_turns=12, see
 #: chat-like run on a tier of 150 blocks, where ``lfu:64`` kept 17-29% of the CPU-hit tokens
 #: of ``eager``): a finished conversation's blocks were counted at every one of its turns, the
 #: next conversation's fresh blocks once, so a frequency sketch keeps the dead conversation and
-#: evicts the live one. The sizes were chosen to show that effect (``bench/lfu_recency.py``
-#: reports it on other seeds than the one they were chosen on).
+#: evicts the live one. The sizes were chosen to show that effect
+#(``bench/tier_study/lfu_recency.py`` : reports it on other seeds than the one they were chosen on).
 SEQUENTIAL_CHAT = AgentConfig(num_conversations=40, min_turns=6, max_turns=12,
                               system_prompt_tokens=512, first_user_tokens=256, user_tokens=128,
                               output_tokens=128, max_context_tokens=3_000, start_window_s=2_000.0,

@@ -2,8 +2,8 @@
 
 The connector is configured the way vLLM configures any KV connector, through
 ``KVTransferConfig.kv_connector_extra_config`` (the ``--kv-transfer-config`` JSON). The CPU
-tier's policy is one key, ``setup``: a composition in the vocabulary of ``kvtriton.setups``,
-the string ``kvtriton simulate --policies`` takes, parsed by the same code. The other keys say
+tier's setup is one key, ``setup``: a composition in the vocabulary of ``kvtriton.setups``,
+the string ``kvtriton simulate --setups`` takes, parsed by the same code. The other keys say
 what a setup does not: the tier's size, the scan and the re-store caps.
 
 The per-axis keys of earlier versions (``offload``, ``restore``, ``restore_share``,
@@ -32,9 +32,9 @@ from kvtriton.planner import PlannerConfig
 from kvtriton.setups import (
     DEFAULT_SETUP,
     ORACLE_EVICTIONS,
-    TierPolicy,
+    TierSetup,
     canonical_number,
-    tier_policy,
+    tier_setup,
 )
 from kvtriton.validation import is_int
 
@@ -50,8 +50,8 @@ _PREFIX = "KVTritonConnector: kv_connector_extra_config"
 class ConnectorConfig:
     """The connector's settings, one field per ``kv_connector_extra_config`` key.
 
-    - ``setup``: the CPU tier's policy, a composition of ``kvtriton.setups`` axes (or a preset
-      name), stored in its canonical spelling (default ``kvtriton.setups.DEFAULT_SETUP``).
+    - ``setup``: the CPU tier's setup, a composition of ``kvtriton.setups`` axes, stored in
+      its canonical spelling (default ``kvtriton.setups.DEFAULT_SETUP``).
     - ``cpu_bytes_per_rank``: bytes of host memory for the CPU tier on each rank (default
       8 GiB). Every rank holds the same CPU blocks, so the tier stores ``cpu_bytes_per_rank``
       of each rank's share of the KV; blocks are sized as vLLM's own offload connector sizes
@@ -75,35 +75,35 @@ class ConnectorConfig:
     scan_idle: bool = False
 
     @property
-    def policy(self) -> TierPolicy:
-        """The setup, parsed (``kvtriton.setups.TierPolicy``)."""
-        return tier_policy(self.setup)
+    def tier(self) -> TierSetup:
+        """The setup, parsed (``kvtriton.setups.TierSetup``)."""
+        return tier_setup(self.setup)
 
     # The setup's axes under the names of the per-axis keys, which the adapters read.
 
     @property
     def cpu_eviction(self) -> str:
-        return self.policy.cpu_eviction
+        return self.tier.cpu_eviction
 
     @property
     def offload(self) -> str:
-        return "lazy" if self.policy.planner.lazy else "eager"
+        return "lazy" if self.tier.planner.lazy else "eager"
 
     @property
     def restore(self) -> bool:
-        return self.policy.planner.restore
+        return self.tier.planner.restore
 
     @property
     def cpu_free_order(self) -> str:
-        return self.policy.planner.cpu_free_order
+        return self.tier.planner.cpu_free_order
 
     @property
     def restore_share(self) -> float | None:
-        return self.policy.planner.restore_share
+        return self.tier.planner.restore_share
 
     def planner_config(self, *, world_size: int, max_num_batched_tokens: int) -> PlannerConfig:
         """The planner's switches for this connector on ``world_size`` workers."""
-        p = self.policy.planner
+        p = self.tier.planner
         return PlannerConfig(
             restore=p.restore,
             scan=self.scan,
@@ -127,8 +127,8 @@ class ConnectorConfig:
         extra = [f"{k}={getattr(self, k)}" for k in
                  ("max_restores_per_step", "max_restores_per_key", "lazy_target_blocks")
                  if getattr(self, k) is not None]
-        sketch = self.policy.eviction_bytes(cpu_blocks) if cpu_blocks is not None else 0
-        return (f"setup {self.setup} ({self.policy.description}), "
+        sketch = self.tier.eviction_bytes(cpu_blocks) if cpu_blocks is not None else 0
+        return (f"setup {self.setup} ({self.tier.description}), "
                 f"CPU {self.cpu_bytes_per_rank / 2**30:.2f} GiB/rank"
                 + (f" + LFU sketch {sketch / 2**20:.1f} MiB" if sketch else "")
                 + f", scan {self.scan}"
@@ -136,27 +136,27 @@ class ConnectorConfig:
                 + (f", {', '.join(extra)}" if extra else ""))
 
 
-def extra_config_for(policy: TierPolicy) -> dict[str, Any]:
-    """The ``kv_connector_extra_config`` that runs ``policy`` (a ``kvtriton.setups`` setup) in
+def extra_config_for(tier: TierSetup) -> dict[str, Any]:
+    """The ``kv_connector_extra_config`` that runs ``setup`` (a ``kvtriton.setups`` setup) in
     the connector: ``{"setup": <its composition>}``. ``ValueError`` for a setup with no CPU tier
     or with an axis the connector cannot honour in vLLM (``refusal``)."""
-    if policy.planner is None:
-        raise ValueError(f"setup {policy.name!r} has no CPU tier: run vLLM without the connector")
-    why = refusal(policy)
+    if tier.planner is None:
+        raise ValueError(f"setup {tier.name!r} has no CPU tier: run vLLM without the connector")
+    why = refusal(tier)
     if why is not None:
-        raise ValueError(f"setup {policy.name!r}: {why}")
-    return {"setup": policy.composition}
+        raise ValueError(f"setup {tier.name!r}: {why}")
+    return {"setup": tier.composition}
 
 
-def refusal(policy: TierPolicy) -> str | None:
-    """Why the connector cannot run ``policy`` in vLLM (None: it can). Every axis a server can
+def refusal(tier: TierSetup) -> str | None:
+    """Why the connector cannot run ``setup`` in vLLM (None: it can). Every axis a server can
     see is honoured: hints arrive in a request's ``kv_transfer_params``, the waiting queue
     through ``on_new_request``; only the bounds that need the workload's future are not."""
-    if policy.cpu_eviction in ORACLE_EVICTIONS:
-        return (f"the eviction {policy.cpu_eviction!r} is an oracle: it evicts by each block's "
+    if tier.cpu_eviction in ORACLE_EVICTIONS:
+        return (f"the eviction {tier.cpu_eviction!r} is an oracle: it evicts by each block's "
                 "next use in the trace's future, which a server never sees; use lru, arc or "
                 "s3fifo")
-    if policy.infinite_cpu:
+    if tier.infinite_cpu:
         return ("the capacity 'inf' is a bound (a tier that holds every distinct block of a "
                 "trace); a server's tier holds cpu_bytes_per_rank")
     return None
@@ -183,34 +183,34 @@ def _bad(key: str, value: Any, allowed: str) -> ValueError:
     return ValueError(f"{_PREFIX}[{key!r}] = {value!r} is not allowed; expected {allowed}")
 
 
-def _axis_value(policy: TierPolicy, key: str) -> Any:
-    """What ``policy`` says for the per-axis key ``key``."""
-    p = policy.planner
+def _axis_value(tier: TierSetup, key: str) -> Any:
+    """What ``setup`` says for the per-axis key ``key``."""
+    p = tier.planner
     return {"offload": "lazy" if p.lazy else "eager", "restore": p.restore,
-            "cpu_free_order": p.cpu_free_order, "cpu_eviction": policy.cpu_eviction,
+            "cpu_free_order": p.cpu_free_order, "cpu_eviction": tier.cpu_eviction,
             "restore_share": p.restore_share}[key]
 
 
-def _composition(policy: TierPolicy, axes: Mapping[str, Any]) -> str:
-    """``policy``'s composition with the axes the per-axis keys ``axes`` set replaced. A lazy
+def _composition(tier: TierSetup, axes: Mapping[str, Any]) -> str:
+    """``setup``'s composition with the axes the per-axis keys ``axes`` set replaced. A lazy
     store drops the default's re-store unless ``restore`` asks for it (then the grammar refuses
     the pair); ``restore_share`` alone turns re-store on."""
-    store = axes.get("offload", _axis_value(policy, "offload"))
-    share = axes.get("restore_share", policy.planner.restore_share)
+    store = axes.get("offload", _axis_value(tier, "offload"))
+    share = axes.get("restore_share", tier.planner.restore_share)
     if "restore" in axes:
         restore = axes["restore"]
     elif "offload" in axes and store == "lazy":
         restore = "restore_share" in axes and share is not None
     else:
-        restore = policy.planner.restore or share is not None
+        restore = tier.planner.restore or share is not None
     parts = [store]
     if restore:
         parts.append("restore" if share is None
                      else f"restore:{canonical_number(share)}")
-    if axes.get("cpu_free_order", policy.planner.cpu_free_order) == "tail_first":
+    if axes.get("cpu_free_order", tier.planner.cpu_free_order) == "tail_first":
         parts.append("tail")
-    parts.append(axes.get("cpu_eviction", policy.cpu_eviction))
-    rest = policy.composition.split("+")
+    parts.append(axes.get("cpu_eviction", tier.cpu_eviction))
+    rest = tier.composition.split("+")
     parts += [t for t in rest if t.split(":")[0] in ("second", "hinted", "refresh", "hints",
                                                      "waiting")]
     return "+".join(parts)
@@ -230,20 +230,20 @@ def _check_axis_key(key: str, value: Any) -> None:
         raise _bad(key, value, "one of " + ", ".join(map(repr, allowed)))
 
 
-def _parse_setup(value: Any) -> TierPolicy:
+def _parse_setup(value: Any) -> TierSetup:
     if not isinstance(value, str):
         raise _bad("setup", value, "a setup string such as 'eager+restore+tail' or 'lazy+hints'")
     try:
-        policy = tier_policy(value)
+        tier = tier_setup(value)
     except ValueError as e:
         raise ValueError(f"{_PREFIX}['setup'] = {value!r}: {e}") from None
-    if policy.planner is None:
+    if tier.planner is None:
         raise ValueError(f"{_PREFIX}['setup'] = {value!r} has no CPU tier: run vLLM without "
                          "the connector")
-    why = refusal(policy)
+    why = refusal(tier)
     if why is not None:
         raise ValueError(f"{_PREFIX}['setup'] = {value!r}: {why}")
-    return policy
+    return tier
 
 
 def _removed_keys_error(extra: Mapping[str, Any], axes: Mapping[str, Any]) -> ValueError:
@@ -257,7 +257,7 @@ def _removed_keys_error(extra: Mapping[str, Any], axes: Mapping[str, Any]) -> Va
         for key, value in axes.items():
             _check_axis_key(key, value)
         base = _parse_setup(extra["setup"]) if "setup" in extra else \
-            tier_policy(_PER_AXIS_DEFAULTS)
+            tier_setup(_PER_AXIS_DEFAULTS)
         spec = _composition(base, axes)
         if "restore_share" in axes and axes["restore_share"] is not None \
                 and "restore" in axes and not axes["restore"]:
@@ -269,13 +269,13 @@ def _removed_keys_error(extra: Mapping[str, Any], axes: Mapping[str, Any]) -> Va
     return ValueError(f"{head}: write {json.dumps({'setup': composition})} instead")
 
 
-def _resolve_setup(extra: Mapping[str, Any]) -> TierPolicy:
+def _resolve_setup(extra: Mapping[str, Any]) -> TierSetup:
     """The setup ``extra`` names (the default's without ``setup``); a removed per-axis key is
     an error that says which ``setup`` to write instead."""
     axes = {k: extra[k] for k in _AXIS_KEYS if k in extra}
     if axes:
         raise _removed_keys_error(extra, axes)
-    return _parse_setup(extra["setup"]) if "setup" in extra else tier_policy(DEFAULT_SETUP)
+    return _parse_setup(extra["setup"]) if "setup" in extra else tier_setup(DEFAULT_SETUP)
 
 
 def parse_extra_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -312,20 +312,20 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:
                 not is_int(value) or value <= 0):
             raise _bad(key, value, "null or a positive int (0 would keep nothing offloaded: "
                                    "the lazy tier would store nothing)")
-    policy = _resolve_setup(extra)
-    p = policy.planner
+    tier = _resolve_setup(extra)
+    p = tier.planner
     if not p.lazy and extra.get("lazy_target_blocks") is not None:
         raise ValueError(f"{_PREFIX}['lazy_target_blocks'] = {extra['lazy_target_blocks']!r} "
-                         f"with the eager setup {policy.composition!r}: it sizes a lazy tier's "
+                         f"with the eager setup {tier.composition!r}: it sizes a lazy tier's "
                          "offload target; use a lazy setup or drop the key")
     if not p.restore:
         for key in _OPTIONAL_COUNTS:
             if extra.get(key) is not None:
                 raise ValueError(f"{_PREFIX}[{key!r}] = {extra[key]!r} with the setup "
-                                 f"{policy.composition!r}, which never re-stores: the cap "
+                                 f"{tier.composition!r}, which never re-stores: the cap "
                                  "bounds re-stores; add 'restore' to the setup or drop the key")
     values = {k: v for k, v in extra.items() if k in _KEYS}
-    values["setup"] = policy.composition
+    values["setup"] = tier.composition
     return ConnectorConfig(**values)
 
 
@@ -352,7 +352,7 @@ def check_host_memory(config: ConnectorConfig, ranks_on_host: int = 1,
         raise ValueError(f"{_PREFIX}['cpu_bytes_per_rank'] = {config.cpu_bytes_per_rank} "
                          f"({config.cpu_bytes_per_rank / 2**30:.4g} GiB){ranks} exceeds this "
                          f"machine's memory ({total / 2**30:.1f} GiB); give less")
-    sketch = config.policy.eviction_bytes(cpu_blocks) if cpu_blocks is not None else 0
+    sketch = config.tier.eviction_bytes(cpu_blocks) if cpu_blocks is not None else 0
     if need + sketch > total:
         written = setup_as_written or config.setup
         raise ValueError(

@@ -6,7 +6,7 @@ Load it by path, as any third-party connector::
                      kv_role="kv_both", kv_connector_extra_config={"setup": "lazy+hints",
                                                                    "cpu_bytes_per_rank": 8 << 30})
 
-The setup is a composition of ``kvtriton.setups`` (the simulator's ``--policies`` vocabulary);
+The setup is a composition of ``kvtriton.setups`` (the simulator's ``--setups`` vocabulary);
 per-request continuation hints arrive in ``kv_transfer_params`` (``kvtriton.vllm.signals``).
 """
 
@@ -66,7 +66,7 @@ class KVTritonConnector(KVConnectorBase_V1, SupportsHMA):
     each worker process): the bytes, with kvtriton's ``TransferEngine`` over vLLM's KV tensors.
     Settings: ``kvtriton.vllm.config``.
 
-    Known difference from vLLM's own ``SimpleCPUOffloadScheduler`` with the same policy
+    Known difference from vLLM's own ``SimpleCPUOffloadScheduler`` with the same setup
     (``restore=False, cpu_free_order="head_first"``): vLLM allocates CPU blocks (and so evicts
     the CPU tier's LRU blocks) per request inside its scan, so a request scanned later in the same
     step sees some blocks as no longer cached: it can store again a block an earlier request's
@@ -85,9 +85,9 @@ class KVTritonConnector(KVConnectorBase_V1, SupportsHMA):
     hold one hash (vLLM never merges them) are copied twice, into two CPU blocks; kvtriton dedups
     by hash too and copies one. And a position whose hash another request made first while this
     one ran keeps the id reserved for it (``kvtriton.vllm.keys``), so it is never stored for this
-    request; vLLM stores it. ``tests/vllm/test_differential.py`` (``python -m bench.differential``
-    for 3,000 seeds) checks all of this step for step against vLLM's manager, accepts each
-    difference only with its evidence, and fails on any other.
+    request; vLLM stores it. ``tests/vllm/test_differential.py`` (``python -m
+    bench.vllm.differential`` for 3,000 seeds) checks all of this step for step against vLLM's
+    manager, accepts each difference only with its evidence, and fails on any other.
     """
 
     _cache_hit_source = CacheHitSource.HOST
@@ -116,12 +116,12 @@ class KVTritonConnector(KVConnectorBase_V1, SupportsHMA):
                              "enable_prefix_caching=True")
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
-        policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
-        if role == KVConnectorRole.SCHEDULER and policy != "recompute":
+        on_failure = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
+        if role == KVConnectorRole.SCHEDULER and on_failure != "recompute":
             logging.getLogger(__name__).warning(
                 "KVTritonConnector: kv_load_failure_policy=%r: a CPU load that fails will fail "
                 "its request; set kv_load_failure_policy='recompute' in --kv-transfer-config "
-                "to recompute it instead (a CPU tier is a cache)", policy)
+                "to recompute it instead (a CPU tier is a cache)", on_failure)
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler_side = SchedulerSide(vllm_config, kv_cache_config, self.config)
         else:

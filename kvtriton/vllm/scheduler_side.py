@@ -62,7 +62,7 @@ class SchedulerSide:
             max_num_batched_tokens=vllm_config.scheduler_config.max_num_batched_tokens)
         self.keys = KeyIds()
         self._suffixes = group_suffixes(self.layout.num_groups)
-        self.signals = TierSignals(config.policy, self.keys, self._suffixes)
+        self.signals = TierSignals(config.tier, self.keys, self._suffixes)
         # Block 0 is null here as in vLLM's pools: the tier holds num_cpu_blocks - 1 blocks.
         self.cpu_pool = self.signals.cpu_pool(self.num_cpu_blocks,
                                               enable_events=self.events_enabled)

@@ -37,7 +37,7 @@ import numpy as np
 
 from kvtriton.pool import BlockPool
 from kvtriton.records import HINTS
-from kvtriton.setups import TierPolicy
+from kvtriton.setups import TierSetup
 from kvtriton.tier_signals import SignalBook, cpu_queue
 from kvtriton.vllm.keys import KeyIds
 from kvtriton.vllm.requests import lookup_request
@@ -77,20 +77,20 @@ def request_hint(vreq: Any) -> tuple[str | None, bool]:
 
 
 class TierSignals:
-    """The hints and lookahead of one connector's CPU tier. ``policy``: the setup; with neither
+    """The hints and lookahead of one connector's CPU tier. ``setup``: the setup; with neither
     axis on, only the hints' counts are kept (hinted admission still reads the hint)."""
 
-    def __init__(self, policy: TierPolicy, keys: KeyIds, suffixes: list[bytes]) -> None:
-        self.hints_on = policy.hints
-        self.lookahead_on = policy.lookahead
+    def __init__(self, setup: TierSetup, keys: KeyIds, suffixes: list[bytes]) -> None:
+        self.hints_on = setup.hints
+        self.lookahead_on = setup.lookahead
         #: Whether the setup does anything with a hint: the hints axis or hinted admission.
-        self.uses_hints = self.hints_on or (policy.planner is not None
-                                            and policy.planner.admission == "hinted")
-        self._setup = policy.composition or policy.name
+        self.uses_hints = self.hints_on or (setup.planner is not None
+                                            and setup.planner.admission == "hinted")
+        self._setup = setup.composition or setup.name
         self._warned_ignored = False
         self._keys = keys
         self._suffixes = suffixes
-        self._queue, hinted = cpu_queue(policy)
+        self._queue, hinted = cpu_queue(setup)
         #: The hints' and lookahead's rules over the hinted queue (None: the setup uses neither).
         self.book: SignalBook | None = None
         if hinted is not None:

@@ -132,29 +132,39 @@ def test_every_study_is_complete_and_names_a_main():
         assert "\ndef main(argv" in source, f"{s.module} has no main(argv)"
 
 
+def _bench_imports(source: str) -> set[str]:
+    """The ``bench`` modules ``source`` imports, by dotted name (``from bench.x import y`` gives
+    both ``bench.x`` and ``bench.x.y``: either may be the module)."""
+    names = set()
+    for pkg, grouped, items in re.findall(
+            r"^\s*from (bench(?:\.\w+)*) import (?:\(([^)]*)\)|([\w, ]+))", source, flags=re.M):
+        items = grouped or items
+        names.add(pkg)
+        names.update(f"{pkg}.{item.split(' as ')[0].strip()}"
+                     for item in items.split(",") if item.strip())
+    return names
+
+
 def test_studies_never_import_each_other():
-    scripts = {s.module.split(".")[1] for s in STUDIES}
+    scripts = {s.module for s in STUDIES}
     for s in STUDIES:
         source = (ROOT / (s.module.replace(".", "/") + ".py")).read_text()
-        imported = set(re.findall(r"^\s*(?:from bench\.(\w+)|from bench import (\w+))", source,
-                                  flags=re.M))
-        names = {a or b for a, b in imported}
-        assert not (names & scripts) - {s.module.split(".")[1]}, (s.module, names & scripts)
+        assert not (_bench_imports(source) & scripts) - {s.module}, s.module
 
 
 def test_the_quick_run_writes_every_input_the_paper_needs():
     build = _paper_build()
     for name in build.INPUTS:
         assert writers(f"{name}.json"), f"no study writes {name}.json"
-    from bench.bench_policies import FULL_MAPS
+    from bench.tier_study.setups import FULL_MAPS
     assert build.MAP_TAGS == FULL_MAPS
     required = {n for n in build.INPUTS if always_written(f"{n}.json")}
-    assert {"hole_demo", "planner", "kernel_check", "policies_agent", "replay_agent"} <= required
+    assert {"hole_demo", "planner", "kernel_check", "setups_agent", "replay_agent"} <= required
     # Only a GPU run, a full-size run, a study run by name or a machine without vLLM may leave
     # the paper an input short.
     assert set(build.INPUTS) - required == {
-        "bench_kernels", "policies_agent_full", "policies_cc_agentic_full",
-        "policies_mooncake", "policies_mooncake_full", "policies_glm5_full",
+        "bench_kernels", "setups_agent_full", "setups_cc_agentic_full",
+        "setups_mooncake", "setups_mooncake_full", "setups_glm5_full",
         "restore_map_mooncake",
         "replay_cc_agentic", "vs_vllm", "vs_vllm_quick", "vs_vllm_evict_share", "vllm_engine",
         "tune_shares",
@@ -184,7 +194,7 @@ def test_a_named_study_runs_and_one_it_cannot_run_is_one_line(tmp_path, monkeypa
     skipped = [line for line in out.splitlines() if line.startswith("skipped: ")]
     assert skipped == ["skipped: kernels: needs CUDA (no CUDA device on this machine)"]
     entry = _manifest(tmp_path)["hole_demo.json"]
-    assert entry["writer"]["command"] == "python -m bench.hole_demo"
+    assert entry["writer"]["command"] == "python -m bench.planner.hole_demo"
     assert entry["writer"]["via"] == "python -m bench --quick --only hole_demo,kernels"
 
 
@@ -206,7 +216,7 @@ def test_the_paper_names_each_inputs_commit(tmp_path, monkeypatch):
     monkeypatch.setattr(build, "RESULTS", tmp_path)
     monkeypatch.setattr(bench.common, "_git_sha", lambda: "abc1234+dirty")
     monkeypatch.setattr(bench.common, "RESULTS_DIR", tmp_path)
-    with writing_as("bench.hole_demo", []):
+    with writing_as("bench.planner.hole_demo", []):
         write_result("hole_demo", {}, tmp_path)
     # A file older than the manifest: its machine block says where it came from.
     (tmp_path / "planner.json").write_text(json.dumps(
@@ -215,15 +225,15 @@ def test_the_paper_names_each_inputs_commit(tmp_path, monkeypatch):
     build.inputs_section(v)
     rows = {line.split(" | ")[0].strip("| `"): line for line in v["inputs_text"].splitlines()
             if line.startswith("| `")}
-    assert "`python -m bench.hole_demo` | `abc1234` | **no** |" in rows["hole_demo.json"]
+    assert "`python -m bench.planner.hole_demo` | `abc1234` | **no** |" in rows["hole_demo.json"]
     assert "not recorded | `0ld0ld0` | yes | 2026-01-01T00:00:00Z" in rows["planner.json"]
-    assert "missing (`python -m bench --only policies` writes it)" in \
-        rows["policies_agent.json"]
+    assert "missing (`python -m bench --only setups` writes it)" in \
+        rows["setups_agent.json"]
     assert "needs a CUDA device" in rows["bench_kernels.json"]
     assert "a longer run (`python -m bench --only mooncake_map`)" in \
         rows["restore_map_mooncake.json"]
-    assert "full size only (`python -m bench --full --only policies`)" in \
-        rows["policies_agent_full.json"]
+    assert "full size only (`python -m bench --full --only setups`)" in \
+        rows["setups_agent_full.json"]
     assert v["inputs_text"].startswith("The 2 results files behind this paper come from 2 "
                                        "commits")
 

@@ -52,19 +52,19 @@ def conv_doc(requests, block_size=64, **extra):
 def test_cli_simulate_writes_json_and_table(tmp_path, capsys):
     out = tmp_path / "sim.json"
     rc = main(["simulate", "--conversations", "3", "--turns", "2", "3", "--gpu-tokens", "4096",
-               "--cpu-tokens", "8192", "--policies", "eager,eager+restore+tail", "--json", str(out),
+               "--cpu-tokens", "8192", "--setups", "eager,eager+restore+tail", "--json", str(out),
                "--quiet"])
     assert rc == 0
     text = capsys.readouterr().out
     assert "eager+restore+tail" in text and "hit rate" in text
     doc = json.loads(out.read_text())
-    assert [r["policy"] for r in doc["rows"]] == ["eager", "eager+restore+tail"]
+    assert [r["setup"] for r in doc["rows"]] == ["eager", "eager+restore+tail"]
 
 
 def test_cli_shows_rejected_requests(tmp_path, capsys):
     out = tmp_path / "sim.json"
     assert main(["simulate", "--conversations", "3", "--turns", "2", "3", "--gpu-blocks", "230",
-                 "--cpu-blocks", "1000", "--policies", "eager", "--quiet", "--json",
+                 "--cpu-blocks", "1000", "--setups", "eager", "--quiet", "--json",
                  str(out)]) == 0
     text = capsys.readouterr().out
     assert "9 requests (8 rejected: larger than the GPU; hit rates and the bound cover the " \
@@ -238,14 +238,14 @@ def test_cli_bad_hint_is_one_line_and_exit_2(tmp_path, capsys, fmt, command):
 @pytest.mark.parametrize("argv, message", [
     (["simulate", "--gpu-tokens", "0"], "--gpu-tokens: '0' must be positive"),
     (["simulate", "--gpu-tokens", "x"], "is not an integer"),
-    (["simulate", "--policies", "nope"], "unknown setup 'nope'"),
+    (["simulate", "--setups", "nope"], "unknown setup 'nope'"),
     (["simulate", "--model", "gpt5"], "invalid choice"),
     (["simulate", "--gpu-tokens", "8", "--gpu-gib", "1"], "give one of"),
     (["simulate", "--workload", "/no/such/trace.jsonl"], "no such file"),
     (["replay", "--evictions", "fifo"], "fifo"),
     (["trace-stats", "/no/such/file"], "no such file"),
     ([], "required: command"),
-], ids=["zero", "not-int", "policy", "model", "two-units", "missing-file", "replay-eviction",
+], ids=["zero", "not-int", "setup", "model", "two-units", "missing-file", "replay-eviction",
         "stats-missing", "no-command"])
 def test_cli_errors_are_one_line_and_exit_2(argv, message, capsys):
     assert main(argv) == 2
@@ -291,8 +291,8 @@ ARG_ERRORS = {
     "unknown-backend": (["simulate", "--integrity-backend", "cuda"], "invalid choice: 'cuda'"),
     "unknown-command": (["simulte"], "invalid choice: 'simulte'"),
     "unknown-flag": (["replay", "--capacity", "10"], "unrecognized arguments: --capacity"),
-    "empty-policies": (["simulate", "--policies", ","], "expected a comma-separated list"),
-    "eager-hinted": (["simulate", "--policies", "eager+hinted"],
+    "empty-setups": (["simulate", "--setups", ","], "expected a comma-separated list"),
+    "eager-hinted": (["simulate", "--setups", "eager+hinted"],
                      "'hinted' admission needs 'lazy'"),
     "gpu-below-a-block": (["simulate", "--gpu-tokens", "8", *SMALL],
                           "GPU must be at least one block, got 8 -> 0 blocks"),
@@ -410,14 +410,14 @@ def test_time_too_large_for_a_float(tmp_path, capsys):
     (["simulate", "--block-size", "2.5e0"], "--block-size: '2.5e0' is not an integer"),
     (["simulate", "--seed", "1.5e0"], "--seed: '1.5e0' is not an integer"),
     (["replay", "--capacities", "1e3.5"], "'1e3.5' is not an integer"),
-    (["simulate", "--policies", "eager,eager"], "eager listed more than once"),
+    (["simulate", "--setups", "eager,eager"], "eager listed more than once"),
     (["replay", "--evictions", "lru,belady,lru"], "lru listed more than once"),
     (["replay", "--workload", "mooncake", "--capacities", "100"],
      "--capacities 100: not a whole number of 16-token blocks (use 96 or 112)"),
     (["replay", "--workload", "mooncake", "--block-size", "512", "--capacities", "100"],
      "not a whole number of 512-token blocks"),
     (["simulate", "--conversations", "1e12"], "more than the generator's limit"),
-], ids=["float-block-size", "float-seed", "bad-exponent", "policy-twice", "eviction-twice",
+], ids=["float-block-size", "float-seed", "bad-exponent", "setup-twice", "eviction-twice",
         "capacity-not-whole-blocks", "capacity-below-a-block", "too-many-conversations"])
 def test_nonsense_is_refused(capsys, argv, message):
     assert message in run(argv, capsys)
@@ -425,7 +425,7 @@ def test_nonsense_is_refused(capsys, argv, message):
 
 def test_integer_flags_still_take_exponents(capsys):
     assert main(["simulate", "--block-size", "1.6e1", *SMALL, "--gpu-tokens", "4e3",
-                 "--cpu-tokens", "8192", "--policies", "eager", "--no-bound"]) == 0
+                 "--cpu-tokens", "8192", "--setups", "eager", "--no-bound"]) == 0
     assert "1 requests" in capsys.readouterr().out
 
 

@@ -14,12 +14,12 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 
 from kvtriton.cli import main
 
-POLICIES = ["none", "eager", "eager+restore:0.5+tail+arc"]
-# Small enough that one vLLM run of every policy takes seconds; a GPU smaller than the
+SETUPS = ["none", "eager", "eager+restore:0.5+tail+arc"]
+# Small enough that one vLLM run of every setup takes seconds; a GPU smaller than the
 # conversations' histories, so that later turns hit in the CPU tier.
 WORKLOAD = ["simulate", "--workload", "agent", "--conversations", "4", "--turns", "2", "3",
             "--system-prompt", "256", "--gpu-tokens", "8192", "--cpu-tokens", "65536",
-            "--policies", ",".join(POLICIES), "--quiet", "--no-bound"]
+            "--setups", ",".join(SETUPS), "--quiet", "--no-bound"]
 
 
 @pytest.fixture(scope="module")
@@ -33,12 +33,12 @@ def docs(tmp_path_factory):
     return out
 
 
-def test_vllm_engine_writes_one_row_per_policy_and_names_the_engine(docs):
+def test_vllm_engine_writes_one_row_per_setup_and_names_the_engine(docs):
     rc, doc = docs["vllm"]
     assert rc == 0
     assert doc["engine"] == "vllm" and doc["conditions"]["engine"] == "vllm"
     assert doc["conditions"]["vllm"]  # the vLLM version that ran
-    assert [r["policy"] for r in doc["rows"]] == POLICIES
+    assert [r["setup"] for r in doc["rows"]] == SETUPS
     for r in doc["rows"]:
         assert 0.0 <= r["token_hit_rate"] <= 1.0
         assert r["finished"] == r["requests"] > 0
@@ -46,11 +46,11 @@ def test_vllm_engine_writes_one_row_per_policy_and_names_the_engine(docs):
     assert no_cpu["cpu_hit_tokens"] == 0 and control["cpu_hit_tokens"] > 0
 
 
-def test_kvtriton_engine_gives_rows_for_the_same_policies(docs):
+def test_kvtriton_engine_gives_rows_for_the_same_setups(docs):
     rc, doc = docs["kvtriton"]
     assert rc == 0
     assert doc["engine"] == "kvtriton" and doc["conditions"]["engine"] == "kvtriton"
-    assert [r["policy"] for r in doc["rows"]] == [r["policy"] for r in docs["vllm"][1]["rows"]]
+    assert [r["setup"] for r in doc["rows"]] == [r["setup"] for r in docs["vllm"][1]["rows"]]
     # The same workload: the same prompt tokens behind both engines' hit rates.
     assert [r["prompt_tokens"] for r in doc["rows"]] == [
         r["prompt_tokens"] for r in docs["vllm"][1]["rows"]]
@@ -69,7 +69,7 @@ def _one_line_error(capsys) -> str:
     (["--engine", "nope"], "--engine"),
     (["--engine", "vllm", "--token-budget", "8", "--max-running", "16"], "--max-running"),
     (["--engine", "vllm", "--model", "nemotron-h-8b"], "Mamba"),
-    (["--engine", "vllm", "--policies", "nope"], "unknown setup"),
+    (["--engine", "vllm", "--setups", "nope"], "unknown setup"),
 ])
 def test_bad_combinations_exit_2_with_one_line(capsys, extra, named):
     assert main([*WORKLOAD, *extra]) == 2

@@ -15,8 +15,8 @@ from helpers.queue_ops import OPS, cached_pool, drain_order, hit, run_ops, store
 from kvtriton.eviction import EVICTION_QUEUES, ARCQueue, S3FIFOQueue, make_eviction_queue
 from kvtriton.pool import BlockPool
 
-NEW_POLICIES = ["arc", "s3fifo"]
-ALL_POLICIES = ["lru", "arc", "s3fifo"]
+NEW_SETUPS = ["arc", "s3fifo"]
+ALL_SETUPS = ["lru", "arc", "s3fifo"]
 
 
 # ---- protocol, every queue -----------------------------------------------------------------------
@@ -27,7 +27,7 @@ def test_registered():
     assert isinstance(make_eviction_queue("arc"), ARCQueue)
 
 
-@pytest.mark.parametrize("name", ALL_POLICIES)
+@pytest.mark.parametrize("name", ALL_SETUPS)
 def test_fresh_pool_hands_out_blocks_in_order(name):
     pool = BlockPool(6, eviction=name)
     assert pool.get_new_blocks(5) == [1, 2, 3, 4, 5]
@@ -35,7 +35,7 @@ def test_fresh_pool_hands_out_blocks_in_order(name):
         pool.get_new_blocks(1)
 
 
-@pytest.mark.parametrize("name", ALL_POLICIES)
+@pytest.mark.parametrize("name", ALL_SETUPS)
 def test_unhashed_blocks_go_before_any_cached_one(name):
     pool = BlockPool(5, eviction=name)
     blocks = pool.get_new_blocks(4)
@@ -47,7 +47,7 @@ def test_unhashed_blocks_go_before_any_cached_one(name):
     pool.check_invariants()
 
 
-@pytest.mark.parametrize("name", ALL_POLICIES)
+@pytest.mark.parametrize("name", ALL_SETUPS)
 def test_remove_is_a_hit_and_keeps_the_key(name):
     pool, blocks = cached_pool(name, 4, [10, 11, 12])
     assert hit(pool, 10) == blocks[0]
@@ -56,7 +56,7 @@ def test_remove_is_a_hit_and_keeps_the_key(name):
     pool.check_invariants()
 
 
-@pytest.mark.parametrize("name", ALL_POLICIES)
+@pytest.mark.parametrize("name", ALL_SETUPS)
 def test_pop_on_empty_raises(name):
     p = make_eviction_queue(name)
     p.reset(3)
@@ -65,7 +65,7 @@ def test_pop_on_empty_raises(name):
         p.pop()
 
 
-@pytest.mark.parametrize("name", NEW_POLICIES)
+@pytest.mark.parametrize("name", NEW_SETUPS)
 def test_iter_blocks_is_the_eviction_order(name):
     pool, _ = cached_pool(name, 12, list(range(100, 111)))
     for k in (103, 100, 105, 103, 103, 109):
@@ -79,7 +79,7 @@ def test_iter_blocks_is_the_eviction_order(name):
     assert list(pool.iter_free(held[0])) == list(pool.iter_free())
 
 
-@pytest.mark.parametrize("name", NEW_POLICIES)
+@pytest.mark.parametrize("name", NEW_SETUPS)
 def test_evict_cached_makes_the_block_first(name):
     pool, blocks = cached_pool(name, 5, [1, 2, 3, 4])
     assert pool.evict_cached(blocks[2])
@@ -91,7 +91,7 @@ def test_evict_cached_makes_the_block_first(name):
 # ---- random operations ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", NEW_POLICIES)
+@pytest.mark.parametrize("name", NEW_SETUPS)
 @given(ops=OPS, num_blocks=st.integers(2, 12))
 def test_pool_invariants_hold(name, ops, num_blocks):
     pool = BlockPool(num_blocks, eviction=name)

@@ -6,7 +6,7 @@ wrong (valid) KV once the load landed, so outputs that depend on loaded KV must 
 ``inject("late_reports")`` reports each finished transfer ``LATE_POLLS`` polls after it finished,
 as a GPU's asynchronous copies are (on CPU a copy completes within its step, so no store would
 outlive a step otherwise). Pass ``patch=lambda: inject(fault)`` to
-``bench.engine_run.run_turns``.
+``bench.vllm.engine_run.run_turns``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Driving ``KVTritonConnector`` in vLLM's real ``Scheduler`` (scheduler role; no model is run),
 for the ``tests/vllm`` tests: a scheduler built on a local ``config.json`` (no hub access) and
-stepped with ``bench.scheduler_driver.Driver``, which reports every transfer one step after
+stepped with ``bench.vllm.scheduler_driver.Driver``, which reports every transfer one step after
 it was issued unless a test holds it; the hashes each side holds; the checks of an idle end.
 
 Importing this module does not import vLLM: the test modules skip first when it is missing.
@@ -8,7 +8,7 @@ Importing this module does not import vLLM: the test modules skip first when it 
 
 from __future__ import annotations
 
-from bench.scheduler_driver import Driver
+from bench.vllm.scheduler_driver import Driver
 from kvtriton.sim.vllm_scheduler import make_scheduler, vllm_request
 from kvtriton.specs import FullAttentionSpec, SlidingWindowSpec
 

@@ -92,7 +92,7 @@ def test_16_byte_path_moves_128_bit_vectors(arch, direction):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_stores_into_the_host_pool_stream(arch):
     """Stores write the pool once and the GPU never reads it back: ``st.global.cs`` (evict
-    first); loads write GPU blocks the model reads next, with the default policy."""
+    first); loads write GPU blocks the model reads next, with the default setup."""
     for width in WIDTHS:
         store = _data_accesses(compiled(arch, "store", width)["ptx"], "st")
         load = _data_accesses(compiled(arch, "load", width)["ptx"], "st")

@@ -20,7 +20,7 @@ def build():
 
 
 def _doc(belady: float, rates: dict[str, float]) -> dict:
-    rows = [{"policy": p, "composition": p, "oracle": p.endswith("nextuse"), "token_hit_rate": h}
+    rows = [{"setup": p, "composition": p, "oracle": p.endswith("nextuse"), "token_hit_rate": h}
             for p, h in rates.items()]
     return {"runs": [{"cpu_ratio": 1, "rows": rows, "cache_only_bound": {"hit_rate": belady}}]}
 
@@ -170,19 +170,19 @@ def test_the_evict_share_setting_is_reported_from_its_own_file(build):
 
 
 def test_a_file_from_before_the_hint_split_is_read_as_oracle_closes(build):
-    rows = [{"policy": p, "composition": p, "oracle": False, "token_hit_rate": h,
+    rows = [{"setup": p, "composition": p, "oracle": False, "token_hit_rate": h,
              "gap_closed": g, "ttft_p50_s": 1.0, "ttft_p90_s": 2.0}
             for p, h, g in (("eager", 0.5, 0.0), ("lazy", 0.55, 0.3), ("lazy+hints", 0.6, 0.9))]
     doc = {"runs": [{"cpu_ratio": 1, "rows": rows}],
            "targets": [{"best": "lazy+hints", "gap_closed": 0.9, "met": True, "target": 0.25,
                         "no_gap": False}]}
     build._legacy_hints(doc)
-    assert [r["policy"] for r in rows] == ["eager", "lazy", "lazy+hints [oracle closes]"]
+    assert [r["setup"] for r in rows] == ["eager", "lazy", "lazy+hints [oracle closes]"]
     assert doc["targets"][0]["best"] == "lazy" and doc["targets"][0]["gap_closed"] == 0.3
     assert doc["legacy_hints"]
     # A file written after the split is left as it is.
     build._legacy_hints(doc)
-    assert rows[2]["policy"] == "lazy+hints [oracle closes]"
+    assert rows[2]["setup"] == "lazy+hints [oracle closes]"
 
 
 def test_the_lfu_section_formats_the_studys_verdicts(build, monkeypatch):

@@ -9,7 +9,7 @@ import pytest
 
 from helpers.planner_state import raises_naming
 from kvtriton.planner import PlannerConfig
-from kvtriton.setups import parse_policy
+from kvtriton.setups import parse_setup
 
 
 @pytest.mark.parametrize(("field", "value"), [
@@ -45,8 +45,8 @@ def test_hinted_admission_needs_lazy_mode():
     with pytest.raises(ValueError, match="'hinted' needs lazy mode"):
         PlannerConfig(admission="hinted")
     with pytest.raises(ValueError, match="'hinted' admission needs 'lazy'"):
-        parse_policy("eager+hinted")
+        parse_setup("eager+hinted")
     with pytest.raises(ValueError, match="'second' and 'hinted' both set the admission"):
-        parse_policy("lazy+second+hinted")
-    p = parse_policy("hints+hinted+lazy")
+        parse_setup("lazy+second+hinted")
+    p = parse_setup("hints+hinted+lazy")
     assert p.composition == "lazy+hinted+hints" and p.planner.admission == "hinted"

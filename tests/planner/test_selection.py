@@ -139,7 +139,7 @@ def test_restore_below_cursor_when_confirmed_tokens_shrink(scan):
     assert h.planner.cursor("a") == 10
 
 
-# ---- policy switches -----------------------------------------------------------------------------
+# ---- setup switches -----------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("scan", SCANS)

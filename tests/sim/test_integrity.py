@@ -76,7 +76,7 @@ def test_integrity_mode_over_random_workloads(seed, gpu, cpu):
     wl = agent_workload(num_conversations=3, min_turns=2, max_turns=4, system_prompt_tokens=128,
                         first_user_tokens=96, user_tokens=48, output_tokens=24, seed=seed)
     res = simulate(wl, gpu_tokens=gpu, cpu_tokens=cpu, integrity=True, bound=False,
-                   policies=["eager", "eager+restore+tail"])
+                   setups=["eager", "eager+restore+tail"])
     for r in res.rows:
         assert r["finished"] + r["rejected"] == len(wl)
         assert r["integrity_blocks_checked"] == r["loaded_blocks"]
@@ -92,7 +92,7 @@ def test_hybrid_models_store_and_load_every_group_with_integrity(model):
     wl = agent_workload(num_conversations=4, min_turns=3, max_turns=5, system_prompt_tokens=512,
                         first_user_tokens=256, user_tokens=128, output_tokens=64, seed=3)
     res = simulate(wl, model=model, gpu_blocks=150, cpu_blocks=800, integrity=True,
-                   policies=["eager+restore+tail"], bound=False)
+                   setups=["eager+restore+tail"], bound=False)
     row = res.rows[0]
     sched = {"nemotron-h-8b": 256, "gemma3-12b": 16}[model]
     assert row["cpu_hit_tokens"] > 0 and row["cpu_hit_tokens"] % sched == 0
@@ -114,7 +114,7 @@ def test_integrity_mode_catches_a_corrupted_load():
     IntegrityChecker.execute = corrupting
     try:
         with pytest.raises(IntegrityError, match=r"step \d+: request 'b': GPU block \d+"):
-            simulate(wl, gpu_blocks=6, cpu_blocks=16, policies=["eager+restore+tail"],
+            simulate(wl, gpu_blocks=6, cpu_blocks=16, setups=["eager+restore+tail"],
                      integrity=True, bound=False)
     finally:
         IntegrityChecker.execute = original
@@ -126,17 +126,17 @@ def test_integrity_mode_catches_a_corrupted_load():
 HYBRID_CASES = {
     # kvtriton simulate --model gemma3-12b --conversations 16 --turns 2 8 --system-prompt 1024
     #   --think-s 2 --seed 317 --gpu-tokens 16384 --cpu-tokens 32768
-    #   --policies eager+restore:0.5+tail --token-budget 8192 --max-running 4 --integrity
+    #   --setups eager+restore:0.5+tail --token-budget 8192 --max-running 4 --integrity
     "gemma3-12b": (dict(num_conversations=16, min_turns=2, max_turns=8, system_prompt_tokens=1024,
                         think_s_mean=2.0, seed=317),
-                   dict(gpu_tokens=16384, cpu_tokens=32768, policies=["eager+restore:0.5+tail"],
+                   dict(gpu_tokens=16384, cpu_tokens=32768, setups=["eager+restore:0.5+tail"],
                         token_budget=8192, max_running=4)),
     # kvtriton simulate --model nemotron-h-8b --conversations 16 --turns 4 6 --system-prompt 2048
-    #   --think-s 8 --seed 614 --gpu-tokens 24576 --cpu-tokens 65536 --policies eager+restore+tail
+    #   --think-s 8 --seed 614 --gpu-tokens 24576 --cpu-tokens 65536 --setups eager+restore+tail
     #   --max-running 16 --integrity
     "nemotron-h-8b": (dict(num_conversations=16, min_turns=4, max_turns=6,
                            system_prompt_tokens=2048, think_s_mean=8.0, seed=614),
-                      dict(gpu_tokens=24576, cpu_tokens=65536, policies=["eager+restore+tail"],
+                      dict(gpu_tokens=24576, cpu_tokens=65536, setups=["eager+restore+tail"],
                            max_running=16)),
 }
 
@@ -176,7 +176,7 @@ def test_shipped_coding_agent_traces_on_hybrid_models(model):
     # 64-token hash blocks; the GPU is too small for a few of them, which are rejected.
     wl = _limit(load_trace(data_path(CC_AGENTIC_SAMPLE), hash_block_size=64), 16)
     row = simulate(wl, model=model, gpu_tokens=98_304, cpu_tokens=262_144, integrity=True,
-                   bound=False, policies=["eager+restore:0.5+tail"]).rows[0]
+                   bound=False, setups=["eager+restore:0.5+tail"]).rows[0]
     _check_row(row, len(wl))
     assert row["cpu_hit_tokens"] > 0 and row["rejected"] > 0
 
@@ -198,7 +198,7 @@ LAZY_CASES = {
 def _simulate_lazy(model: str):
     wl_args, sim_args = LAZY_CASES[model]
     wl = agent_workload(**wl_args)
-    return wl, simulate(wl, model=model, integrity=True, bound=False, policies=["lazy"],
+    return wl, simulate(wl, model=model, integrity=True, bound=False, setups=["lazy"],
                         **sim_args).rows[0]
 
 
@@ -237,7 +237,7 @@ def test_lazy_stores_with_the_wrong_group_fail_at_registration(monkeypatch):
 
 
 _MODELS = ("gemma3-12b", "nemotron-h-8b")
-_POLICIES = ("eager", "restore", "eager+restore+tail", "eager+restore:0.5+tail",
+_SETUPS = ("eager", "restore", "eager+restore+tail", "eager+restore:0.5+tail",
              "eager+restore:0.5+tail+arc", "eager+restore:0.5+tail+s3fifo")
 
 
@@ -255,7 +255,7 @@ def _random_config(seed: int) -> tuple[dict, dict]:
               seed=seed)
     sim = dict(model=_MODELS[seed % 2], gpu_tokens=gpu,
                cpu_tokens=int(rng.choice([8192, 16384, 65536])),
-               policies=[str(rng.choice(_POLICIES))],
+               setups=[str(rng.choice(_SETUPS))],
                token_budget=int(rng.choice([512, 2048, 8192])),
                max_running=int(rng.choice([2, 4, 16])),
                integrity_backend=("torch", "copy_engine")[seed // 2 % 2])
@@ -292,13 +292,13 @@ def test_random_configurations_cover_both_models_backends_and_the_cpu_tier():
 # ---- every in-loop bound at its own size ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("policies", [["eager"], ["eager+inf"]])
-def test_integrity_checks_every_in_loop_bound_at_its_own_size(policies):
+@pytest.mark.parametrize("setups", [["eager"], ["eager+inf"]])
+def test_integrity_checks_every_in_loop_bound_at_its_own_size(setups):
     # The unbounded bound's tier holds every key, more than the sized tier: each run's checker
     # is sized for that run's own tier, not for the chosen one.
     wl = agent_workload(num_conversations=6, min_turns=2, max_turns=4, system_prompt_tokens=512,
                         seed=0)
-    res = simulate(wl, gpu_tokens=16_384, cpu_tokens=16_384, policies=policies, integrity=True)
+    res = simulate(wl, gpu_tokens=16_384, cpu_tokens=16_384, setups=setups, integrity=True)
     inf = next(r for r in res.rows + res.bounds if r["composition"] == "eager+inf")
     assert inf["cpu_blocks"] > res.conditions["cpu_blocks"]
     assert all(r["integrity_registrations_checked"] > 0 for r in res.rows + res.bounds)
@@ -311,7 +311,7 @@ _SMALL = (dict(num_conversations=12, min_turns=3, max_turns=4, system_prompt_tok
                first_user_tokens=512, user_tokens=128, output_tokens=32, think_s_mean=1.0,
                max_context_tokens=2816, seed=2),
           dict(model="gemma3-12b", gpu_tokens=6144, cpu_tokens=16384,
-               policies=["eager+restore+tail"],
+               setups=["eager+restore+tail"],
                token_budget=2048, max_running=4))
 
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from kvtriton.planner import OffloadPlanner
-from kvtriton.setups import tier_policy
+from kvtriton.setups import tier_setup
 from kvtriton.sim import MOONCAKE_SYNTHETIC, agent_workload, data_path, load_trace, simulate
 from kvtriton.sim.cost import CostModel
 from kvtriton.sim.errors import UncleanEndError
@@ -52,7 +52,7 @@ def queued_reuse(fillers: int = 8) -> Workload:
 @pytest.mark.parametrize("store", ["eager", "lazy"])
 def test_a_waiting_requests_prefix_survives_the_queue(store):
     res = simulate(queued_reuse(), gpu_tokens=64 * BLOCK, cpu_tokens=64 * BLOCK,
-                   policies=[store, f"{store}+waiting"], max_running=1, in_loop_bounds=(),
+                   setups=[store, f"{store}+waiting"], max_running=1, in_loop_bounds=(),
                    bound=False)
     plain, lookahead = res.rows[:2]
     assert plain["cpu_hit_tokens"] == 0  # control: the fillers evicted P
@@ -66,7 +66,7 @@ def test_protection_ends_when_the_queue_empties():
     wl = queued_reuse()
     layout = preset("llama3-8b", block_size=BLOCK)
     keys, _ = workload_keys(layout, wl)
-    loop = ServingLoop(wl, keys, layout, tier_policy("eager+waiting"),
+    loop = ServingLoop(wl, keys, layout, tier_setup("eager+waiting"),
                        CostModel.named("llama3-8b", "H100"), gpu_blocks=64, cpu_blocks=64,
                        max_running=1)
     peak = 0
@@ -83,7 +83,7 @@ def test_the_protected_share_is_bounded():
     P's first 8 blocks (protected head first, the head's blocks would be the ones demoted and
     ``b`` would hit nothing)."""
     res = simulate(queued_reuse(), gpu_tokens=64 * BLOCK, cpu_tokens=64 * BLOCK,
-                   policies=["eager+waiting:0.125"], max_running=1, in_loop_bounds=(),
+                   setups=["eager+waiting:0.125"], max_running=1, in_loop_bounds=(),
                    bound=False)
     row = res.rows[0]
     assert row["protect_overflow"] == 8
@@ -93,11 +93,11 @@ def test_the_protected_share_is_bounded():
 # ---- clean ends ----------------------------------------------------------------------------------
 
 
-def _loop(wl, policy: str, *, gpu_blocks: int, cpu_blocks: int, model: str = "llama3-8b"
+def _loop(wl, setup: str, *, gpu_blocks: int, cpu_blocks: int, model: str = "llama3-8b"
           ) -> ServingLoop:
     layout = preset(model, block_size=wl.hash_block_size)
     keys, _ = workload_keys(layout, wl)
-    return ServingLoop(wl, keys, layout, tier_policy(policy), CostModel.named(model, "H100"),
+    return ServingLoop(wl, keys, layout, tier_setup(setup), CostModel.named(model, "H100"),
                        gpu_blocks=gpu_blocks, cpu_blocks=cpu_blocks)
 
 
@@ -117,8 +117,8 @@ def test_the_last_finish_flush_is_sent_and_both_pools_end_free(cpu_blocks):
     # kvtriton simulate --workload mooncake --limit 20 --cpu-blocks 1 (a GPU of 16,384 blocks),
     # and other small CPU pools: with few CPU blocks no store is in flight when the last request
     # finishes; the loop steps on until that request's finish flush is sent and completed.
-    for policy in ("eager+restore+tail", "eager+restore:0.5+tail"):
-        loop = _loop(MOONCAKE_20, policy, gpu_blocks=16384, cpu_blocks=cpu_blocks)
+    for setup in ("eager+restore+tail", "eager+restore:0.5+tail"):
+        loop = _loop(MOONCAKE_20, setup, gpu_blocks=16384, cpu_blocks=cpu_blocks)
         m = loop.run()
         assert m.finished + m.rejected == len(MOONCAKE_20)
         _assert_clean(loop)
@@ -138,7 +138,7 @@ def test_an_unclean_end_is_an_error(monkeypatch):
     # flush's blocks pinned in both pools.
     monkeypatch.setattr(OffloadPlanner, "has_pending_work", lambda self: False)
     loop = _loop(MOONCAKE_20, "eager+restore:0.5+tail", gpu_blocks=16384, cpu_blocks=1)
-    with pytest.raises(UncleanEndError, match=r"policy 'eager\+restore:0\.5\+tail': the run ended "
+    with pytest.raises(UncleanEndError, match=r"setup 'eager\+restore:0\.5\+tail': the run ended "
                                               r"at step \d+ with .*1 of 1 CPU blocks still held"):
         loop.run()
 
@@ -151,12 +151,12 @@ def test_queueing_delay_is_the_wait_before_admission():
     # to finish (its queueing delay is at least the first's TTFT); the first waits no step.
     wl = Workload([WorkloadRequest("a", 0.0, 64, 4, chain(1, 4)),
                    WorkloadRequest("b", 0.0, 64, 4, chain(2, 4))], BLOCK)
-    row = simulate(wl, gpu_blocks=64, cpu_blocks=64, policies=["none"], bound=False,
+    row = simulate(wl, gpu_blocks=64, cpu_blocks=64, setups=["none"], bound=False,
                    max_running=1).rows[0]
     first_ttft = min(row["ttft_all_s"])
     assert row["queue_delay_p50_s"] == pytest.approx(row["queue_delay_mean_s"])
     assert row["queue_delay_mean_s"] >= first_ttft / 2  # (0 + at least first_ttft) / 2
-    two = simulate(wl, gpu_blocks=64, cpu_blocks=64, policies=["none"], bound=False,
+    two = simulate(wl, gpu_blocks=64, cpu_blocks=64, setups=["none"], bound=False,
                    max_running=2).rows[0]
     assert two["queue_delay_mean_s"] == 0.0  # the negative control: nobody waits
 
@@ -189,7 +189,7 @@ def test_a_step_that_only_preempts_is_not_a_deadlock(engine):
     if engine == "vllm":
         pytest.importorskip("vllm")
     res = simulate(tight_pool(), gpu_tokens=24 * BLOCK, cpu_tokens=64 * BLOCK,
-                   policies=["eager"], bound=False, in_loop_bounds=(), engine=engine)
+                   setups=["eager"], bound=False, in_loop_bounds=(), engine=engine)
     row = res.rows[0]
     assert row["finished"] == 4 and row["preemptions"] == 1
     assert row["cpu_hit_tokens"] == 8 * BLOCK  # b's load is the one the step had to wait out
@@ -203,7 +203,7 @@ def test_a_step_that_only_preempts_does_not_wait_for_the_next_event(engine):
     if engine == "vllm":
         pytest.importorskip("vllm")
     res = simulate(tight_pool(later=100.0), gpu_tokens=24 * BLOCK, cpu_tokens=64 * BLOCK,
-                   policies=["eager"], bound=False, in_loop_bounds=(), engine=engine)
+                   setups=["eager"], bound=False, in_loop_bounds=(), engine=engine)
     row = res.rows[0]
     assert row["finished"] == 5 and row["preemptions"] == 1
     ttft = dict(zip("wfabz", row["ttft_all_s"], strict=True))

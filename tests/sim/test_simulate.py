@@ -25,15 +25,15 @@ def _req(rid: str, prefix: int, prompt: int, output: int = 1, *, after: str | No
     return WorkloadRequest(rid, arrival, prompt, output, hashes, session="s", after=after)
 
 
-def _row(result, policy: str) -> dict:
-    return next(r for r in result.rows if r["policy"] == policy)
+def _row(result, setup: str) -> dict:
+    return next(r for r in result.rows if r["setup"] == setup)
 
 
 def test_repeat_prompt_hits_the_gpu_prefix_cache():
     # B repeats A's 64-token prompt after A finished: 3 blocks hit (the last token is always
     # recomputed, so the 4th block is prefilled again, and counts as recomputed).
     wl = Workload([_req("a", 1, 64), _req("b", 1, 64, after="a")], B)
-    res = simulate(wl, gpu_blocks=64, cpu_blocks=64, policies=["none"], bound=False)
+    res = simulate(wl, gpu_blocks=64, cpu_blocks=64, setups=["none"], bound=False)
     row = _row(res, "none")
     assert row["prompt_tokens"] == 128
     assert row["gpu_hit_tokens"] == 48
@@ -50,7 +50,7 @@ def test_cpu_tier_serves_what_the_gpu_evicted():
     # blocks 0-1 hit the GPU, block 2 the CPU, block 3 holds the last token and is recomputed.
     wl = Workload([_req("a", 1, 64), _req("c", 2, 64, after="a"), _req("b", 1, 64, after="c")],
                   B)
-    res = simulate(wl, gpu_blocks=6, cpu_blocks=16, policies=["none", "eager+restore+tail"],
+    res = simulate(wl, gpu_blocks=6, cpu_blocks=16, setups=["none", "eager+restore+tail"],
                    bound=False)
     row = _row(res, "eager+restore+tail")
     assert (row["gpu_hit_tokens"], row["cpu_hit_tokens"]) == (32, 16)
@@ -66,7 +66,7 @@ def test_preemption_when_the_gpu_runs_out():
     # Two 64-token prompts decoding 40 tokens each in 9 GPU blocks: together they need 2 x 7
     # blocks by the end, so the newer one is preempted (recompute) and runs after the first.
     wl = Workload([_req("a", 1, 64, 40), _req("b", 2, 64, 40)], B)
-    res = simulate(wl, gpu_blocks=9, cpu_blocks=32, policies=["none"], bound=False)
+    res = simulate(wl, gpu_blocks=9, cpu_blocks=32, setups=["none"], bound=False)
     row = _row(res, "none")
     assert row["finished"] == 2
     assert row["preemptions"] >= 1
@@ -75,7 +75,7 @@ def test_preemption_when_the_gpu_runs_out():
 
 def test_a_request_larger_than_the_gpu_is_rejected_not_fatal():
     wl = Workload([_req("big", 1, 200), _req("small", 2, 32)], B)
-    res = simulate(wl, gpu_blocks=8, cpu_blocks=8, policies=["none"], bound=False)
+    res = simulate(wl, gpu_blocks=8, cpu_blocks=8, setups=["none"], bound=False)
     row = _row(res, "none")
     assert (row["rejected"], row["finished"]) == (1, 1)
 
@@ -86,7 +86,7 @@ def test_hit_rates_and_the_bound_cover_the_same_requests():
     # runs do, and "again" does not wait for it. "small" and "small2" share 32 tokens.
     wl = Workload([_req("big", 1, 200), _req("again", 1, 64, after="big"),
                    _req("small", 2, 48), _req("small2", 2, 48, after="small")], B)
-    res = simulate(wl, gpu_blocks=8, cpu_blocks=8, policies=["none", "eager+restore+tail"])
+    res = simulate(wl, gpu_blocks=8, cpu_blocks=8, setups=["none", "eager+restore+tail"])
     assert res.conditions["rejected"] == 1
     for r in res.rows + res.bounds:
         assert (r["rejected"], r["finished"], r["prompt_tokens"]) == (1, 3, 64 + 48 + 48)
@@ -98,7 +98,7 @@ def test_hit_rates_and_the_bound_cover_the_same_requests():
     assert (res.bound["hit_rate"], res.bound["requests"], res.bound["rejected"]) == (
         expect.hit_rate, 3, 1)
     header, _, *lines = res.table().splitlines()
-    assert header.split()[:2] == ["policy", "rejected"]
+    assert header.split()[:2] == ["setup", "rejected"]
     assert [line.split()[:2] for line in lines] == [
         ["none", "1"], ["eager+restore+tail", "1"], ["eager", "1"], ["eager+nextuse", "1"],
         ["lazy+nextuse", "1"], ["eager+inf", "1"]]
@@ -142,47 +142,47 @@ def test_an_lfu_sketch_beyond_this_machine_is_refused_naming_the_setup(monkeypat
     monkeypatch.setattr(sim_module.ServingLoop, "__init__", refuse)
     monkeypatch.setattr(sim_module, "machine_memory_bytes", lambda: 64 << 30)
     wl = Workload([_req("a", 1, 64)], B)
-    with pytest.raises(ValueError, match=r"^policy 'eager\+lfu:1000000': its LFU sketch for the "
+    with pytest.raises(ValueError, match=r"^setup 'eager\+lfu:1000000': its LFU sketch for the "
                                          r"CPU tier of 262,143 blocks takes 1,024.0 GiB, which "
                                          r"with the simulator's block pools need about 0.0 GiB "
                                          r"is more than this machine's 64.0 GiB of memory; use "
                                          r"a smaller window W"):
-        simulate(wl, gpu_blocks=8, cpu_blocks=262_143, policies=["eager", "eager+lfu:1000000"])
+        simulate(wl, gpu_blocks=8, cpu_blocks=262_143, setups=["eager", "eager+lfu:1000000"])
     # A moderate window's sketch is counted too: 4 rows of 64 x 1,000 counters, rounded up to
     # 2^16, beside the pools it must fit with.
     pools = sim_module.ServingLoop.bytes_needed(8, 1000)
     sketch = 4 << 16
     monkeypatch.setattr(sim_module, "machine_memory_bytes", lambda: pools + sketch - 1)
-    with pytest.raises(ValueError, match=r"^policy 'eager\+lfu:64\+waiting': its LFU sketch"):
-        simulate(wl, gpu_blocks=8, cpu_blocks=1000, policies=["eager", "eager+lfu:64+waiting"],
+    with pytest.raises(ValueError, match=r"^setup 'eager\+lfu:64\+waiting': its LFU sketch"):
+        simulate(wl, gpu_blocks=8, cpu_blocks=1000, setups=["eager", "eager+lfu:64+waiting"],
                  check_only=True)
     monkeypatch.setattr(sim_module, "machine_memory_bytes", lambda: pools + sketch)
-    simulate(wl, gpu_blocks=8, cpu_blocks=1000, policies=["eager+lfu:64+waiting"],
+    simulate(wl, gpu_blocks=8, cpu_blocks=1000, setups=["eager+lfu:64+waiting"],
              check_only=True)
 
 
 def test_a_setup_with_tiny_or_huge_numbers_is_printed_as_written():
     """The names the simulator's rows and table print parse back to the setups that ran (issue
     36, item 6: ``restore:1e-05`` and ``lfu:1e+06`` did not)."""
-    from kvtriton.setups import tier_policy
+    from kvtriton.setups import tier_setup
     from kvtriton.sim.metrics import format_table
 
     wl = Workload([_req("a", 1, 64), _req("b", 1, 64, after="a")], B)
     names = ["eager+restore:0.00001", "eager+lfu:1000000"]
-    res = simulate(wl, gpu_blocks=8, cpu_blocks=8, policies=names, bound=False)
-    assert [r["policy"] for r in res.rows] == names
+    res = simulate(wl, gpu_blocks=8, cpu_blocks=8, setups=names, bound=False)
+    assert [r["setup"] for r in res.rows] == names
     assert [r["composition"] for r in res.rows] == names
     table = format_table(res.rows)
     for name in names:
-        assert name in table and tier_policy(name).composition == name
+        assert name in table and tier_setup(name).composition == name
 
 
-def test_restore_policies_are_reported_side_by_side():
+def test_restore_setups_are_reported_side_by_side():
     wl = agent_workload(num_conversations=4, min_turns=3, max_turns=4, system_prompt_tokens=256,
                         first_user_tokens=128, user_tokens=64, output_tokens=32, seed=2)
     res = simulate(wl, gpu_tokens=2048, cpu_tokens=4096)
     # The default setups are named by composition, in the presets' order.
-    assert [r["policy"] for r in res.rows] == [
+    assert [r["setup"] for r in res.rows] == [
         "none", "eager", "eager+restore", "eager+restore+tail", "eager+restore:0.5+tail",
         "eager+restore:0.5+tail+arc", "eager+restore:0.5+tail+s3fifo"]
     for r in res.rows:
@@ -212,8 +212,8 @@ def test_gap_closed_is_the_share_of_the_control_to_bound_gap():
 
 def test_simulate_runs_compositions_and_the_in_loop_bounds():
     wl = agent_workload(num_conversations=4, min_turns=3, max_turns=4, seed=3)
-    res = simulate(wl, gpu_tokens=8192, cpu_tokens=8192, policies=["lazy+hints", "eager+arc"])
-    names = [r["policy"] for r in res.rows + res.bounds]
+    res = simulate(wl, gpu_tokens=8192, cpu_tokens=8192, setups=["lazy+hints", "eager+arc"])
+    names = [r["setup"] for r in res.rows + res.bounds]
     assert names == ["lazy+hints", "eager+arc", "eager", "eager+nextuse", "lazy+nextuse",
                      "eager+inf"]
     every = res.rows + res.bounds
@@ -225,8 +225,8 @@ def test_simulate_runs_compositions_and_the_in_loop_bounds():
     assert sum(hinted["hints_applied"].values()) == len(wl)
     assert hinted["lazy_stored"] > 0 and hinted["stored_blocks"] > 0
     assert "gap closed" in res.table().splitlines()[0]
-    off = simulate(wl, gpu_tokens=8192, cpu_tokens=8192, policies=["eager+arc"], bound=False)
-    assert [r["policy"] for r in off.rows] == ["eager+arc"] and off.bounds == []
+    off = simulate(wl, gpu_tokens=8192, cpu_tokens=8192, setups=["eager+arc"], bound=False)
+    assert [r["setup"] for r in off.rows] == ["eager+arc"] and off.bounds == []
 
 
 def test_a_measured_cost_runs_the_clock():
@@ -238,8 +238,8 @@ def test_a_measured_cost_runs_the_clock():
                         decode_s_per_seq=0.0, decode_s_per_context_token=0.0,
                         h2d_bytes_per_s=1e9, d2h_bytes_per_s=1e9)
     wl = Workload([_req("a", 1, 64)], B)
-    res = simulate(wl, gpu_blocks=64, cpu_blocks=64, policies=["eager"], bound=False, cost=cost)
+    res = simulate(wl, gpu_blocks=64, cpu_blocks=64, setups=["eager"], bound=False, cost=cost)
     assert _row(res, "eager")["ttft_p50_s"] == pytest.approx(0.01 + 64e-3)
     assert res.conditions["cost_model"]["kind"] == "measured"
-    default = simulate(wl, gpu_blocks=64, cpu_blocks=64, policies=["eager"], bound=False)
+    default = simulate(wl, gpu_blocks=64, cpu_blocks=64, setups=["eager"], bound=False)
     assert _row(default, "eager")["ttft_p50_s"] != pytest.approx(0.01 + 64e-3)

@@ -59,7 +59,7 @@ def test_each_part_reports_its_own_requests():
     # b repeats a's 64-token prompt after a finished: a (train) hits nothing, b (test) hits 48
     # tokens in the GPU prefix cache. Swapping the parts must swap the figures.
     wl = Workload([_req("a", 1, 64), _req("b", 1, 64, after="a")], B)
-    kw = {"gpu_blocks": 64, "cpu_blocks": 64, "policies": ["none"], "bound": False}
+    kw = {"gpu_blocks": 64, "cpu_blocks": 64, "setups": ["none"], "bound": False}
     row = simulate(wl, parts={"a": TRAIN, "b": TEST}, **kw).rows[0]
     assert row["parts"][TRAIN]["token_hit_rate"] == 0.0
     assert row["parts"][TEST]["gpu_hit_tokens"] == 48
@@ -73,7 +73,7 @@ def test_each_part_reports_its_own_requests():
 @pytest.mark.parametrize("kind", ["time", "sessions"])
 def test_parts_add_up_to_the_whole_run(kind):
     wl = agent_workload(num_conversations=6, min_turns=2, max_turns=5, seed=4)
-    res = simulate(wl, gpu_tokens=16_384, cpu_tokens=8192, policies=["eager", "lazy"],
+    res = simulate(wl, gpu_tokens=16_384, cpu_tokens=8192, setups=["eager", "lazy"],
                    parts=split_named(kind, wl))
     for row in res.rows + res.bounds:
         parts = row["parts"].values()

@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("vllm")
 os.environ["HF_HUB_OFFLINE"] = "1"
 
-from bench.crosscheck import compare, serving_loop_options
+from bench.vllm.crosscheck import compare, serving_loop_options
 from kvtriton.sim import agent_workload, simulate
 from kvtriton.sim.splits import TEST, TRAIN, session_sets
 
@@ -24,15 +24,15 @@ def workload():
                           first_user_tokens=256, user_tokens=96, output_tokens=48, seed=3)
 
 
-POLICIES = ["none", "eager", "eager+restore:0.5+tail+arc"]
+SETUPS = ["none", "eager", "eager+restore:0.5+tail+arc"]
 
 
 def test_rows_have_simulates_shape_and_everything_finishes(workload):
     # A GPU too small for the conversations' histories: next turns hit in the CPU tier.
-    kw = {"gpu_tokens": 2048, "cpu_tokens": 16384, "policies": POLICIES, "bound": False}
+    kw = {"gpu_tokens": 2048, "cpu_tokens": 16384, "setups": SETUPS, "bound": False}
     ours = simulate(workload, engine="vllm", **kw)
     ref = simulate(workload, **kw)
-    assert [r["policy"] for r in ours.rows] == POLICIES
+    assert [r["setup"] for r in ours.rows] == SETUPS
     assert ours.conditions["engine"] == "vllm"
     for a, b in zip(ours.rows, ref.rows, strict=True):
         assert set(a) == set(b)
@@ -51,7 +51,7 @@ def test_rows_have_simulates_shape_and_everything_finishes(workload):
 def test_ample_gpu_gives_the_serving_loops_hits_exactly(workload):
     # Nothing is ever evicted and every turn waits for the previous one: both loops must see
     # the same prefix hits, token for token, and recompute nothing.
-    kw = {"gpu_tokens": 1 << 18, "cpu_tokens": 1 << 18, "policies": ["none", "eager"],
+    kw = {"gpu_tokens": 1 << 18, "cpu_tokens": 1 << 18, "setups": ["none", "eager"],
           "bound": False, "parts": session_sets(workload)}
     vllm, ours = simulate(workload, engine="vllm", **kw), simulate(workload, **kw)
     for a, b in zip(vllm.rows, ours.rows, strict=True):
@@ -69,7 +69,7 @@ def test_bad_input(workload):
     with pytest.raises(ValueError, match="integrity"):
         simulate(workload, engine="vllm", integrity=True)
     with pytest.raises(ValueError, match="unknown setup"):
-        simulate(workload, engine="vllm", policies=["nope"])
+        simulate(workload, engine="vllm", setups=["nope"])
     with pytest.raises(ValueError, match="Mamba"):
         simulate(workload, engine="vllm", model="nemotron-h-8b")
 
@@ -82,11 +82,11 @@ _MEASURED = {"wall_s", "planner_ms_per_step", "build_meta_ms_mean", "build_meta_
 def test_under_gpu_pressure_the_serving_loop_is_vllms_step_for_step(full_isl):
     # A GPU too small for the conversations: preemptions, CPU loads that land while the GPU is
     # full, admissions the whole-prompt rule holds back. ServingLoop models vLLM 0.32's step
-    # policy (loads that landed wait holding their blocks and never preempt, the in-flight
+    # setup (loads that landed wait holding their blocks and never preempt, the in-flight
     # prefill reservation, the CPU lookup before allocation, scheduler_reserve_full_isl), and
     # the connector gets finished loads in completion order: every modeled figure agrees.
     wl = agent_workload(num_conversations=8, min_turns=3, max_turns=6, seed=0)
-    kw = {"gpu_tokens": 12288, "cpu_tokens": 16384, "policies": ["none", "eager"],
+    kw = {"gpu_tokens": 12288, "cpu_tokens": 16384, "setups": ["none", "eager"],
           "bound": False}
     overrides = {"scheduler_reserve_full_isl": full_isl}
     loop = simulate(wl, **serving_loop_options(overrides), **kw)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.tier_study import ABLATION, COMBINED
-from kvtriton.setups import BOUNDS, DEFAULT_SETUP, tier_policy
+from bench.tier_study.study import ABLATION, COMBINED
+from kvtriton.setups import BOUNDS, DEFAULT_SETUP, tier_setup
 from kvtriton.vllm.config import (
     DEFAULT_CPU_BYTES_PER_RANK,
     ConnectorConfig,
@@ -53,7 +53,7 @@ def test_defaults():
     cfg = parse_extra_config({})
     assert cfg == ConnectorConfig()
     assert cfg.cpu_bytes_per_rank == DEFAULT_CPU_BYTES_PER_RANK
-    assert cfg.setup == tier_policy(DEFAULT_SETUP).composition
+    assert cfg.setup == tier_setup(DEFAULT_SETUP).composition
     assert parse_extra_config(None) == cfg
 
 
@@ -72,12 +72,12 @@ def test_every_key_reaches_the_planner():
 def test_every_online_setup_of_the_study_is_one_key(setup):
     """Each setup the simulator's study runs is accepted as is, in its canonical spelling, and
     gives the planner, eviction and signals the simulator builds from the same string."""
-    policy = tier_policy(setup)
+    tier = tier_setup(setup)
     cfg = parse_extra_config({"setup": setup})
-    assert cfg.setup == policy.composition and cfg.policy == policy
+    assert cfg.setup == tier.composition and cfg.tier == tier
     pc = cfg.planner_config(world_size=1, max_num_batched_tokens=8192)
-    assert pc == policy.planner
-    assert parse_extra_config(extra_config_for(policy)) == cfg
+    assert pc == tier.planner
+    assert parse_extra_config(extra_config_for(tier)) == cfg
 
 
 @pytest.mark.parametrize(("name", "composition"), [
@@ -107,12 +107,12 @@ def test_a_setup_the_connector_cannot_run_is_one_error_naming_the_axis(setup, na
 
 
 def test_extra_config_for_is_the_setup_key_and_refuses_the_bounds():
-    assert extra_config_for(tier_policy("lazy+hints")) == {"setup": "lazy+hints"}
+    assert extra_config_for(tier_setup("lazy+hints")) == {"setup": "lazy+hints"}
     for bound in BOUNDS:
         with pytest.raises(ValueError, match=r"oracle|bound"):
-            extra_config_for(tier_policy(bound))
+            extra_config_for(tier_setup(bound))
     with pytest.raises(ValueError, match="no CPU tier"):
-        extra_config_for(tier_policy("none"))
+        extra_config_for(tier_setup("none"))
 
 
 def test_unknown_key_names_it_and_the_known_ones():
@@ -244,7 +244,7 @@ def test_a_tier_that_fits_passes_and_the_real_machine_is_read():
 def test_lfu_runs_in_the_connector_by_name():
     cfg = parse_extra_config({"setup": "eager+lfu:4+waiting"})
     assert cfg.setup == "eager+lfu:4+waiting" and cfg.cpu_eviction == "lfu:4"
-    assert extra_config_for(tier_policy("eager+lfu")) == {"setup": "eager+lfu"}
+    assert extra_config_for(tier_setup("eager+lfu")) == {"setup": "eager+lfu"}
 
 
 # ---- setups whose numbers a general format writes with an exponent (issue 36, item 6) -----------
@@ -256,10 +256,10 @@ def test_a_setup_with_tiny_or_huge_numbers_runs_as_written(setup):
     """The stored setup is the canonical name, which must parse again wherever the connector
     reads it (planner switches, the start-up line) and name the same numbers."""
     cfg = parse_extra_config({"setup": setup})
-    assert cfg.setup == setup and cfg.policy == tier_policy(setup)
-    assert cfg.planner_config(world_size=1, max_num_batched_tokens=8192) == cfg.policy.planner
+    assert cfg.setup == setup and cfg.tier == tier_setup(setup)
+    assert cfg.planner_config(world_size=1, max_num_batched_tokens=8192) == cfg.tier.planner
     assert cfg.describe().startswith(f"setup {setup} (")
-    assert parse_extra_config(extra_config_for(cfg.policy)) == cfg
+    assert parse_extra_config(extra_config_for(cfg.tier)) == cfg
 
 
 # ---- the lfu sketch is counted at start-up (issue 36, item 7) ---------------------------------
@@ -270,7 +270,7 @@ BLOCKS = 3001  # the tier's blocks, the null block included
 
 
 def _sketch(setup: str) -> int:
-    return tier_policy(setup).eviction_bytes(BLOCKS)
+    return tier_setup(setup).eviction_bytes(BLOCKS)
 
 
 def test_a_sketch_that_does_not_fit_beside_the_tier_names_the_setup_as_written():

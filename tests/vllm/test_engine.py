@@ -29,7 +29,7 @@ pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 os.environ["HF_HUB_OFFLINE"] = "1"
 
-from bench.engine_run import EngineRun, run_turns, tiny_llama
+from bench.vllm.engine_run import EngineRun, run_turns, tiny_llama
 from helpers.faults import inject
 
 LOGPROB_TOL = 1e-4
@@ -191,8 +191,8 @@ def test_multiprocess_engine(model_dir, tmp_path, multi_turn):
                                 "connector": TIER, "multiprocess": True}))
     import bench
 
-    root = Path(bench.__file__).resolve().parent.parent  # where `-m bench.engine_run` resolves
-    proc = subprocess.run([sys.executable, "-m", "bench.engine_run", str(spec), str(out)],
+    root = Path(bench.__file__).resolve().parent.parent  # where `-m bench.vllm.engine_run` resolves
+    proc = subprocess.run([sys.executable, "-m", "bench.vllm.engine_run", str(spec), str(out)],
                           capture_output=True, text=True, timeout=600, cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = EngineRun(**json.loads(out.read_text()))

@@ -23,7 +23,7 @@ pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 os.environ["HF_HUB_OFFLINE"] = "1"
 
-from bench.engine_run import shutdown_engine, tiny_llama
+from bench.vllm.engine_run import shutdown_engine, tiny_llama
 from helpers.vllm_driver import cpu_hashes
 from kvtriton.vllm.signals import HINT_KEY
 

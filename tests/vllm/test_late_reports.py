@@ -4,7 +4,7 @@ within its step, so without this no store outlives a step.
 - In vLLM's whole engine (``LLM``, in this process), with every transfer reported
   ``LATE_POLLS`` polls after it finished (``helpers.faults.inject("late_reports")``): outputs
   equal the recompute's, and once the engine has stepped while its scheduler has work
-  (``bench.engine_run`` drains it as the engine-core process's loop does; ``LLM.generate``
+  (``bench.vllm.engine_run`` drains it as the engine-core process's loop does; ``LLM.generate``
   alone stops at its last output) nothing is in flight, every store batch issued is
   registered, the planner's idle invariants hold and the GPU pool is whole.
 - In vLLM's scheduler, with stores held in flight: ``reset_prefix_cache(reset_running_requests
@@ -24,8 +24,8 @@ pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 os.environ["HF_HUB_OFFLINE"] = "1"
 
-from bench.engine_run import run_turns, tiny_llama
-from bench.scheduler_driver import Driver
+from bench.vllm.engine_run import run_turns, tiny_llama
+from bench.vllm.scheduler_driver import Driver
 from helpers.faults import inject
 from helpers.vllm_driver import FULL, tokens
 from kvtriton.sim.vllm_scheduler import make_scheduler, tiny_model_dir, vllm_request

@@ -34,7 +34,7 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 
-from bench.engine_run import tiny_llama
+from bench.vllm.engine_run import tiny_llama
 from kvtriton.vllm.signals import HINT_KEY
 
 README = Path(__file__).resolve().parents[2] / "README.md"

@@ -18,9 +18,9 @@ import pytest
 pytest.importorskip("vllm")
 os.environ["HF_HUB_OFFLINE"] = "1"
 
-from bench.tier_study import ABLATION, COMBINED
+from bench.tier_study.study import ABLATION, COMBINED
 from helpers.vllm_driver import BS, assert_idle, build, cpu_hashes, run, tokens
-from kvtriton.setups import tier_policy
+from kvtriton.setups import tier_setup
 from kvtriton.sim.vllm_scheduler import tiny_model_dir, vllm_request
 from kvtriton.vllm.signals import HINT_KEY, LOGGED_CHARS, shorten
 
@@ -75,9 +75,9 @@ def test_every_online_setup_of_the_study_runs_by_name(model_dir, setup):
     """The simulator's ablation and combinations, each turned on by its composition alone: the
     connector runs the planner and eviction the setup parses to, and serves to an idle end."""
     s, side, drv = build(model_dir, cpu_blocks=TIER_BLOCKS, extra_config={"setup": setup})
-    policy = tier_policy(setup)
-    assert side.config.setup == policy.composition
-    name, _, window = policy.cpu_eviction.partition(":")
+    tier = tier_setup(setup)
+    assert side.config.setup == tier.composition
+    name, _, window = tier.cpu_eviction.partition(":")
     queue = side.cpu_pool.eviction
     assert queue.name.split("+")[0] == name
     if window:  # lfu:W: the connector's sketch ages on the window the setup names
@@ -86,8 +86,8 @@ def test_every_online_setup_of_the_study_runs_by_name(model_dir, setup):
     p = side.planner.config
     assert (p.restore, p.cpu_free_order, p.restore_share, p.lazy, p.admission,
             p.refresh_on_gpu_hit) == (
-        policy.planner.restore, policy.planner.cpu_free_order, policy.planner.restore_share,
-        policy.planner.lazy, policy.planner.admission, policy.planner.refresh_on_gpu_hit)
+        tier.planner.restore, tier.planner.cpu_free_order, tier.planner.restore_share,
+        tier.planner.lazy, tier.planner.admission, tier.planner.refresh_on_gpu_hit)
     for i in range(3):
         serve(drv, side, request(f"r{i}", i % 2, PROMPT_BLOCKS, hint="continue"))
     assert_idle(s, side)
@@ -238,7 +238,7 @@ def test_simulate_on_vllm_passes_each_requests_hint():
     wl = agent_workload(num_conversations=4, min_turns=2, max_turns=3, system_prompt_tokens=256,
                         first_user_tokens=128, user_tokens=64, output_tokens=16, seed=5)
     bare = Workload([replace(r, hint=None) for r in wl.requests], wl.hash_block_size, wl.name)
-    kw = {"gpu_tokens": 2048, "cpu_tokens": 4096, "policies": ["lazy+hinted"], "bound": False,
+    kw = {"gpu_tokens": 2048, "cpu_tokens": 4096, "setups": ["lazy+hinted"], "bound": False,
           "engine": "vllm"}
     hinted, control = simulate(wl, **kw).rows[0], simulate(bare, **kw).rows[0]
     assert any(r.hint == "close" for r in wl.requests)
@@ -257,7 +257,7 @@ def test_recycled_key_ids_start_over_in_the_plain_order():
 
     keys = KeyIds()
     ids = np.array([keys.id_of(bytes([i]) * 32) for i in range(4)], dtype=np.int64)
-    signals = TierSignals(tier_policy("eager+hints"), keys, group_suffixes(1))
+    signals = TierSignals(tier_setup("eager+hints"), keys, group_suffixes(1))
     queue = signals.cpu_pool(8, enable_events=False).eviction
     signals.admitted("a", ids[None, :])
     queue.hint(ids[:2], PROTECTED, lambda _k: None)

@@ -1,7 +1,7 @@
 """Bounded memory through the connector: key ids recycled in vLLM's real scheduler.
 
-A soak (``bench.connector_soak``) makes over ten times more distinct blocks than the GPU and CPU
-pools hold together. With recycling the connector's key ids and the planner's per-key slots stay
+A soak (``bench.vllm.connector_soak``) makes over ten times more distinct blocks than the GPU and
+CPU pools hold together. With recycling the connector's key ids and the planner's per-key slots stay
 flat; the control (recycling off) shows they would grow with every distinct block. Recycling
 changes ids only: the hashes stored and loaded step by step are those of the control run, and a
 recycler that misses a holder of ids (the GPU prefix cache) is caught by that comparison.
@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("vllm")
 os.environ["HF_HUB_OFFLINE"] = "1"
 
-from bench.connector_soak import ConnectorSoak
+from bench.vllm.connector_soak import ConnectorSoak
 from kvtriton.sim.vllm_scheduler import tiny_model_dir
 
 GPU, CPU = 64, 128

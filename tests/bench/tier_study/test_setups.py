@@ -1,0 +1,162 @@
+"""The setup benchmark end to end on a tiny workload: its JSON, its targets, its map."""
+
+from __future__ import annotations
+
+import json
+
+from bench.tier_study import setups
+from kvtriton.sim import agent_workload, mark_session_close, without_closes
+
+
+def test_ablation_and_map_write_what_the_paper_reads(tmp_path):
+    oracle = mark_session_close(agent_workload(num_conversations=6, min_turns=2, max_turns=3,
+                                               seed=5))
+    wl = without_closes(oracle)
+    doc = setups.ablation("agent", wl, 4096, ("eager", "lazy", "lazy+hints"), False,
+                                  results_dir=tmp_path, oracle_wl=oracle, split="sessions")
+    saved = json.loads((tmp_path / "setups_agent.json").read_text())
+    assert saved["targets"] == doc["targets"] and len(doc["runs"]) == len(setups.RATIOS)
+    for run in doc["runs"]:
+        comps = [r["composition"] for r in run["rows"]]
+        assert comps == ["eager", "lazy", "lazy+hints", "lazy+hints", "eager+nextuse",
+                         "lazy+nextuse", "eager+inf"]
+        # Every hinted setup twice: with the hints a server has, and given oracle closes.
+        hinted = {r["setup"]: r["hint_source"] for r in run["rows"] if "hint_source" in r}
+        assert hinted == {"lazy+hints": "causal", "lazy+hints [oracle closes]": "oracle closes"}
+        assert all(isinstance(r["ttft_no_worse"], bool) for r in run["rows"])
+        assert all(set(r["parts"]) == {"train", "test"} for r in run["rows"])
+        control = run["rows"][0]
+        assert control["gap_closed"] in (0.0, None)
+        assert run["cache_only_bound"]["hit_rate"] >= 0
+    assert doc["split"] == "sessions"
+    for run, t in zip(doc["runs"], doc["targets"], strict=True):
+        assert t["bound"] in ("eager+nextuse", "lazy+nextuse")
+        assert t["best"] != "lazy+hints [oracle closes]" and t["ttft_tolerance_s"] > 0
+        assert (t["chosen_on"], t["judged_on"]) == ("train", "test")
+        # Chosen on the train part, judged on the test part's figures.
+        best = next((r for r in run["rows"] if r["setup"] == t["best"]), None)
+        assert best == setups.best_online(run["rows"], t["ttft_tolerance_s"], "train")
+        if best is not None:
+            assert t["gap_closed_train"] == best["parts"]["train"]["gap_closed"]
+            assert t["judged_share"] == t["gap_closed_test"] == \
+                best["parts"]["test"]["gap_closed"]
+        if t["no_gap"]:
+            assert t["met"] is None and t["gap_points"] < setups.MATERIAL_GAP_POINTS
+        else:
+            assert t["met"] == bool(t["judged_share"] is not None and t["judged_share"] >= 0.25)
+
+    m = setups.restore_map("agent", True, False, results_dir=tmp_path,
+                                   grid=(wl, 4096, (1, 2), (2, 8)))
+    assert set(m["gain"]) == set(setups.MAP_FORMS)
+    for form, grid in m["gain"].items():
+        for i in range(2):
+            for j in range(2):
+                assert grid[i][j] == m["hit_rate"][form][i][j] - m["hit_rate"]["eager"][i][j]
+    assert (tmp_path / "restore_map_agent.png").stat().st_size > 0
+
+
+def test_best_online_skips_oracles_and_slower_setups():
+    rows = [{"composition": "eager", "oracle": False, "gap_closed": 0.0,
+             "ttft_p50_s": 1.0, "ttft_p90_s": 2.0},
+            {"composition": "lazy", "oracle": False, "gap_closed": 0.5,
+             "ttft_p50_s": 1.5, "ttft_p90_s": 2.0},  # slower: not eligible
+            {"composition": "eager+arc", "oracle": False, "gap_closed": 0.1,
+             "ttft_p50_s": 0.9, "ttft_p90_s": 2.0},
+            {"composition": "eager+nextuse", "oracle": True, "gap_closed": 1.0,
+             "ttft_p50_s": 0.5, "ttft_p90_s": 1.0}]
+    assert setups.best_online(rows)["composition"] == "eager+arc"
+    assert setups.best_online(rows[:2]) is None
+    # A setup that ties the control closes nothing: it is no best setup (it was reported as
+    # the best, at 0%, when every setup that closed some gap had a worse TTFT).
+    tie = {"composition": "eager+restore", "oracle": False, "gap_closed": 0.0,
+           "ttft_p50_s": 1.0, "ttft_p90_s": 2.0}
+    assert setups.best_online([rows[0], tie, rows[1]]) is None
+
+
+def test_best_online_on_a_part_reads_that_parts_figures_only():
+    def row(comp, whole, train):
+        part = {"gap_closed": train, "ttft_p50_s": 1.0, "ttft_p90_s": 2.0}
+        return {"composition": comp, "oracle": False, "gap_closed": whole, "ttft_p50_s": 1.0,
+                "ttft_p90_s": 2.0, "parts": {"train": part, "test": dict(part)}}
+
+    rows = [row("eager", 0.0, 0.0), row("eager+arc", 0.4, 0.1), row("eager+s3fifo", 0.2, 0.3)]
+    assert setups.best_online(rows)["composition"] == "eager+arc"
+    assert setups.best_online(rows, part="train")["composition"] == "eager+s3fifo"
+    # A part's TTFT decides too: slower on the train part, not eligible there.
+    rows[2]["parts"]["train"]["ttft_p50_s"] = 5.0
+    assert setups.best_online(rows, part="train")["composition"] == "eager+arc"
+
+
+def test_oracle_closes_and_slower_than_tolerance_are_not_best():
+    control = {"composition": "eager", "oracle": False, "gap_closed": 0.0,
+               "ttft_p50_s": 1.0, "ttft_p90_s": 2.0}
+    oracle_close = {"composition": "lazy+hints", "oracle": False, "gap_closed": 0.9,
+                    "hint_source": "oracle closes", "ttft_p50_s": 0.5, "ttft_p90_s": 1.0}
+    causal = {"composition": "lazy+hints", "oracle": False, "gap_closed": 0.6,
+              "hint_source": "causal", "ttft_p50_s": 1.2, "ttft_p90_s": 1.5}
+    rows = [control, oracle_close, causal]
+    assert setups.best_online(rows) is None  # p50 0.2 s above the control's
+    assert setups.best_online(rows, tolerance_s=0.25) is causal
+    assert setups.best_online(rows, tolerance_s=0.1) is None
+
+
+def test_ttft_tolerance_is_one_full_budget_step():
+    cond = {"model": "llama3-8b", "gpu": "H100", "token_budget": 8192,
+            "cost_model": {"mfu": 0.4, "hbm_efficiency": 0.8, "step_overhead_s": 0.002}}
+    from kvtriton.sim.cost import CostModel
+
+    cost = CostModel.named("llama3-8b", "H100")
+    assert setups.ttft_tolerance_s(cond) == 0.002 + cost.prefill_s(8192, 0)
+    half = setups.ttft_tolerance_s({**cond, "token_budget": 4096})
+    assert half < setups.ttft_tolerance_s(cond) / 1.9
+
+
+def test_without_closes_keeps_the_causal_hints():
+    oracle = mark_session_close(agent_workload(num_conversations=3, min_turns=2, max_turns=3))
+    causal = without_closes(oracle)
+    assert "close" in [r.hint for r in oracle] and "close" not in [r.hint for r in causal]
+    assert [r.hint for r in causal] == [None if r.hint == "close" else r.hint for r in oracle]
+
+
+def test_main_runs_every_study_in_one_pool_with_the_same_figures(tmp_path, monkeypatch):
+    """``main`` pools the ablations' and maps' simulations: each file's rows are those of the
+    study run alone (wall times aside), and the longest workload's tasks enter the pool first."""
+    import bench.common as common
+
+    oracle = mark_session_close(agent_workload(num_conversations=4, min_turns=2, max_turns=3,
+                                               seed=7))
+    wl = without_closes(oracle)
+    small = {"agent": (wl, 4096, oracle), "mooncake": (wl, 8192, None)}
+    monkeypatch.setattr(setups, "workloads", lambda quick: small)
+    monkeypatch.setattr(setups, "map_grid", lambda tag, quick: (wl, 4096, (1,), (4,)))
+    monkeypatch.setattr(setups, "QUICK_TRACE_SETS", {"mooncake": ("eager", "eager+arc")})
+    monkeypatch.setattr(setups, "QUICK_BOUNDS", {"mooncake": ("eager+nextuse",)})
+    monkeypatch.setattr(setups, "QUICK_RATIOS", {"agent": (1,), "mooncake": (1,)})
+    monkeypatch.setattr(setups, "ABLATION", ("eager", "lazy+hints"))
+    monkeypatch.setattr(setups, "HINTED_COMBINED", ())
+    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path / "pooled")
+    order = []
+    run_all = setups.run_all
+
+    def recording(tasks, progress, what):
+        order.extend(key[0] for key, _, _ in tasks)
+        return run_all(tasks, progress, what)
+
+    monkeypatch.setattr(setups, "run_all", recording)
+    out = setups.main(["--workloads", "agent,mooncake", "--maps", "agent", "--quiet"])
+    assert order == sorted(order) and len(set(order)) == 3  # mooncake, agent, then the map
+    monkeypatch.setattr(setups, "run_all", run_all)
+
+    def figures(doc):  # what a run decided, without the planner's measured times
+        return [{k: v for k, v in r.items() if "wall" not in k and "_ms" not in k}
+                for run in doc["runs"] for r in run["rows"]]
+
+    alone = setups.ablation("mooncake", wl, 8192, ("eager", "eager+arc"), False,
+                                    results_dir=tmp_path / "alone", ratios=(1,),
+                                    split="time", bounds=("eager+nextuse",))
+    assert figures(out["setups_mooncake"]) == figures(alone)
+    assert out["setups_mooncake"]["targets"] == alone["targets"]
+    m = setups.restore_map("agent", True, False, results_dir=tmp_path / "alone",
+                                   grid=(wl, 4096, (1,), (4,)))
+    assert out["restore_map_agent"]["hit_rate"] == m["hit_rate"]
+    assert json.loads((tmp_path / "pooled" / "setups_agent.json").read_text())["runs"]
