@@ -6,7 +6,6 @@ Everything is written to a temporary folder: a test run must never touch ``bench
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import multiprocessing
 import re
@@ -15,6 +14,9 @@ from pathlib import Path
 import pytest
 
 import bench.common
+import paper.build
+import paper.results
+import paper.sections.provenance
 from bench.__main__ import main as harness
 from bench.common import MANIFEST, record_output, write_result, writing_as
 from bench.studies import BY_NAME, NEEDS, STUDIES, always_written, writers
@@ -25,13 +27,6 @@ DATE = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ")
 
 def _manifest(folder: Path) -> dict:
     return json.loads((folder / MANIFEST).read_text())["files"]
-
-
-def _paper_build():
-    spec = importlib.util.spec_from_file_location("paper_build", ROOT / "paper" / "build.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture
@@ -153,16 +148,15 @@ def test_studies_never_import_each_other():
 
 
 def test_the_quick_run_writes_every_input_the_paper_needs():
-    build = _paper_build()
-    for name in build.INPUTS:
+    for name in paper.results.INPUTS:
         assert writers(f"{name}.json"), f"no study writes {name}.json"
     from bench.tier_study.setups import FULL_MAPS
-    assert build.MAP_TAGS == FULL_MAPS
-    required = {n for n in build.INPUTS if always_written(f"{n}.json")}
+    assert paper.results.MAP_TAGS == FULL_MAPS
+    required = {n for n in paper.results.INPUTS if always_written(f"{n}.json")}
     assert {"hole_demo", "planner", "kernel_check", "setups_agent", "replay_agent"} <= required
     # Only a GPU run, a full-size run, a study run by name or a machine without vLLM may leave
     # the paper an input short.
-    assert set(build.INPUTS) - required == {
+    assert set(paper.results.INPUTS) - required == {
         "bench_kernels", "setups_agent_full", "setups_cc_agentic_full",
         "setups_mooncake", "setups_mooncake_full", "setups_glm5_full",
         "restore_map_mooncake",
@@ -202,18 +196,16 @@ def test_a_named_study_runs_and_one_it_cannot_run_is_one_line(tmp_path, monkeypa
 
 
 def test_the_paper_stops_on_a_missing_input_unless_allowed(tmp_path, monkeypatch):
-    build = _paper_build()
-    monkeypatch.setattr(build, "RESULTS", tmp_path)
+    monkeypatch.setattr(paper.results, "RESULTS", tmp_path)
     with pytest.raises(SystemExit) as e:
-        build.main([])
+        paper.build.main([])
     message = str(e.value)
     assert "\n" not in message and f"{tmp_path}/hole_demo.json" in message
     assert "bench_kernels" not in message  # a GPU run's file is not required
 
 
 def test_the_paper_names_each_inputs_commit(tmp_path, monkeypatch):
-    build = _paper_build()
-    monkeypatch.setattr(build, "RESULTS", tmp_path)
+    monkeypatch.setattr(paper.results, "RESULTS", tmp_path)
     monkeypatch.setattr(bench.common, "_git_sha", lambda: "abc1234+dirty")
     monkeypatch.setattr(bench.common, "RESULTS_DIR", tmp_path)
     with writing_as("bench.planner.hole_demo", []):
@@ -222,7 +214,7 @@ def test_the_paper_names_each_inputs_commit(tmp_path, monkeypatch):
     (tmp_path / "planner.json").write_text(json.dumps(
         {"machine": {"git_sha": "0ld0ld0", "date_utc": "2026-01-01T00:00:00Z"}}))
     v: dict[str, str] = {}
-    build.inputs_section(v)
+    paper.sections.provenance.inputs_section(v)
     rows = {line.split(" | ")[0].strip("| `"): line for line in v["inputs_text"].splitlines()
             if line.startswith("| `")}
     assert "`python -m bench.planner.hole_demo` | `abc1234` | **no** |" in rows["hole_demo.json"]

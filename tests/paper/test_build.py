@@ -3,20 +3,15 @@ cross-references from the template's own headings."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
+import paper.results
+from paper import build
+from paper.sections import default_setup, engine, lfu_recency, planner, setups, vs_vllm
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def build():
-    spec = importlib.util.spec_from_file_location("paper_build", ROOT / "paper" / "build.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _doc(belady: float, rates: dict[str, float]) -> dict:
@@ -25,22 +20,22 @@ def _doc(belady: float, rates: dict[str, float]) -> dict:
     return {"runs": [{"cpu_ratio": 1, "rows": rows, "cache_only_bound": {"hit_rate": belady}}]}
 
 
-def test_the_bounds_sentence_follows_the_rows(build):
-    below = build._bounds_intro({"agent": _doc(0.9, {"eager": 0.5, "lazy+hints": 0.8,
+def test_the_bounds_sentence_follows_the_rows():
+    below = setups._bounds_intro({"agent": _doc(0.9, {"eager": 0.5, "lazy+hints": 0.8,
                                                      "eager+nextuse": 0.95})})
     assert "passed by no online setup" in below and "10.0 points" in below
     assert "`lazy+hints`" in below  # the best online setup, not the oracle row
     # An online setup above the cache-only figure: the text must say so, not "far from".
-    above = build._bounds_intro({"agent": _doc(0.7, {"eager": 0.5, "lazy+hints": 0.8})})
+    above = setups._bounds_intro({"agent": _doc(0.7, {"eager": 0.5, "lazy+hints": 0.8})})
     assert "is passed in 1 run" in above and "-10.0 points" in above
     # A row given oracle closes knows the future: it is not the best online setup.
     doc = _doc(0.9, {"eager": 0.5, "lazy+hints": 0.7, "lazy+hints [oracle closes]": 0.85})
     doc["runs"][0]["rows"][2]["hint_source"] = "oracle closes"
-    closes = build._bounds_intro({"agent": doc})
+    closes = setups._bounds_intro({"agent": doc})
     assert "`lazy+hints`" in closes and "20.0 points" in closes and "oracle" not in closes
 
 
-def test_section_references_follow_the_headings(build):
+def test_section_references_follow_the_headings():
     template = "## 3. Evaluation\n### 3.1 Planner cost\n### 3.7 Kernels\n## 4. Limitations\n"
     assert build.section_numbers(template) == {"sec_evaluation": "3", "sec_planner": "3.1",
                                                "sec_kernels": "3.7", "sec_limitations": "4"}
@@ -48,29 +43,29 @@ def test_section_references_follow_the_headings(build):
     assert real["sec_kernels"].startswith("3.") and real["sec_planner"] == "3.1"
 
 
-def test_the_bookkeeping_sentence_compares_measured_figures(build):
+def test_the_bookkeeping_sentence_compares_measured_figures():
     rows = [{"variant": "fused_restore", "requests": 128, "restores_per_step": 2000,
              "median_ms": 3.0, "select_median_ms": 1.0},
             {"variant": "fused_control", "requests": 128, "restores_per_step": 0,
              "median_ms": 1.0, "select_median_ms": 0.5}]
-    text = build._bookkeeping({"rows": rows})
+    text = planner._bookkeeping({"rows": rows})
     assert "2.00 ms, more than the 1.00 ms" in text
     rows[0]["median_ms"] = 1.5
-    assert "0.50 ms, less than the 1.00 ms" in build._bookkeeping({"rows": rows})
+    assert "0.50 ms, less than the 1.00 ms" in planner._bookkeeping({"rows": rows})
 
 
-def test_the_build_stops_when_the_evidence_picks_another_default(build, monkeypatch):
+def test_the_build_stops_when_the_evidence_picks_another_default(monkeypatch):
     import kvtriton.setups
 
     v: dict[str, str] = {}
-    build.default_section(v)
+    default_setup.default_section(v)
     assert f"runs `{kvtriton.setups.DEFAULT_SETUP}`" in v["default_text"]
     monkeypatch.setattr(kvtriton.setups, "DEFAULT_SETUP", "eager+second")
     with pytest.raises(SystemExit, match="the evidence moved"):
-        build.default_section({})
+        default_setup.default_section({})
 
 
-def test_the_engine_section_states_each_target(build, monkeypatch):
+def test_the_engine_section_states_each_target(monkeypatch):
     run = {"requests": 3, "prompt_tokens": 900,
            "cost_fit": {"prefill_ms_per_1k_tokens": 100.0, "decode_step_ms": 5.0, "r2": 0.97,
                         "samples": 40},
@@ -94,15 +89,15 @@ def test_the_engine_section_states_each_target(build, monkeypatch):
                "cpu_ratio": 1.0, "max_num_batched_tokens": 1024, "max_num_seqs": 16,
                "time_scale": 0.05, "max_output_tokens": 16},
            "targets": {"hit_rate_points": 1.0, "ttft_p50_rel": 0.2}, "runs": {"agent": run}}
-    monkeypatch.setattr(build, "_load", lambda name: doc)
+    monkeypatch.setattr(engine, "load", lambda name: doc)
     v: dict[str, str] = {}
-    build.engine_section(v)
+    engine.engine_section(v)
     text = v["engine_text"]
     assert "**missed** (worst 2.0)" in text and "same order met" in text
     assert "100 ms per 1,000 prefill tokens" in text and "| `eager` | 50.0% | 50.0% |" in text
 
 
-def test_the_vs_vllm_section_reports_the_same_process_run(build, monkeypatch, tmp_path):
+def test_the_vs_vllm_section_reports_the_same_process_run(monkeypatch, tmp_path):
     """Section 3.1's comparison with vLLM: vLLM's version, the machine and commit, the rows at
     the targets' sizes, every size's whole step, every verdict and, for a missed one, the parts
     that grew come from ``vs_vllm.json``; none is typed."""
@@ -121,11 +116,12 @@ def test_the_vs_vllm_section_reports_the_same_process_run(build, monkeypatch, tm
            "targets": [{"name": "fused_restore_over_vllm_control", "requests": 128,
                         "blocks_per_request": 2048, "value": 2.0, "target": "<= 1",
                         "met": False, "measure": "per-step time"}]}
-    monkeypatch.setattr(build, "_load", lambda name: None if name == "vs_vllm_evict_share"
-                        else doc)
-    monkeypatch.setattr(build, "FIGURES", tmp_path)  # the repo's figure stays as it is
+    for module in (paper.results, vs_vllm):
+        monkeypatch.setattr(module, "load", lambda name: None if name == "vs_vllm_evict_share"
+                            else doc)
+    monkeypatch.setattr(vs_vllm, "FIGURES", tmp_path)  # the repo's figure stays as it is
     v: dict[str, str] = {}
-    build.vs_vllm_section(v)
+    vs_vllm.vs_vllm_section(v)
     assert "vLLM 0.32.0" in v["vs_vllm_text"] and "commit abc123" in v["vs_vllm_text"]
     assert "R = 128, 2048 blocks: 2 (target <= 1), **missed**" in v["vs_vllm_text"]
     # Where the time went: selection is the part that grew (0.325 ms more), named with it.
@@ -141,13 +137,14 @@ def test_the_vs_vllm_section_reports_the_same_process_run(build, monkeypatch, tm
     assert v["abstract_vs_vllm"] == ("; beside vLLM 0.32.0's own scheduler, in one process, a "
                                      "whole step that also re-stores costs 2.00 of vLLM's "
                                      "control step (R = 128, 2,048 blocks)")
-    monkeypatch.setattr(build, "_load", lambda name: None)
-    build.vs_vllm_section(v)
+    for module in (paper.results, vs_vllm):
+        monkeypatch.setattr(module, "load", lambda name: None)
+    vs_vllm.vs_vllm_section(v)
     assert "has not been run" in v["vs_vllm_text"] and v["vs_vllm_table"] == ""
     assert v["abstract_vs_vllm"] == ""
 
 
-def test_the_evict_share_setting_is_reported_from_its_own_file(build):
+def test_the_evict_share_setting_is_reported_from_its_own_file():
     """The re-store step with evictions that grow with the blocks held: every cell's ratio,
     verdict, blocks stored and cost per block from ``vs_vllm_evict_share.json``."""
     doc = {"machine": {"cpu": "x", "cpu_cores": 2, "gpu": None, "git_sha": "abc123",
@@ -161,31 +158,31 @@ def test_the_evict_share_setting_is_reported_from_its_own_file(build):
                        for b in (1, 4)]
            + [{"name": "blocks_2048_to_8192_kvt_fused_restore", "requests": 128,
                "blocks_per_request": "1->4", "measure": "time per stored block: 3.8x"}]}
-    text = build._evict_share_text(doc)
+    text = vs_vllm._evict_share_text(doc)
     assert "1% of the CPU's cached blocks" in text and "commit abc123" in text
     assert "R = 128, 1 blocks: 0.50 of vLLM's control (met), 1,000 blocks stored" in text
     assert "R = 128, 4 blocks: 2.00 of vLLM's control (**missed**), 4,000 blocks" in text
     assert "0.125 us each" in text and "R = 128: time per stored block: 3.8x" in text
-    assert "*not run*" in build._evict_share_text(None)
+    assert "*not run*" in vs_vllm._evict_share_text(None)
 
 
-def test_a_file_from_before_the_hint_split_is_read_as_oracle_closes(build):
+def test_a_file_from_before_the_hint_split_is_read_as_oracle_closes():
     rows = [{"setup": p, "composition": p, "oracle": False, "token_hit_rate": h,
              "gap_closed": g, "ttft_p50_s": 1.0, "ttft_p90_s": 2.0}
             for p, h, g in (("eager", 0.5, 0.0), ("lazy", 0.55, 0.3), ("lazy+hints", 0.6, 0.9))]
     doc = {"runs": [{"cpu_ratio": 1, "rows": rows}],
            "targets": [{"best": "lazy+hints", "gap_closed": 0.9, "met": True, "target": 0.25,
                         "no_gap": False}]}
-    build._legacy_hints(doc)
+    paper.results.legacy_hints(doc)
     assert [r["setup"] for r in rows] == ["eager", "lazy", "lazy+hints [oracle closes]"]
     assert doc["targets"][0]["best"] == "lazy" and doc["targets"][0]["gap_closed"] == 0.3
     assert doc["legacy_hints"]
     # A file written after the split is left as it is.
-    build._legacy_hints(doc)
+    paper.results.legacy_hints(doc)
     assert rows[2]["setup"] == "lazy+hints [oracle closes]"
 
 
-def test_the_lfu_section_formats_the_studys_verdicts(build, monkeypatch):
+def test_the_lfu_section_formats_the_studys_verdicts(monkeypatch):
     """``lfu_recency.json``: the held-out share table and each change's verdict as the study
     wrote it; without the file, a line saying how to run it."""
     machine = {"cpu": "x", "cpu_cores": 2, "gpu": None, "git_sha": "abc123", "torch": "2",
@@ -209,15 +206,15 @@ def test_the_lfu_section_formats_the_studys_verdicts(build, monkeypatch):
                          "recovers_chat": True, "adopt": False,
                          "points_vs_lfu64": {"train": {"cc_agentic": -3.5},
                                              "test": {"cc_agentic": -2.0}}}]}
-    monkeypatch.setattr(build, "_load", lambda name: doc if name == "lfu_recency" else None)
+    monkeypatch.setattr(lfu_recency, "load", lambda name: doc if name == "lfu_recency" else None)
     v: dict = {}
-    build.lfu_recency_section(v)
+    lfu_recency.lfu_recency_section(v)
     text = v["lfu_recency_text"]
     assert "held-out seeds 2-3" in text and "1,234 CPU-hit tokens" in text
     assert "| `eager+lfu:64` | 0.25 | 99 |" in text
     assert "`eager+lfu:4` recovers the chat hits (0.97 of `eager`'s)" in text
     assert "train -3.50 points (coding-agent traces)" in text and "not adopted" in text
     assert "`lfu:64` stays as chosen" in text
-    monkeypatch.setattr(build, "_load", lambda name: None)
-    build.lfu_recency_section(v)
+    monkeypatch.setattr(lfu_recency, "load", lambda name: None)
+    lfu_recency.lfu_recency_section(v)
     assert "--only lfu_recency" in v["lfu_recency_text"]

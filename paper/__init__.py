@@ -1,0 +1,1 @@
+"""The paper: ``python paper/build.py`` regenerates ``paper.md`` from ``bench/results/``."""

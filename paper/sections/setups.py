@@ -1,0 +1,259 @@
+"""Which setup wins: the ablation, the targets, the bounds and the hints
+(``setups_<tag>.json``)."""
+
+from __future__ import annotations
+
+from kvtriton.plots import plot_gain_over_control
+from paper.format import gap_pct, machine_line, md_table, pct
+from paper.results import FIGURES, SETUP_LABELS, setup_docs
+
+
+def _bounds_intro(docs: dict) -> str:
+    """How far the best online setup of each run stays from the cache-only Belady figure, from
+    the rows: the comparison the text makes, never typed by hand."""
+    gaps = []
+    for tag, doc in docs.items():
+        for run in doc["runs"]:
+            cob = run.get("cache_only_bound")
+            # Rows given oracle closes know the future too: not online.
+            online = [r for r in run["rows"]
+                      if not r["oracle"] and r.get("hint_source") != "oracle closes"]
+            if cob and online:
+                best = max(online, key=lambda r: r["token_hit_rate"])
+                gaps.append((100 * (cob["hit_rate"] - best["token_hit_rate"]), tag,
+                             run["cpu_ratio"], best["setup"]))
+    if not gaps:
+        return "No run recorded the cache-only Belady figure."
+    far, near = max(gaps), min(gaps)
+
+    def where(g: tuple) -> str:
+        return f"{SETUP_LABELS[g[1]]}, CPU {g[2]}x, `{g[3]}`"
+
+    passes = [g for g in gaps if g[0] < 0]
+    head = ("The cache-only Belady figure over GPU + CPU capacity is passed by no online setup "
+            "in the loop" if not passes else
+            f"The cache-only Belady figure over GPU + CPU capacity is passed in {len(passes)} "
+            "run(s) (the loop's chains are not the cache's independent items)")
+    return (f"{head}; the best online setup of each run is between {near[0]:.1f} points "
+            f"({where(near)}) and {far[0]:.1f} points ({where(far)}) below it.")
+
+
+def _overload_note(doc: dict, t: dict) -> str:
+    """For a best setup that reads the waiting queue: the load it was judged under (the
+    lookahead shows a future only where requests wait), from the control's test part."""
+    if not any(a.split(":")[0] == "waiting" for a in t["best"].split("+")):
+        return ""
+    run = next(r for r in doc["runs"] if r["cpu_ratio"] == t["cpu_ratio"])
+    control = next(r for r in run["rows"] if r["composition"] == "eager")
+    queue = control["parts"]["test"].get("queue_delay_p50_s")
+    return "" if queue is None else (
+        f" (an overloaded server: the control's queueing delay p50 there is {queue:.0f} s; the "
+        "lookahead helps only where requests wait)")
+
+
+def split_text(docs: dict) -> str:
+    """Each workload's train/test split, with the parts' sizes from the control's rows."""
+    lines = []
+    for tag, doc in docs.items():
+        if not doc.get("split"):
+            lines.append(f"- {SETUP_LABELS[tag]}: written before the split; its figures are "
+                         "over the whole run, and nothing is chosen from it.")
+            continue
+        control = next(r for r in doc["runs"][0]["rows"] if r["composition"] == "eager")
+        sizes = ", ".join(f"{name} {p['requests']:,} requests ({p['prompt_tokens']:,} prompt "
+                          "tokens)" for name, p in control["parts"].items())
+        lines.append(f"- {SETUP_LABELS[tag]}: {doc['split_text']}: {sizes}.")
+    return "\n".join(lines)
+
+
+def hybrid_waste(v: dict) -> None:
+    """The share of a CPU block a hybrid preset's smallest group's block uses (the layout's
+    own byte counts)."""
+    from kvtriton.specs import PRESETS, preset
+
+    parts = []
+    for name in sorted(PRESETS):
+        layout = preset(name)
+        per = layout.group_block_bytes
+        if len(set(per)) > 1:
+            parts.append(f"`{name}`'s smallest group block fills "
+                         f"{min(per) / layout.cpu_block_bytes:.1%} of its CPU block")
+    v["hybrid_waste"] = ("; ".join(parts) + "." if parts
+                         else "no preset has groups of different block bytes.")
+
+
+def setups_section(v: dict) -> None:
+    docs = setup_docs()
+    if not docs:
+        for k in ("setups_text", "ablation_table", "setups_tables", "fig_gap",
+                  "targets_text", "bounds_text", "hints_text", "split_text"):
+            v[k] = "*Pending: `python -m bench.tier_study.setups` has not been run.*"
+        v["abstract_setups"] = "the setup benchmark has not been run"
+        return
+    labels = SETUP_LABELS
+    first = next(iter(docs.values()))
+    cond = first["runs"][0]["conditions"]
+    cm = cond["cost_model"]
+    v["setups_text"] = (
+        f"Machine: {machine_line(first)}. Model {cond['model']} on a modeled {cond['gpu']} "
+        f"({cond['layout']}); token budget {cond['token_budget']:,} per step, at most "
+        f"{cond['max_running']} running requests; cost model: MFU {cm['mfu']}, step overhead "
+        f"{cm['step_overhead_s'] * 1e3:.1f} ms, host link {cm['h2d_bytes_per_s'] / 1e9:.0f} GB/s "
+        "each way (`kvtriton/sim/cost.py`). TTFT is modeled. Workloads: "
+        + "; ".join(f"{labels[t]}: `{d['workload']}`, {d['requests']:,} requests, GPU "
+                    f"{d['gpu_tokens']:,} tokens" for t, d in docs.items()) + ".")
+    # The ablation: gap closed per setup, workload and capacity.
+    cols, keys = ["setup"], []
+    for tag, doc in docs.items():
+        for run in doc["runs"]:
+            cols.append(f"{labels[tag]}, CPU {run['cpu_ratio']}x")
+            keys.append((tag, run["cpu_ratio"]))
+    by = {(tag, run["cpu_ratio"]): {r["setup"]: r for r in run["rows"]}
+          for tag, doc in docs.items() for run in doc["runs"]}
+    names = []
+    for doc in docs.values():
+        for run in doc["runs"]:
+            names += [r["setup"] for r in run["rows"] if r["setup"] not in names]
+    small = {(tag, t["cpu_ratio"]) for tag, doc in docs.items() for t in doc["targets"]
+             if t.get("no_gap")}
+    rows = []
+    for n in names:
+        cells = [f"`{n}`"]
+        for k in keys:
+            r = by[k].get(n)
+            cells.append("-" if r is None else pct(r["token_hit_rate"]) if k in small else
+                         f"{pct(r['token_hit_rate'])} ({gap_pct(r.get('gap_closed'))})")
+        rows.append(cells)
+    threshold = next((t["material_gap_points"] for doc in docs.values()
+                      for t in doc["targets"] if "material_gap_points" in t), None)
+    v["ablation_table"] = (
+        "Token hit rate and, in parentheses, the share of the gap between the control "
+        "(`eager`) and the in-loop Belady bound that each setup closes, at the same capacity. "
+        "The rows `eager+nextuse`, `lazy+nextuse` and `eager+inf` are the bounds; the bound is "
+        "the better next-use row (100%)."
+        + ("" if threshold is None else
+           f" Where the gap is under {threshold:g} points of hit rate a share of it would "
+           "magnify noise, so those columns give the hit rate alone and no target is judged "
+           "there.") + "\n\n" + md_table(cols, rows))
+    # Per capacity detail of the first workload's runs.
+    tables = []
+    detail = ["setup", "hit rate", "gap closed", "CPU hit tokens", "stored", "re-stored",
+              "re-store thrash", "TTFT p50 / p90 / mean (s)"]
+    for tag, doc in docs.items():
+        for run in doc["runs"]:
+            trs = [[f"`{r['setup']}`" + (" (bound)" if r["oracle"] else ""),
+                    pct(r["token_hit_rate"]), gap_pct(r.get("gap_closed")),
+                    f"{r['cpu_hit_tokens']:,}", f"{r['stored_blocks']:,}",
+                    f"{r['restored_blocks']:,}", f"{r['restore_thrash']:,}",
+                    f"{r['ttft_p50_s']:.2f} / {r['ttft_p90_s']:.2f}"
+                    + (f" / {r['ttft_mean_s']:.2f}" if "ttft_mean_s" in r else "")]
+                   for r in run["rows"]]
+            cob = run.get("cache_only_bound")
+            tables.append(
+                f"**{labels[tag]}, CPU {run['cpu_ratio']}x the GPU** ({run['cpu_tokens']:,} "
+                "tokens)" + (f"; cache-only Belady over GPU + CPU: {pct(cob['hit_rate'])}"
+                             if cob else "") + ":\n\n" + md_table(detail, trs))
+    v["setups_tables"] = "\n\n".join(tables)
+    figs = []
+    for tag, doc in docs.items():
+        runs = [{"label": f"CPU {run['cpu_ratio']}x", "rows": run["rows"]}
+                for run in doc["runs"]]
+        plot_gain_over_control(runs, FIGURES / f"gain_{tag}.png",
+                               f"{labels[tag]}: `{doc['workload']}`")
+        figs.append(f"![{labels[tag]}: hit rate over the control per setup]"
+                    f"(figures/gain_{tag}.png)")
+    v["fig_gap"] = "\n\n".join(figs)
+    # Targets.
+    def target_line(tag: str, t: dict) -> str:
+        tol = t.get("ttft_tolerance_s")
+        strict = "" if tol is None else (
+            "; with no tolerance: " + (f"`{t['best_strict']}`, {gap_pct(t['gap_closed_strict'])}"
+                                       if t.get("best_strict") else "none"))
+        split = "gap_closed_train" in t
+        share = t.get("judged_share", t["gap_closed"])
+        chosen = (f"`{t['best']}`, chosen on the train part ({gap_pct(t['gap_closed_train'])} of "
+                  f"its gap), closes {gap_pct(share)} of the test part's gap " if split else
+                  f"`{t['best']}`, {gap_pct(share)} of the gap ")
+        return (f"- {labels[tag]}, CPU {t['cpu_ratio']}x: best online setup with TTFT p50 and "
+                "p90 no worse than the control's"
+                + ("" if tol is None else f" (within {tol:.2f} s)") + ": "
+                + (chosen if t["best"] and (t["gap_closed_train"] if split else share) > 0
+                   else "none closes any of the gap ")
+                + f"(control {pct(t['control_hit_rate'])}, bound `{t['bound']}` "
+                f"{pct(t['bound_hit_rate'])}" + (" on the test part" if split else "")
+                + f"); target {t['target']:.0%}: "
+                + (f"not judged: the gap is {t['gap_points']:.1f} points"
+                   if t.get("no_gap") and "gap_points" in t else
+                   "no gap to close at this size: the control reaches the bound"
+                   if t.get("no_gap") else "met" if t["met"] else "**missed**") + strict + ".")
+
+    tol = next((t["ttft_tolerance_s"] for doc in docs.values() for t in doc["targets"]
+                if t.get("ttft_tolerance_s") is not None), None)
+    v["targets_text"] = ("" if tol is None else (
+        f"No worse means no more than {tol:.2f} s above the control's p50 and p90: one "
+        "scheduler step at the full token budget (step overhead plus a full-budget prefill, "
+        "`bench.tier_study.setups.ttft_tolerance_s`). A prompt's prefill moves in whole steps, "
+        "so a "
+        "smaller change is below the cost model's resolution. Mean TTFT is in the detail "
+        "tables. Rows given oracle closes are never the best setup.\n\n")) + "\n".join(
+        target_line(tag, t) for tag, doc in docs.items() for t in doc["targets"])
+    v["split_text"] = split_text(docs)
+    # Bounds: the in-loop bounds against the cache-only one.
+    blines = []
+    for tag, doc in docs.items():
+        for run in doc["runs"]:
+            rb = {r["composition"]: r for r in run["rows"]}
+            cob = run.get("cache_only_bound")
+            parts = [f"{labels[tag]}, CPU {run['cpu_ratio']}x: control "
+                     f"{pct(rb['eager']['token_hit_rate'])}"]
+            for comp, what in (("eager+nextuse", "next-use eviction, eager"),
+                               ("lazy+nextuse", "next-use eviction, lazy"),
+                               ("eager+inf", "unbounded tier")):
+                if comp in rb:
+                    parts.append(f"{what} {pct(rb[comp]['token_hit_rate'])}")
+            if cob:
+                parts.append(f"cache-only Belady {pct(cob['hit_rate'])}")
+            blines.append("- " + ", ".join(parts) + ".")
+    v["bounds_text"] = "\n".join(blines)
+    v["bounds_intro"] = _bounds_intro(docs)
+    # Hints and the other online signals, as gains over what they change.
+    hl = []
+    for tag, doc in docs.items():
+        for run in doc["runs"]:
+            rb = {r["setup"]: r for r in run["rows"]}
+            pairs = [("lazy+hints", "lazy"), ("lazy+hinted", "lazy"),
+                     ("lazy+hinted+hints", "lazy+hints"), ("eager+hints", "eager"),
+                     ("eager+second", "eager"), ("eager+waiting", "eager"),
+                     ("eager+refresh", "eager"), ("eager+arc", "eager"),
+                     ("eager+s3fifo", "eager"), ("eager+refresh+arc", "eager+arc")]
+            pairs += [(r["setup"], r["composition"]) for r in run["rows"]
+                      if r.get("hint_source") == "oracle closes"]
+            cells = [f"`{a}` {100 * (rb[a]['token_hit_rate'] - rb[b]['token_hit_rate']):+.1f} "
+                     f"over `{b}`" for a, b in pairs if a in rb and b in rb]
+            if cells:
+                hl.append(f"- {labels[tag]}, CPU {run['cpu_ratio']}x (points of hit rate): "
+                          + "; ".join(cells) + ".")
+    v["hints_text"] = (
+        "The hints a server has come from the model's stop reasons: a turn that ended in a tool "
+        "call is hinted `continue`. No trace records a client closing its session; a row "
+        "`[oracle closes]` gives the same setup each session's last turn as a close, which "
+        "uses the future (no later turn exists), so it is an oracle and never the best "
+        "setup." + "".join(
+            f" The file of the {labels[tag]} was written before this split: its hinted rows "
+            "are the oracle-close runs only (`python -m bench --only "
+            + ("cc_agentic_whole" if tag.endswith("_full") else "setups")
+            + "` adds the causal ones)." for tag, doc in docs.items() if doc.get("legacy_hints"))
+        + "\n\n" + "\n".join(hl))
+    # Abstract: the best online setup per workload at CPU = GPU.
+    ab = []
+    for tag, doc in docs.items():
+        t = doc["targets"][0]
+        if t["best"] and "gap_closed_test" in t:
+            ab.append(f"`{t['best']}`, chosen on a train part, closes "
+                      f"{gap_pct(t['gap_closed_test'])} of the gap to the in-loop bound on the "
+                      f"{labels[tag]}'s test part at CPU {t['cpu_ratio']}x"
+                      + _overload_note(doc, t))
+        elif t["best"]:
+            ab.append(f"`{t['best']}` closes {gap_pct(t['gap_closed'])} of the gap to the in-loop "
+                      f"bound on the {labels[tag]} at CPU {t['cpu_ratio']}x")
+    v["abstract_setups"] = "; ".join(ab) if ab else "no online setup beat the control"
