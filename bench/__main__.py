@@ -60,9 +60,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="run these studies only (--list names them)")
     ap.add_argument("--list", action="store_true", help="print the studies and exit")
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
+    ap.add_argument("--findings", action="store_true",
+                    help="run no study: derive every results file's findings again from its rows")
     args = ap.parse_args(argv)
     if args.list:
         print(table())
+        return 0
+    if args.findings:
+        done = common.derive_findings()
+        print(f"findings derived again for {len(done)} files: {', '.join(done)}")
         return 0
     chosen = None
     if args.only is not None:

@@ -23,7 +23,7 @@ import os
 import platform
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import NoReturn
 
@@ -145,16 +145,18 @@ def writing_as(module: str, argv: Sequence[str], via: str | None = None) -> Iter
         _current_writer = before
 
 
-def _record(path: Path, writer: dict, git: str, date_utc: str) -> None:
+def _record(path: Path, writer: dict | None, git: str, date_utc: str) -> None:
     """Set ``path``'s entry in the results folder's manifest, leaving every other entry as it
-    is. A file outside the results folder (a test's, or one a user named) is not recorded."""
+    is. A file outside the results folder (a test's, or one a user named) is not recorded.
+    ``writer=None``: only the file's findings were derived again (``derive_findings``); its
+    entry keeps its writer and gains ``findings`` (commit, clean, date)."""
     root = RESULTS_DIR.resolve()
     path = path.resolve()
     if not path.is_relative_to(root):
         return
     commit, _, dirty = git.partition("+")
-    entry = {"writer": writer, "commit": commit,
-             "clean": None if commit == "unknown" else not dirty, "date_utc": date_utc}
+    stamp = {"commit": commit, "clean": None if commit == "unknown" else not dirty,
+             "date_utc": date_utc}
     fd = os.open(root, os.O_RDONLY)
     try:
         # One writer at a time: a read-modify-write without it could drop another's entry.
@@ -162,7 +164,11 @@ def _record(path: Path, writer: dict, git: str, date_utc: str) -> None:
         manifest = root / MANIFEST
         doc = json.loads(manifest.read_text()) if manifest.exists() else {}
         files = doc.get("files", {})
-        files[path.relative_to(root).as_posix()] = entry
+        key = path.relative_to(root).as_posix()
+        if writer is None:
+            files[key] = {**files[key], "findings": stamp}
+        else:
+            files[key] = {"writer": writer, **stamp}
         doc = {"about": "per file under this folder: its writer, commit, whether the tracked "
                         "code was clean, and the UTC date (bench/common.py)",
                "files": dict(sorted(files.items()))}
@@ -182,17 +188,54 @@ def record_output(path: str | Path, writer: dict | None = None) -> Path:
     return path
 
 
-def write_result(name: str, payload: dict, results_dir: Path | None = None) -> Path:
+def write_result(name: str, payload: dict, results_dir: Path | None = None,
+                 findings: Callable[[str, dict], dict] | None = None) -> Path:
     """Write ``payload`` plus ``machine_info()`` to ``<results_dir>/<name>.json`` (default
-    ``RESULTS_DIR``) and record it in the manifest; return it."""
+    ``RESULTS_DIR``) and record it in the manifest; return it. ``findings(name, doc)``: what the
+    study concludes from the rows it wrote (its verdicts, the figures its text cites, its labels),
+    kept beside them as ``doc["findings"]``; ``derive_findings`` derives it again for a file
+    already written."""
     out_dir = Path(results_dir) if results_dir is not None else RESULTS_DIR
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{name}.json"
     machine = machine_info()
     doc = {"benchmark": name, "machine": machine, **payload}
+    if findings is not None and (found := findings(name, doc)) is not None:
+        doc["findings"] = found
     _atomic_write(path, json.dumps(doc, indent=2, sort_keys=False) + "\n")
     _record(path, _writer(), machine["git_sha"], machine["date_utc"])
     return path
+
+
+def derive_findings(results_dir: Path | None = None) -> list[str]:
+    """Derive the findings of every results file again, without running its study: a study's
+    findings are a function of the rows it wrote (``write_result``), so when that function
+    changes the rows need no new run (``python -m bench --findings``). Every JSON file the
+    manifest lists whose writer module has ``findings(name, doc)`` is rewritten with new
+    findings, and its manifest entry records when (``findings``: commit, clean, date). Returns
+    the files rewritten."""
+    import importlib
+
+    root = Path(results_dir) if results_dir is not None else RESULTS_DIR
+    manifest = json.loads((root / MANIFEST).read_text())["files"]
+    done = []
+    for file, entry in manifest.items():
+        module = entry["writer"].get("module")
+        path = root / file
+        if not file.endswith(".json") or module is None or not path.exists():
+            continue
+        findings = getattr(importlib.import_module(module), "findings", None)
+        if findings is None:
+            continue
+        doc = json.loads(path.read_text())
+        doc.pop("findings", None)
+        if (found := findings(path.stem, doc)) is None:
+            continue
+        doc["findings"] = found
+        _atomic_write(path, json.dumps(doc, indent=2, sort_keys=False) + "\n")
+        _record(path, None, _git_sha(), _utc_now())
+        done.append(file)
+    return done
 
 
 _git_sha()  # read now: see _git_sha

@@ -29,12 +29,12 @@ from paper.sections.decision_map import decision_map_section
 from paper.sections.default_setup import default_section
 from paper.sections.engine import engine_section
 from paper.sections.hole import hole_section
-from paper.sections.kernels import kernel_section
+from paper.sections.kernels import hybrid_waste, kernel_section
 from paper.sections.lfu_recency import lfu_recency_section
 from paper.sections.planner import planner_section
 from paper.sections.provenance import inputs_section
 from paper.sections.restore_map import restore_map_section
-from paper.sections.setups import hybrid_waste, setups_section
+from paper.sections.setups import setups_section
 from paper.sections.shares import shares_section
 from paper.sections.traces import glm5_section, replay_section
 from paper.sections.vs_vllm import vs_vllm_section

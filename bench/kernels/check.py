@@ -93,6 +93,21 @@ def check(name: str, device: str, seed: int = 0) -> dict:
             "seconds": time.perf_counter() - t0}
 
 
+def findings(name: str, doc: dict) -> dict:
+    """Whether every copy was bit-exact, and for each hybrid preset (groups of different block
+    bytes) the share of its CPU block that its smallest group's block fills: the bytes a
+    one-size CPU pool leaves unused (the presets' own byte counts)."""
+    fill = {}
+    for preset_name in sorted(PRESETS):
+        layout = preset(preset_name)
+        per = layout.group_block_bytes
+        if len(set(per)) > 1:
+            fill[preset_name] = min(per) / layout.cpu_block_bytes
+    return {"all_bit_exact": all(r["store_bit_exact"] and r["load_bit_exact"]
+                                 for r in doc["rows"]),
+            "smallest_group_fill": fill}
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--results-dir", type=Path, default=None)
@@ -112,7 +127,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"{'bit-exact' if ok else 'MISMATCH in ' + ', '.join(bad)} in "
               f"{row['seconds']:.1f}s")
     payload = {"mode": mode, "backends": list(BACKENDS), "rows": rows}
-    path = write_result("kernel_check", payload, args.results_dir)
+    path = write_result("kernel_check", payload, args.results_dir, findings)
     print(f"wrote {path}")
     if not all(r["store_bit_exact"] and r["load_bit_exact"] for r in rows):
         raise SystemExit("kernel check failed: a backend and the torch reference differ")

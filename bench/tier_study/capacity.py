@@ -66,6 +66,30 @@ def sim_sweep(workload, cpu_tokens: list[int], gpu_tokens: int, setups, tag: str
     return payload
 
 
+# The replays' workloads in the paper's words, and the capacity its Mooncake comparison reads
+# (the Mooncake paper's 3M-token LRU figure).
+REPLAY_LABELS = {"mooncake": "Mooncake synthetic trace", "agent": "agent generator",
+                 "cc_agentic": "coding-agent traces"}
+COMPARED_TOKENS = 3_000_000
+
+
+def findings(name: str, doc: dict) -> dict | None:
+    """A replay's label and, where it ran at ``COMPARED_TOKENS``, LRU's and Belady's hit rate
+    there and LRU's share of the infinite cache's."""
+    if not name.startswith("replay_"):
+        return None
+    tag = name.removeprefix("replay_")
+    s = doc["sweep"]
+    out = {"label": REPLAY_LABELS.get(tag, tag), "compared": None}
+    if COMPARED_TOKENS in s["capacities_tokens"]:
+        i = s["capacities_tokens"].index(COMPARED_TOKENS)
+        lru = s["hit_rate"]["lru"][i]
+        out["compared"] = {"tokens": COMPARED_TOKENS, "lru": lru,
+                           "belady": s["hit_rate"]["belady"][i],
+                           "lru_share_of_max": lru / s["max_hit_rate"]}
+    return out
+
+
 def replay_sweep(workload, tag: str, capacities=None, progress: bool = True) -> dict:
     bar = Progress(f"replay {tag}", enabled=progress)
     n = [0]
@@ -80,7 +104,7 @@ def replay_sweep(workload, tag: str, capacities=None, progress: bool = True) -> 
           "blocks")
     print(res.table())
     payload = {"sweep": res.to_dict(), "wall_s": time.perf_counter() - t0}
-    path = write_result(f"replay_{tag}", payload)
+    path = write_result(f"replay_{tag}", payload, findings=findings)
     from kvtriton.plots import plot_sweep
 
     fig = record_output(plot_sweep(payload["sweep"], path.with_suffix(".png")))

@@ -15,13 +15,14 @@ control scores 0 everywhere, so the default never loses to vLLM's behaviour on t
 from four cells of two workloads; measured on the other two, it lost 0.35 points on the
 coding-agent cut and 0.17 on Mooncake. Every workload is asked for since.)
 
-The rule reads the *train* part of each run's split (``bench_setups.SPLITS``: Mooncake's time
-halves, the other workloads' session sets), and the choice is then reported on the *test* part
+The rule reads the *train* part of each run's split (``bench.tier_study.study.SPLITS``: Mooncake's
+time halves, the other workloads' session sets), and the choice is then reported on the *test* part
 (``held_out``): the default is never its own evidence. A results file written before the splits
 (no ``parts`` in its rows) is left out of the choice and named.
 
-``python -m bench.tier_study.default_setup`` prints the table and the choice; ``paper/build.py``
-fails when the choice differs from ``kvtriton.setups.DEFAULT_SETUP`` (the evidence moved).
+``python -m bench.tier_study.default_setup`` prints the table and the choice and writes them to
+``default_setup.json`` with the connector's current default; it exits 1, and ``paper/build.py``
+stops, when the choice differs from ``kvtriton.setups.DEFAULT_SETUP`` (the evidence moved).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench.common import RESULTS_DIR
+from bench.common import RESULTS_DIR, OneLineParser, write_result
 from kvtriton.setups import CONTROL
 
 SETUP_FILES = ("setups_agent.json", "setups_cc_agentic.json",
@@ -138,7 +139,12 @@ def choose(evidence: list[dict[str, Any]]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     from kvtriton.setups import DEFAULT_SETUP
 
-    got = choose_on_train()
+    ap = OneLineParser(prog="python -m bench.tier_study.default_setup",
+                       description=__doc__.splitlines()[0])
+    ap.add_argument("--results-dir", type=Path, default=RESULTS_DIR,
+                    help="where the setup study's files are, and where to write")
+    args = ap.parse_args(argv)
+    got = choose_on_train(args.results_dir)
     print(f"{'':28s} {'train':>21s}   {'test':>13s}")
     print(f"{'setup':28s} {'cells':>5s} {'worst':>7s} {'mean':>7s}   {'worst':>6s} {'mean':>6s}")
     for r, t in zip(got["table"], got["test"], strict=True):
@@ -152,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     same = got["setup"] == DEFAULT_SETUP
     print(f"rule: {got['rule']}; chosen {got['setup']!r}; kvtriton.setups.DEFAULT_SETUP is "
           f"{DEFAULT_SETUP!r}" + ("" if same else ": they differ"))
+    path = write_result("default_setup", {**got, "connector_default": DEFAULT_SETUP,
+                                          "agrees": same}, args.results_dir)
+    print(f"wrote {path}")
     return 0 if same else 1
 
 

@@ -208,6 +208,20 @@ def verdicts(summary: dict, study: dict) -> list[dict]:
     return out
 
 
+def findings(name: str, doc: dict) -> dict:
+    """The study's workloads in the paper's words and, per change, its worst points against
+    ``lfu:64`` on each part, ``[workload, points]``."""
+    from bench.tier_study.setup_findings import WORKLOAD_NAMES
+
+    worst = []
+    for c in doc["verdicts"]:
+        pts = c["points_vs_lfu64"]
+        worst.append({part: list(min(pts[part].items(), key=lambda kv: kv[1]))
+                      for part in pts if pts[part]})
+    return {"labels": {tag: WORKLOAD_NAMES.get(tag, tag) for tag in doc["study_workloads"]},
+            "worst_vs_lfu64": worst}
+
+
 def main(argv: list[str] | None = None) -> int:
     from bench.common import OneLineParser, write_result
     from kvtriton.sim.workloads import WORKLOADS
@@ -249,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
                "study_split": {tag: "train/test as bench.tier_study.setups" for tag in tags},
                "elapsed_s": round(time.perf_counter() - t0, 1)}
     path = Path(args.json)
-    write_result(path.stem, payload, path.parent)
+    write_result(path.stem, payload, path.parent, findings)
     sh = summary["cpu_hit_share_of_control"]
     print(f"chat shape, held-out seeds {summary['held_out_seeds']}: CPU-hit tokens over eager's "
           + ", ".join(f"{k} {v:.2f}" for k, v in sh.items() if v is not None))

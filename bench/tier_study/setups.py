@@ -33,6 +33,7 @@ import time
 from collections import Counter
 
 from bench.common import OneLineParser, write_result
+from bench.tier_study.setup_findings import findings
 from bench.tier_study.study import (
     ABLATION,
     COMBINED,
@@ -218,7 +219,8 @@ def ablation(tag: str, wl: Workload, gpu_tokens: int, setups: tuple[str, ...],
                "traits": workload_traits(wl, gpu_tokens, ratios),
                "runs": runs, "targets": targets,
                "wall_s": time.perf_counter() - t0 if wall_s is None else wall_s}
-    print(f"wrote {write_result(name or f'setups_{tag}', payload, results_dir)}")
+    path = write_result(name or f"setups_{tag}", payload, results_dir, findings)
+    print(f"wrote {path}")
     return payload
 
 
@@ -324,7 +326,7 @@ def restore_map(tag: str, quick: bool, progress: bool, results_dir=None, grid=No
                "ratios": list(ratios), "max_running": list(running), "hit_rate": hit,
                "gain": gain, "restore_thrash": thrash,
                "wall_s": time.perf_counter() - t0 if wall_s is None else wall_s}
-    path = write_result(f"restore_map_{tag}", payload, results_dir)
+    path = write_result(f"restore_map_{tag}", payload, results_dir, findings)
     record_output(plot_restore_map(payload,
                                    (results_dir or RESULTS_DIR) / f"restore_map_{tag}.png"))
     print(f"wrote {path}")

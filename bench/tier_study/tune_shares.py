@@ -74,6 +74,13 @@ def tune(tag: str, progress: bool = False) -> dict:
             "control": {p: control["parts"][p]["token_hit_rate"] for p in (TRAIN, TEST)}}
 
 
+def findings(name: str, doc: dict) -> dict:
+    """The workloads in the paper's words (as the setup study names them)."""
+    from bench.tier_study.setup_findings import LABELS
+
+    return {"labels": {tag: LABELS.get(tag, (tag,))[0] for tag in doc["workloads"]}}
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = OneLineParser(prog="python -m bench.tier_study.tune_shares",
                        description=__doc__.splitlines()[0])
@@ -95,9 +102,9 @@ def main(argv: list[str] | None = None) -> dict:
         from pathlib import Path
 
         path = Path(args.json)
-        print(f"wrote {write_result(path.stem, payload, path.parent)}")
+        print(f"wrote {write_result(path.stem, payload, path.parent, findings)}")
     else:
-        print(f"wrote {write_result('tune_shares', payload)}")
+        print(f"wrote {write_result('tune_shares', payload, findings=findings)}")
     return payload
 
 

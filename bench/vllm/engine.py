@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from bench.common import OneLineParser, machine_info, write_result
+from bench.vllm.engine_findings import findings
 
 SYSTEMS = ("none", "eager", "lazy+hints", "eager+s3fifo", "default")
 WORKLOADS = ("agent", "cc_agentic")
@@ -607,7 +608,8 @@ def main(argv: list[str] | None = None) -> int:
                                               "transfer rates scaled per block)"},
            "targets": {"hit_rate_points": TARGET_HIT_POINTS, "ttft_p50_rel": TARGET_TTFT_REL},
            "runs": runs, "wall_s": time.perf_counter() - t0}
-    path = write_result("vllm_engine_full" if args.full else "vllm_engine", doc, args.out)
+    path = write_result("vllm_engine_full" if args.full else "vllm_engine", doc, args.out,
+                        findings)
     print(f"wrote {path} ({doc['wall_s']:.0f} s)")
     return 0
 

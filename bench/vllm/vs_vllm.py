@@ -63,6 +63,7 @@ from typing import Any
 
 from bench.common import OneLineParser, write_result
 from bench.planner.scenarios import BLOCK, LAYOUT, Scenario, evict_cpu_blocks
+from bench.vllm.vs_vllm_findings import findings
 from kvtriton.planner import PlannerConfig
 
 VARIANTS = ("vllm_control", "vllm_rescan_restore", "kvt_loop_control", "kvt_fused_control",
@@ -726,7 +727,8 @@ def main(argv: list[str] | None = None) -> dict:
                             "vllm": vllm.__version__},
                "rows": rows, "targets": met}
     # The quick run has a file of its own: make bench keeps the full run's.
-    path = write_result(args.name or ("vs_vllm_quick" if args.quick else "vs_vllm"), payload)
+    path = write_result(args.name or ("vs_vllm_quick" if args.quick else "vs_vllm"), payload,
+                        findings=findings)
     print(f"wrote {path}")
     return payload
 

@@ -62,24 +62,14 @@ def conversational_gap_section(v: dict) -> None:
     table = md_table(["chosen on train", "hypothesis", "train gap share per value",
                     "Mooncake gap share train / test", "test hit rate", "test TTFT p50 (s)",
                     "coding agents, test (points)", "agent, test (points)", "target"], trs)
-    figures = {"anatomy.inferred_sessions.requests_extending":
-               f"{sessions['requests_extending']} of {a['requests']:,}",
-               "reusable_blocks_covered": pct(sessions["reusable_blocks_covered"]),
-               " (anatomy.learned_predictor)": "", "(see idea 2)": "(idea 2)"}
-
-    def why(text: str) -> str:
-        for k, x in figures.items():
-            text = text.replace(k, x)
-        return text.rstrip(".")
-
-    nb = "\n".join(f"- Idea {k}: not built. {why(x['why_not'])}."
-                   for k, x in doc["not_built"].items())
+    nb = "\n".join(f"- Idea {k}: not built. {why}."
+                   for k, why in doc["findings"]["not_built"].items())
     met = doc["target_met_by"]
     v["gap_study_text"] = (
         f"**The conversational gap** (`bench/tier_study/conversational_gap.py`; "
         f"{machine_line(doc)}). On the "
         "Mooncake trace at CPU = GPU the in-loop bound is "
-        f"{bound['test']['token_hit_rate'] / control['test']['token_hit_rate']:.1f} times the "
+        f"{doc['findings']['bound_over_control_test']:.1f} times the "
         "control on the test half. Target: "
         f"at least {t['mooncake_test_gap_share']:.0%} of the gap on the test half, with no loss "
         f"beyond {t['other_test_points_at_least']:+.1f} points on the coding-agent and agent "

@@ -4,43 +4,13 @@
 from __future__ import annotations
 
 from paper.format import gap_pct, md_table, pct
-from paper.results import FIGURES, SHORT_LABELS, setup_docs
-
-
-def _map_cells(docs: dict) -> list[dict]:
-    """One decision-map cell per (workload, CPU capacity) of a results file with a split and
-    traits: the traits, the setup chosen on the train part and its figures on the test part."""
-    cells = []
-    for tag, doc in docs.items():
-        traits = doc.get("traits")
-        if not traits or not doc.get("split"):
-            continue
-        for run, t in zip(doc["runs"], doc["targets"], strict=True):
-            ratio = run["cpu_ratio"]
-            control = next(r for r in run["rows"] if r["composition"] == "eager")
-            best = next((r for r in run["rows"] if r["setup"] == t["best"]), None)
-            test = None if best is None else 100 * (
-                best["parts"]["test"]["token_hit_rate"]
-                - control["parts"]["test"]["token_hit_rate"])
-            cells.append({
-                "tag": tag, "label": f"{SHORT_LABELS.get(tag, tag)} {ratio}x", "ratio": ratio,
-                "within_gpu": traits["reuse"]["within"]["gpu"],
-                "within_tier": traits["reuse"]["within"][f"gpu+cpu {ratio}x"],
-                "turns": traits["turns_per_session"], "continue": traits["continue_share"],
-                "hinted": traits["continue_share"] > 0,
-                "queue_p50_s": control["parts"]["test"].get(
-                    "queue_delay_p50_s", control["ttft_p50_s"]),
-                "queue_measured": "queue_delay_p50_s" in control["parts"]["test"],
-                "gap_points": t["gap_points"], "no_gap": t["no_gap"], "winner": t["best"],
-                "train_share": t.get("gap_closed_train"), "test_share": t.get("gap_closed_test"),
-                "test_points": test})
-    return cells
+from paper.results import FIGURES, setup_docs
 
 
 def decision_map_section(v: dict) -> None:
     """Which setup wins where: the study's cells against the workload traits, each winner
     chosen on the train part with its test-part figures, and the rules they support."""
-    cells = _map_cells(setup_docs())
+    cells = [c for doc in setup_docs().values() for c in doc["findings"]["map_cells"]]
     if not cells:
         v["decision_map_text"] = ("*Pending: no setup results with a train/test split "
                                   "(`python -m bench --only setups`).*")

@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-from paper import results as paper_results
 from paper.format import md_table
+from paper.results import load, not_run
 
 
 def default_section(v: dict) -> None:
     """The connector's default and the rule that picks it; the build stops if the results no
     longer pick ``kvtriton.setups.DEFAULT_SETUP``."""
-    from bench.tier_study.default_setup import CONTROL, choose_on_train
-    from kvtriton.setups import DEFAULT_SETUP
+    from kvtriton.setups import CONTROL, DEFAULT_SETUP
 
-    try:
-        got = choose_on_train(paper_results.RESULTS)
-    except ValueError as e:
-        v["default_text"] = f"*Pending: {e}.*"
+    got = load("default_setup")
+    if got is None:
+        v["default_text"] = f"*Pending: `default_setup.json` is {not_run('default_setup.json')}.*"
         return
     if got["setup"] != DEFAULT_SETUP:
         raise SystemExit(f"paper/build.py: the results choose {got['setup']!r} as the "

@@ -61,12 +61,11 @@ def engine_section(v: dict) -> None:
               "-" if r["ttft_p50_rel_off"] is None else f"{r['ttft_p50_rel_off']:+.0%}"]
              for r in run["rows"]]))
         t = run["targets"]
-        worst = max(abs(r["hit_points_off"]) for r in run["rows"])
-        rel = [abs(r["ttft_p50_rel_off"]) for r in run["rows"]
-               if r["ttft_p50_rel_off"] is not None]
+        worst = doc["findings"]["runs"][w]
         parts.append(
             f"Targets: hit rate within {targets['hit_rate_points']:g} point for every system "
-            f"{verdict_word(t['hit_rate_within_1_point'])} (worst {worst:.1f}); TTFT p50 in the "
+            f"{verdict_word(t['hit_rate_within_1_point'])} (worst "
+            f"{worst['worst_hit_points_off']:.1f}); TTFT p50 in the "
             f"same order {verdict_word(t['ttft_p50_same_order'])} over the "
             f"{run.get('ttft_pairs_compared', 0)} pairs of systems whose measured p50s differ "
             f"by more than {targets['ttft_p50_rel']:.0%}"
@@ -75,5 +74,5 @@ def engine_section(v: dict) -> None:
             + ", ".join(f"`{s}`" for s in run["ttft_order_engine"]) + "; simulator: "
             + ", ".join(f"`{s}`" for s in run["ttft_order_sim"]) + "); modeled TTFT p50 within "
             f"{targets['ttft_p50_rel']:.0%} {verdict_word(t['ttft_p50_within_20pct'])} (worst "
-            f"{max(rel, default=0):.0%}).")
+            f"{worst['worst_ttft_p50_rel_off']:.0%}).")
     v["engine_text"] = "\n\n".join(parts)

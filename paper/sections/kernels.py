@@ -7,6 +7,15 @@ from paper.format import machine_line, md_table
 from paper.results import FIGURES, load
 
 
+def hybrid_waste(v: dict) -> None:
+    """The share of a CPU block a hybrid preset's smallest group's block uses."""
+    chk = load("kernel_check")
+    fill = {} if chk is None else chk["findings"]["smallest_group_fill"]
+    v["hybrid_waste"] = ("; ".join(f"`{name}`'s smallest group block fills {share:.1%} of its "
+                                   "CPU block" for name, share in fill.items()) + "."
+                         if fill else "no preset has groups of different block bytes.")
+
+
 def kernel_section(v: dict) -> None:
     chk = load("kernel_check")
     if chk is None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from paper.format import machine_line, md_table, pct
-from paper.results import WORKLOADS, load
+from paper.results import load
 
 
 def lfu_recency_section(v: dict) -> None:
@@ -29,7 +29,7 @@ def lfu_recency_section(v: dict) -> None:
         cells = ", ".join(
             f"`{p}` {pct(r['parts']['train']['token_hit_rate'])} / "
             f"{pct(r['parts']['test']['token_hit_rate'])}" for p, r in by.items())
-        parts.append(f"{dict(WORKLOADS).get(tag, tag)}: {cells}")
+        parts.append(f"{doc['findings']['labels'][tag]}: {cells}")
     verdict = ("frequency loses here" if sm["lfu_loses"] else
                "frequency does not lose on the held-out seeds")
     v["lfu_recency_text"] = (
@@ -58,10 +58,9 @@ def _lfu_verdicts(doc: dict) -> str:
     """The study's verdict on each change, as it wrote them."""
     rule = doc["rule"]
     out = []
-    for c in doc["verdicts"]:
-        pts = c["points_vs_lfu64"]
-        worst = {part: min(pts[part].items(), key=lambda kv: kv[1]) for part in pts if pts[part]}
-        where = ", ".join(f"{part} {pt:+.2f} points ({dict(WORKLOADS).get(tag, tag)})"
+    labels = doc["findings"]["labels"]
+    for c, worst in zip(doc["verdicts"], doc["findings"]["worst_vs_lfu64"], strict=True):
+        where = ", ".join(f"{part} {pt:+.2f} points ({labels[tag]})"
                           for part, (tag, pt) in worst.items())
         out.append(f"`{c['change']}` {'recovers' if c['recovers_chat'] else 'does not recover'}"
                    f" the chat hits ({c['chat_cpu_hit_share_of_control']:.2f} of `eager`'s), "

@@ -4,40 +4,32 @@ from __future__ import annotations
 
 from kvtriton.plots import plot_restore_map
 from paper.format import machine_line
-from paper.results import FIGURES, MAP_TAGS, WORKLOADS, load
+from paper.results import FIGURES, MAP_TAGS, load
 
 
 def restore_map_section(v: dict) -> None:
-    labels = dict(WORKLOADS)
     docs = {tag: doc for tag in MAP_TAGS if (doc := load(f"restore_map_{tag}"))}
     if not docs:
         v["restore_map_text"] = "*Pending: `python -m bench.tier_study.setups --only map`.*"
         v["fig_restore_map"] = ""
         v["abstract_restore"] = "the re-store map has not been run"
         return
+    labels = {tag: doc["findings"]["label"] for tag, doc in docs.items()}
     lines, figs, summary = [], [], []
     for tag, doc in docs.items():
-        ratios, running = doc["ratios"], doc["max_running"]
         lines.append(f"**{labels[tag]}**: `{doc['workload']}` ({doc['requests']:,} requests), "
                      f"GPU {doc['gpu_tokens']:,} tokens; {machine_line(doc)}. Each cell: the token "
                      "hit rate of the re-store form minus that of `eager` at the same capacity "
                      "and concurrency.")
-        for form, grid in doc["gain"].items():
-            cells = [(grid[i][j], running[i], ratios[j]) for i in range(len(running))
-                     for j in range(len(ratios))]
-            best, worst = max(cells), min(cells)
-            pays = [c for c in cells if c[0] > 0.001]
-            hurts = [c for c in cells if c[0] < -0.001]
-            thrash = doc["restore_thrash"][form]
-            most = max((thrash[i][j], running[i], ratios[j]) for i in range(len(running))
-                       for j in range(len(ratios)))
+        for form, f in doc["findings"]["forms"].items():
+            best, worst, most = f["best"], f["worst"], f["most_thrash"]
             lines.append(
-                f"- `{form}`: gains more than 0.1 point in {len(pays)} of {len(cells)} cells and "
-                f"loses more than 0.1 point in {len(hurts)}; best {100 * best[0]:+.1f} points "
+                f"- `{form}`: gains more than 0.1 point in {f['gains']} of {f['cells']} cells and "
+                f"loses more than 0.1 point in {f['losses']}; best {100 * best[0]:+.1f} points "
                 f"(max_running {best[1]}, CPU {best[2]:g}x), worst {100 * worst[0]:+.1f} "
                 f"points (max_running {worst[1]}, CPU {worst[2]:g}x); most re-store thrash "
                 f"{most[0]:,} (max_running {most[1]}, CPU {most[2]:g}x).")
-            summary.append((tag, form, len(pays), len(hurts), len(cells), best[0], worst[0]))
+            summary.append((tag, form, f["gains"], f["losses"], f["cells"], best[0], worst[0]))
         plot_restore_map(doc, FIGURES / f"restore_map_{tag}.png")
         figs.append(f"![{labels[tag]}: re-store gain over eager](figures/"
                     f"restore_map_{tag}.png)")

@@ -5,29 +5,21 @@ from __future__ import annotations
 
 from kvtriton.plots import plot_gain_over_control
 from paper.format import gap_pct, machine_line, md_table, pct
-from paper.results import FIGURES, SETUP_LABELS, setup_docs
+from paper.results import FIGURES, setup_docs
 
 
 def _bounds_intro(docs: dict) -> str:
-    """How far the best online setup of each run stays from the cache-only Belady figure, from
-    the rows: the comparison the text makes, never typed by hand."""
-    gaps = []
-    for tag, doc in docs.items():
-        for run in doc["runs"]:
-            cob = run.get("cache_only_bound")
-            # Rows given oracle closes know the future too: not online.
-            online = [r for r in run["rows"]
-                      if not r["oracle"] and r.get("hint_source") != "oracle closes"]
-            if cob and online:
-                best = max(online, key=lambda r: r["token_hit_rate"])
-                gaps.append((100 * (cob["hit_rate"] - best["token_hit_rate"]), tag,
-                             run["cpu_ratio"], best["setup"]))
+    """How far the best online setup of each run stays from the cache-only Belady figure, as
+    the study found it per run (``findings.runs[].best_online_below_cache_only``)."""
+    gaps = [(b["points"], doc["findings"]["label"], run["cpu_ratio"], b["setup"])
+            for doc in docs.values() for run in doc["findings"]["runs"]
+            if (b := run["best_online_below_cache_only"]) is not None]
     if not gaps:
         return "No run recorded the cache-only Belady figure."
     far, near = max(gaps), min(gaps)
 
     def where(g: tuple) -> str:
-        return f"{SETUP_LABELS[g[1]]}, CPU {g[2]}x, `{g[3]}`"
+        return f"{g[1]}, CPU {g[2]}x, `{g[3]}`"
 
     passes = [g for g in gaps if g[0] < 0]
     head = ("The cache-only Belady figure over GPU + CPU capacity is passed by no online setup "
@@ -54,32 +46,17 @@ def _overload_note(doc: dict, t: dict) -> str:
 def split_text(docs: dict) -> str:
     """Each workload's train/test split, with the parts' sizes from the control's rows."""
     lines = []
-    for tag, doc in docs.items():
+    for doc in docs.values():
+        label = doc["findings"]["label"]
         if not doc.get("split"):
-            lines.append(f"- {SETUP_LABELS[tag]}: written before the split; its figures are "
+            lines.append(f"- {label}: written before the split; its figures are "
                          "over the whole run, and nothing is chosen from it.")
             continue
         control = next(r for r in doc["runs"][0]["rows"] if r["composition"] == "eager")
         sizes = ", ".join(f"{name} {p['requests']:,} requests ({p['prompt_tokens']:,} prompt "
                           "tokens)" for name, p in control["parts"].items())
-        lines.append(f"- {SETUP_LABELS[tag]}: {doc['split_text']}: {sizes}.")
+        lines.append(f"- {label}: {doc['split_text']}: {sizes}.")
     return "\n".join(lines)
-
-
-def hybrid_waste(v: dict) -> None:
-    """The share of a CPU block a hybrid preset's smallest group's block uses (the layout's
-    own byte counts)."""
-    from kvtriton.specs import PRESETS, preset
-
-    parts = []
-    for name in sorted(PRESETS):
-        layout = preset(name)
-        per = layout.group_block_bytes
-        if len(set(per)) > 1:
-            parts.append(f"`{name}`'s smallest group block fills "
-                         f"{min(per) / layout.cpu_block_bytes:.1%} of its CPU block")
-    v["hybrid_waste"] = ("; ".join(parts) + "." if parts
-                         else "no preset has groups of different block bytes.")
 
 
 def setups_section(v: dict) -> None:
@@ -90,7 +67,7 @@ def setups_section(v: dict) -> None:
             v[k] = "*Pending: `python -m bench.tier_study.setups` has not been run.*"
         v["abstract_setups"] = "the setup benchmark has not been run"
         return
-    labels = SETUP_LABELS
+    labels = {tag: doc["findings"]["label"] for tag, doc in docs.items()}
     first = next(iter(docs.values()))
     cond = first["runs"][0]["conditions"]
     cm = cond["cost_model"]
@@ -219,17 +196,9 @@ def setups_section(v: dict) -> None:
     # Hints and the other online signals, as gains over what they change.
     hl = []
     for tag, doc in docs.items():
-        for run in doc["runs"]:
-            rb = {r["setup"]: r for r in run["rows"]}
-            pairs = [("lazy+hints", "lazy"), ("lazy+hinted", "lazy"),
-                     ("lazy+hinted+hints", "lazy+hints"), ("eager+hints", "eager"),
-                     ("eager+second", "eager"), ("eager+waiting", "eager"),
-                     ("eager+refresh", "eager"), ("eager+arc", "eager"),
-                     ("eager+s3fifo", "eager"), ("eager+refresh+arc", "eager+arc")]
-            pairs += [(r["setup"], r["composition"]) for r in run["rows"]
-                      if r.get("hint_source") == "oracle closes"]
-            cells = [f"`{a}` {100 * (rb[a]['token_hit_rate'] - rb[b]['token_hit_rate']):+.1f} "
-                     f"over `{b}`" for a, b in pairs if a in rb and b in rb]
+        for run in doc["findings"]["runs"]:
+            cells = [f"`{g['setup']}` {g['points']:+.1f} over `{g['over']}`"
+                     for g in run["signal_gains"]]
             if cells:
                 hl.append(f"- {labels[tag]}, CPU {run['cpu_ratio']}x (points of hit rate): "
                           + "; ".join(cells) + ".")
@@ -238,12 +207,7 @@ def setups_section(v: dict) -> None:
         "call is hinted `continue`. No trace records a client closing its session; a row "
         "`[oracle closes]` gives the same setup each session's last turn as a close, which "
         "uses the future (no later turn exists), so it is an oracle and never the best "
-        "setup." + "".join(
-            f" The file of the {labels[tag]} was written before this split: its hinted rows "
-            "are the oracle-close runs only (`python -m bench --only "
-            + ("cc_agentic_whole" if tag.endswith("_full") else "setups")
-            + "` adds the causal ones)." for tag, doc in docs.items() if doc.get("legacy_hints"))
-        + "\n\n" + "\n".join(hl))
+        "setup.\n\n" + "\n".join(hl))
     # Abstract: the best online setup per workload at CPU = GPU.
     ab = []
     for tag, doc in docs.items():

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from paper.format import machine_line
-from paper.results import SETUP_LABELS, load
+from paper.results import load
 
 
 def shares_section(v: dict) -> None:
@@ -20,7 +20,7 @@ def shares_section(v: dict) -> None:
         for r in w["setups"]:
             grid = ", ".join(f"{g['share']:g}: {g['train_points']:+.2f}" for g in r["grid"])
             lines.append(
-                f"- {SETUP_LABELS.get(tag, tag)}, `{r['setup']}`: train gains over the control "
+                f"- {doc['findings']['labels'][tag]}, `{r['setup']}`: train gains over the control "
                 f"by share ({grid} points); chosen {r['chosen_share']:g}, which gains "
                 f"{r['chosen_test_points']:+.2f} points on the test part against "
                 f"{r['fixed_test_points']:+.2f} at the fixed {r['fixed_share']:g} "

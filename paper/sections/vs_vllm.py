@@ -2,34 +2,9 @@
 
 from __future__ import annotations
 
-from bench.vllm.vs_vllm import RATIO_TARGETS
 from kvtriton.plots import plot_vs_vllm
 from paper.format import machine_line, md_table
 from paper.results import FIGURES, load, vs_vllm_doc
-
-# The variants of ``bench.vllm.vs_vllm`` in the paper's words.
-VS_VLLM_VARIANTS = {
-    "vllm_control": "vLLM control (cursor scan)",
-    "vllm_rescan_restore": "vLLM re-scan re-store",
-    "kvt_loop_control": "kvtriton loop control",
-    "kvt_fused_control": "kvtriton fused control",
-    "kvt_fused_restore": "kvtriton fused re-store",
-    "kvt_connector_fused_control": "connector, fused control",
-    "kvt_connector_fused_restore": "connector, fused re-store",
-}
-
-VS_VLLM_TARGETS = {
-    "fused_restore_over_vllm_control": "fused re-store over vLLM's control",
-    "fused_control_over_vllm_control": "fused control over vLLM's control",
-    "rescan_over_fused_restore": "vLLM's re-scan re-store over fused re-store",
-    "connector_over_planner_control": "through the connector over the planner alone (control)",
-    "connector_over_planner_restore": "through the connector over the planner alone "
-                                      "(re-store)",
-}
-
-# The variants of each ratio target, numerator first (a results file written before
-# ``bench.vllm.vs_vllm`` recorded them with each target).
-VS_VLLM_COMPARED = {name: (num, den) for name, num, den, _, _ in RATIO_TARGETS}
 
 
 def _evictions(settings: dict) -> str:
@@ -61,21 +36,13 @@ def _abstract_vs_vllm(doc: dict) -> str:
     return text
 
 
-def _where_time_went(doc: dict, t: dict) -> str:
-    """For a missed ratio target: the parts (medians) in which its numerator's step exceeds
-    the denominator's most, from the same rows."""
-    compared = t.get("compared") or VS_VLLM_COMPARED.get(t["name"])
-    if not compared:
+def _where_time_went(grew: dict | None) -> str:
+    """For a missed ratio target: the parts in which its numerator's step exceeded the
+    denominator's most, as the study found them."""
+    if not grew or not grew["parts"]:
         return ""
-    at = {(r["variant"], r["requests"], r["blocks_per_request"]): r for r in doc["rows"]}
-    a, b = (at.get((v, t["requests"], t["blocks_per_request"])) for v in compared)
-    if a is None or b is None:
-        return ""
-    more = sorted(((a["parts_ms"][k] - b["parts_ms"].get(k, 0.0), k) for k in a["parts_ms"]),
-                  reverse=True)
-    named = [f"{k} +{d:.3f} ms" for d, k in more[:3] if d > 0.0005]
-    return "" if not named else (f"; the parts that grew most over `{compared[1]}`: "
-                                 + ", ".join(named))
+    return (f"; the parts that grew most over `{grew['compared'][1]}`: "
+            + ", ".join(f"{k} +{d:.3f} ms" for k, d in grew["parts"]))
 
 
 def _sizes_table(doc: dict) -> str:
@@ -90,8 +57,8 @@ def _sizes_table(doc: dict) -> str:
         at = {(r["variant"], r["requests"]): r["median_ms"] for r in rows}
         header = ["variant"] + [f"R = {n}" + ("*" if (n, blocks) in grouped else "")
                                 for n in sizes]
-        body = [[VS_VLLM_VARIANTS.get(v, v)] + [f"{at[v, n]:.3f}" if (v, n) in at else "-"
-                                                 for n in sizes]
+        names = doc["findings"]["labels"]["variants"]
+        body = [[names.get(v, v)] + [f"{at[v, n]:.3f}" if (v, n) in at else "-" for n in sizes]
                 for v in dict.fromkeys(r["variant"] for r in rows)]
         out.append(f"Whole step, ms (median), {blocks:,} blocks per request:\n\n"
                    + md_table(header, body))
@@ -141,6 +108,7 @@ def vs_vllm_section(v: dict) -> None:
         v["vs_vllm_table"] = ""
         return
     v["abstract_vs_vllm"] = _abstract_vs_vllm(doc)
+    labels = doc["findings"]["labels"]
     s = doc["settings"]
     parts = s["parts"]
     sizes = sorted({t["requests"] for t in doc["targets"]}) or sorted(
@@ -151,7 +119,7 @@ def vs_vllm_section(v: dict) -> None:
     for r in doc["rows"]:
         if r["requests"] not in sizes:
             continue
-        rows.append([VS_VLLM_VARIANTS.get(r["variant"], r["variant"]), str(r["requests"]),
+        rows.append([labels["variants"].get(r["variant"], r["variant"]), str(r["requests"]),
                      f"{r['blocks_per_request']:,}", f"{r['median_ms']:.3f}",
                      f"{r['min_ms']:.3f}" if "min_ms" in r else "-",
                      f"{1 / r['x_vs_vllm_control']:.2f}" if r.get("x_vs_vllm_control")
@@ -173,14 +141,14 @@ def vs_vllm_section(v: dict) -> None:
     if m.get("vllm") and m["vllm"] != s["vllm"]:
         lines.append(f"(vLLM imported: {m['vllm']}.)")
     bullets = []
-    for t in doc["targets"]:
-        label = VS_VLLM_TARGETS.get(t["name"], t["name"].replace("_", " "))
+    for t, grew in zip(doc["targets"], doc["findings"]["grew_most"], strict=True):
+        label = labels["targets"].get(t["name"], t["name"].replace("_", " "))
         low = "" if t.get("value_min") is None else \
             f"; the same ratio of the fastest steps: {t['value_min']:.3g}"
         bullets.append(f"- Target {label}, R = {t['requests']}, {t['blocks_per_request']} "
                        f"blocks: {t['value']:.3g} (target {t['target']}), "
                        f"{'met' if t['met'] else '**missed**'}; {t['measure']}{low}"
-                       f"{'' if t['met'] else _where_time_went(doc, t)}.")
+                       f"{_where_time_went(grew)}.")
     if s.get("grouped"):
         lines.append("Run in groups: " + ", ".join(
             f"R = {k['requests']} at {k['blocks_per_request']:,} blocks" for k in s["grouped"])

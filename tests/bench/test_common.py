@@ -36,6 +36,39 @@ def results(tmp_path, monkeypatch):
     return tmp_path
 
 
+def test_findings_are_written_with_the_rows_and_derived_again_without_a_run(results,
+                                                                           monkeypatch):
+    """A study's findings go into its file with its rows; ``derive_findings`` recomputes them
+    from the rows on disk with the writer's own function, leaves the rows and the writer's
+    entry as they were, and stamps when. A file whose findings were tampered with (or written
+    by an older rule) gets the study's findings back."""
+    from bench.planner import scaling
+
+    rows = [{"variant": "fused_restore", "requests": 128, "restores_per_step": 2000,
+             "median_ms": 3.0, "select_median_ms": 1.0}]
+    monkeypatch.setattr(bench.common, "_git_sha", lambda: "abc1234")
+    with writing_as("bench.planner.scaling", ["--quick"]):
+        path = write_result("planner", {"rows": rows}, results, scaling.findings)
+    with writing_as("bench.planner.hole_demo", []):  # no findings function: left alone
+        write_result("other", {"rows": [1]}, results)
+    doc = json.loads(path.read_text())
+    want = scaling.findings("planner", doc)
+    assert doc["findings"] == want and want["bookkeeping"]["bookkeeping_ms"] == 2.0
+    doc["findings"]["bookkeeping"]["bookkeeping_ms"] = 99.0
+    path.write_text(json.dumps(doc))
+    before = _manifest(results)
+    monkeypatch.setattr(bench.common, "_git_sha", lambda: "def5678")
+    assert bench.common.derive_findings(results) == ["planner.json"]
+    again = json.loads(path.read_text())
+    assert again["findings"] == want and again["rows"] == rows
+    after = _manifest(results)
+    assert after["planner.json"]["writer"] == before["planner.json"]["writer"]
+    assert after["planner.json"]["commit"] == "abc1234"
+    assert after["planner.json"]["findings"]["commit"] == "def5678"
+    assert after["other.json"] == before["other.json"]
+    assert "findings" not in json.loads((results / "other.json").read_text())
+
+
 def test_each_write_records_its_file_and_a_rewrite_changes_only_its_entry(results, monkeypatch):
     monkeypatch.setattr(bench.common, "_git_sha", lambda: "abc1234+dirty")
     with writing_as("bench.bench_x", ["--quick"], via="python -m bench --only x"):

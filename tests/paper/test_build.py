@@ -8,6 +8,11 @@ from pathlib import Path
 import pytest
 
 import paper.results
+from bench.planner import scaling
+from bench.tier_study import lfu_recency as lfu_study
+from bench.tier_study.setup_findings import findings as setup_findings
+from bench.vllm.engine_findings import findings as engine_findings
+from bench.vllm.vs_vllm_findings import findings as vs_vllm_findings
 from paper import build
 from paper.sections import default_setup, engine, lfu_recency, planner, setups, vs_vllm
 
@@ -17,7 +22,14 @@ ROOT = Path(__file__).resolve().parents[2]
 def _doc(belady: float, rates: dict[str, float]) -> dict:
     rows = [{"setup": p, "composition": p, "oracle": p.endswith("nextuse"), "token_hit_rate": h}
             for p, h in rates.items()]
-    return {"runs": [{"cpu_ratio": 1, "rows": rows, "cache_only_bound": {"hit_rate": belady}}]}
+    doc = {"runs": [{"cpu_ratio": 1, "rows": rows, "cache_only_bound": {"hit_rate": belady}}]}
+    return _found(doc)
+
+
+def _found(doc: dict) -> dict:
+    """``doc`` with the setup study's findings, as the study writes them."""
+    doc["findings"] = setup_findings("setups_agent", doc)
+    return doc
 
 
 def test_the_bounds_sentence_follows_the_rows():
@@ -31,7 +43,7 @@ def test_the_bounds_sentence_follows_the_rows():
     # A row given oracle closes knows the future: it is not the best online setup.
     doc = _doc(0.9, {"eager": 0.5, "lazy+hints": 0.7, "lazy+hints [oracle closes]": 0.85})
     doc["runs"][0]["rows"][2]["hint_source"] = "oracle closes"
-    closes = setups._bounds_intro({"agent": doc})
+    closes = setups._bounds_intro({"agent": _found(doc)})
     assert "`lazy+hints`" in closes and "20.0 points" in closes and "oracle" not in closes
 
 
@@ -48,10 +60,12 @@ def test_the_bookkeeping_sentence_compares_measured_figures():
              "median_ms": 3.0, "select_median_ms": 1.0},
             {"variant": "fused_control", "requests": 128, "restores_per_step": 0,
              "median_ms": 1.0, "select_median_ms": 0.5}]
-    text = planner._bookkeeping({"rows": rows})
+    doc = {"rows": rows}
+    text = planner._bookkeeping({"findings": scaling.findings("planner", doc)})
     assert "2.00 ms, more than the 1.00 ms" in text
     rows[0]["median_ms"] = 1.5
-    assert "0.50 ms, less than the 1.00 ms" in planner._bookkeeping({"rows": rows})
+    assert "0.50 ms, less than the 1.00 ms" in planner._bookkeeping(
+        {"findings": scaling.findings("planner", doc)})
 
 
 def test_the_build_stops_when_the_evidence_picks_another_default(monkeypatch):
@@ -89,6 +103,7 @@ def test_the_engine_section_states_each_target(monkeypatch):
                "cpu_ratio": 1.0, "max_num_batched_tokens": 1024, "max_num_seqs": 16,
                "time_scale": 0.05, "max_output_tokens": 16},
            "targets": {"hit_rate_points": 1.0, "ttft_p50_rel": 0.2}, "runs": {"agent": run}}
+    doc["findings"] = engine_findings("vllm_engine", doc)
     monkeypatch.setattr(engine, "load", lambda name: doc)
     v: dict[str, str] = {}
     engine.engine_section(v)
@@ -116,6 +131,7 @@ def test_the_vs_vllm_section_reports_the_same_process_run(monkeypatch, tmp_path)
            "targets": [{"name": "fused_restore_over_vllm_control", "requests": 128,
                         "blocks_per_request": 2048, "value": 2.0, "target": "<= 1",
                         "met": False, "measure": "per-step time"}]}
+    doc["findings"] = vs_vllm_findings("vs_vllm", doc)
     for module in (paper.results, vs_vllm):
         monkeypatch.setattr(module, "load", lambda name: None if name == "vs_vllm_evict_share"
                             else doc)
@@ -166,22 +182,6 @@ def test_the_evict_share_setting_is_reported_from_its_own_file():
     assert "*not run*" in vs_vllm._evict_share_text(None)
 
 
-def test_a_file_from_before_the_hint_split_is_read_as_oracle_closes():
-    rows = [{"setup": p, "composition": p, "oracle": False, "token_hit_rate": h,
-             "gap_closed": g, "ttft_p50_s": 1.0, "ttft_p90_s": 2.0}
-            for p, h, g in (("eager", 0.5, 0.0), ("lazy", 0.55, 0.3), ("lazy+hints", 0.6, 0.9))]
-    doc = {"runs": [{"cpu_ratio": 1, "rows": rows}],
-           "targets": [{"best": "lazy+hints", "gap_closed": 0.9, "met": True, "target": 0.25,
-                        "no_gap": False}]}
-    paper.results.legacy_hints(doc)
-    assert [r["setup"] for r in rows] == ["eager", "lazy", "lazy+hints [oracle closes]"]
-    assert doc["targets"][0]["best"] == "lazy" and doc["targets"][0]["gap_closed"] == 0.3
-    assert doc["legacy_hints"]
-    # A file written after the split is left as it is.
-    paper.results.legacy_hints(doc)
-    assert rows[2]["setup"] == "lazy+hints [oracle closes]"
-
-
 def test_the_lfu_section_formats_the_studys_verdicts(monkeypatch):
     """``lfu_recency.json``: the held-out share table and each change's verdict as the study
     wrote it; without the file, a line saying how to run it."""
@@ -206,6 +206,7 @@ def test_the_lfu_section_formats_the_studys_verdicts(monkeypatch):
                          "recovers_chat": True, "adopt": False,
                          "points_vs_lfu64": {"train": {"cc_agentic": -3.5},
                                              "test": {"cc_agentic": -2.0}}}]}
+    doc["findings"] = lfu_study.findings("lfu_recency", doc)
     monkeypatch.setattr(lfu_recency, "load", lambda name: doc if name == "lfu_recency" else None)
     v: dict = {}
     lfu_recency.lfu_recency_section(v)

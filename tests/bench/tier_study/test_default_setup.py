@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
+from bench.common import RESULTS_DIR
 from bench.tier_study import default_setup
 from bench.tier_study.default_setup import candidate, cells, choose
 from kvtriton.setups import DEFAULT_SETUP
@@ -91,9 +93,16 @@ def test_the_rule_reads_the_train_part_and_reports_the_test_part(tmp_path):
     assert [t["setup"] for t in got["test"]] == [r["setup"] for r in got["table"]]
 
 
-def test_the_committed_results_choose_the_default(capsys):
+def test_the_committed_results_choose_the_default(capsys, tmp_path):
     """What ``paper/build.py`` checks: the shipped results still pick ``DEFAULT_SETUP``, on
-    their train parts."""
+    their train parts, and the study writes that choice where the paper reads it."""
     assert default_setup.choose_on_train()["setup"] == DEFAULT_SETUP
-    assert default_setup.main([]) == 0
+    for name in default_setup.SETUP_FILES:
+        if (RESULTS_DIR / name).exists():
+            shutil.copy(RESULTS_DIR / name, tmp_path / name)
+    assert default_setup.main(["--results-dir", str(tmp_path)]) == 0
     assert f"chosen {DEFAULT_SETUP!r}" in capsys.readouterr().out
+    written = json.loads((tmp_path / "default_setup.json").read_text())
+    assert written["setup"] == written["connector_default"] == DEFAULT_SETUP and written["agrees"]
+    committed = json.loads((RESULTS_DIR / "default_setup.json").read_text())
+    assert committed["setup"] == DEFAULT_SETUP

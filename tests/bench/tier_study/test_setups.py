@@ -160,3 +160,36 @@ def test_main_runs_every_study_in_one_pool_with_the_same_figures(tmp_path, monke
                                    grid=(wl, 4096, (1,), (4,)))
     assert out["restore_map_agent"]["hit_rate"] == m["hit_rate"]
     assert json.loads((tmp_path / "pooled" / "setups_agent.json").read_text())["runs"]
+
+
+def test_the_restore_map_findings_count_each_forms_cells_beyond_noise():
+    from bench.tier_study.setup_findings import MAP_NOISE, restore_map_findings
+
+    doc = {"tag": "agent", "ratios": [1, 2], "max_running": [4, 8],
+           "gain": {"eager+restore": [[0.01, MAP_NOISE], [-0.02, -MAP_NOISE / 2]]},
+           "restore_thrash": {"eager+restore": [[3, 0], [7, 1]]}}
+    f = restore_map_findings(doc)["forms"]["eager+restore"]
+    # A gain of exactly the noise is no gain; half of it below zero is no loss.
+    assert (f["cells"], f["gains"], f["losses"]) == (4, 1, 1)
+    assert f["best"] == [0.01, 4, 1] and f["worst"] == [-0.02, 8, 1]
+    assert f["most_thrash"] == [7, 8, 1]
+
+
+def test_the_signal_gains_pair_each_signal_with_the_setup_it_changes():
+    from bench.tier_study.setup_findings import findings
+
+    def row(setup, hit, **kw):
+        return {"setup": setup, "composition": setup.split(" ")[0], "oracle": False,
+                "token_hit_rate": hit, **kw}
+
+    rows = [row("eager", 0.5), row("eager+arc", 0.55), row("lazy", 0.4), row("lazy+hints", 0.6),
+            row("lazy+hints [oracle closes]", 0.7, hint_source="oracle closes")]
+    doc = {"runs": [{"cpu_ratio": 1, "rows": rows, "cache_only_bound": {"hit_rate": 0.8}}]}
+    run = findings("setups_agent", doc)["runs"][0]
+    gains = {(g["setup"], g["over"]): round(g["points"], 6) for g in run["signal_gains"]}
+    assert gains == {("lazy+hints", "lazy"): 20.0, ("eager+arc", "eager"): 5.0,
+                     ("lazy+hints [oracle closes]", "lazy+hints"): 10.0}
+    # The oracle-close row knows the future: the best online setup is lazy+hints, 20 points
+    # below the cache-only figure.
+    assert run["best_online_below_cache_only"]["setup"] == "lazy+hints"
+    assert round(run["best_online_below_cache_only"]["points"], 6) == 20.0
