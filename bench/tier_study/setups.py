@@ -40,6 +40,7 @@ from bench.tier_study.study import (
     HINTED_COMBINED,
     SPLIT_TEXT,
     SPLITS,
+    cc_agentic_with_closes,
     figures,
     run_all,
     slim,
@@ -48,14 +49,7 @@ from bench.tier_study.study import (
     workloads,
 )
 from kvtriton.setups import BOUNDS, CONTROL, tier_setup
-from kvtriton.sim import (
-    CC_AGENTIC_SAMPLE,
-    Workload,
-    agent_workload,
-    data_path,
-    load_trace,
-    mark_session_close,
-)
+from kvtriton.sim import Workload, agent_workload
 from kvtriton.sim.metrics import format_table
 from kvtriton.sim.simulate import add_gap_closed, in_loop_bound
 from kvtriton.sim.splits import TEST, TRAIN, split_named
@@ -272,7 +266,7 @@ def map_grid(tag: str, quick: bool) -> tuple[Workload, int, tuple, tuple]:
         return (agent_workload(num_conversations=48, min_turns=6, max_turns=20, seed=1), 65_536,
                 (0.25, 0.5, 1, 2, 4, 8), (4, 16, 64, 256))
     if tag == "cc_agentic":
-        cc = mark_session_close(load_trace(data_path(CC_AGENTIC_SAMPLE)))
+        cc = cc_agentic_with_closes()
         if quick:
             return first_turns(cc, MAP_CC_TURNS), 262_144, (0.5, 1, 2), (4, 16)
         return cc, 262_144, (0.5, 1, 2, 4), (4, 16, 64)

@@ -46,6 +46,14 @@ SPLIT_TEXT = {"time": "time halves (the first half of the requests by arrival tr
 QUICK_CC_TURNS = 12
 
 
+def cc_agentic_with_closes(trace: Workload | None = None) -> Workload:
+    """The coding-agent traces (``trace``, default the shipped sample) with each session's last
+    turn hinted ``close``. Closes are marked on the whole trace before any cut: a cut's last
+    turn is not its session's last."""
+    return mark_session_close(trace if trace is not None
+                              else load_trace(data_path(CC_AGENTIC_SAMPLE)))
+
+
 def workloads(quick: bool) -> dict[str, tuple[Workload, int, Workload | None]]:
     """Per tag: the workload with the hints a server has (``continue`` from stop reasons; no
     close), its GPU capacity in tokens, and the same workload with each session's last turn
@@ -57,14 +65,12 @@ def workloads(quick: bool) -> dict[str, tuple[Workload, int, Workload | None]]:
         agent = agent_workload(num_conversations=64, min_turns=10, max_turns=50, seed=0)
         agent_gpu = 131_072
     cc = load_trace(data_path(CC_AGENTIC_SAMPLE))
-    # Closes are marked on the whole trace before any cut: a cut's last turn is not its
-    # session's last.
-    cc_oracle = mark_session_close(cc)
+    cc_oracle = cc_agentic_with_closes(cc)
     if quick:
         cc, cc_oracle = first_turns(cc, QUICK_CC_TURNS), first_turns(cc_oracle, QUICK_CC_TURNS)
     # The whole Mooncake trace even when quick: its reuse builds up over the trace (the first
     # thousand requests hit under 3% whatever the tier does).
-    # Mooncake was recorded on a cluster: its arrivals are spread, as in bench_sim.
+    # Mooncake was recorded on a cluster: its arrivals are spread, as in bench.tier_study.capacity.
     mooncake, _ = serving_workload("mooncake")
     # The GLM-5 sample whole, as Mooncake: 500 prefills, no sessions and no hints.
     glm5, _ = serving_workload("glm5")

@@ -87,6 +87,17 @@ class _Provenance:
         self.holds = np.full(num_blocks, _NONE, dtype=np.int64)
 
 
+def _copied(src: _Provenance, src_blocks, dst: _Provenance, dst_blocks, groups) -> None:
+    """Blocks ``src_blocks`` of one tier were copied into ``dst_blocks`` of the other: each
+    destination now holds what its source was registered under, and is registered under
+    nothing until its tier registers it."""
+    s = np.asarray(src_blocks, dtype=np.int64)
+    d = np.asarray(dst_blocks, dtype=np.int64)
+    dst.wrote[d] = src.holds[s]
+    dst.group[d] = groups
+    dst.holds[d] = _NONE
+
+
 class IntegrityChecker:
     """Owns the miniature KV tensors and the engine; the scheduler calls it as its
     ``kvtriton.sim.hooks.IntegrityHook``, the serving loop attaches it to both pools.
@@ -168,20 +179,11 @@ class IntegrityChecker:
         CPU source was."""
         self.engine.execute(meta)
         self.engine.poll()
-        gpu, cpu = self._gpu, self._cpu
         st, ld = meta.store, meta.load
         if len(st):
-            src = np.asarray(st.gpu_blocks, dtype=np.int64)
-            dst = np.asarray(st.cpu_blocks, dtype=np.int64)
-            cpu.wrote[dst] = gpu.holds[src]
-            cpu.group[dst] = st.groups
-            cpu.holds[dst] = _NONE
+            _copied(self._gpu, st.gpu_blocks, self._cpu, st.cpu_blocks, st.groups)
         if len(ld):
-            src = np.asarray(ld.cpu_blocks, dtype=np.int64)
-            dst = np.asarray(ld.gpu_blocks, dtype=np.int64)
-            gpu.wrote[dst] = cpu.holds[src]
-            gpu.group[dst] = ld.groups
-            gpu.holds[dst] = _NONE
+            _copied(self._cpu, ld.cpu_blocks, self._gpu, ld.gpu_blocks, ld.groups)
             self._loaded.update(ld.gpu_blocks)
 
     def check_load(self, request_id: str, keys: np.ndarray, tables: Sequence[Sequence[int]],

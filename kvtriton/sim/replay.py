@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import heapq
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -195,12 +195,7 @@ def _hits_belady(prep: _Prepared, capacity: int) -> int:
     for keys, n_lookup, nexts in zip(prep.keys, prep.lookup, next_uses, strict=True):
         if len(keys) > capacity:
             keys = keys[:capacity]
-        h = 0
-        for k in keys[:n_lookup]:
-            if k not in cached:
-                break
-            h += 1
-        hits += h
+        hits += _prefix_hits(keys, n_lookup, cached)
         missing = sum(1 for k in keys if k not in cached)
         # This request's own keys have next use == now, the smallest of all, so they are never
         # popped before the `excess` victims are found among the others.
@@ -216,16 +211,22 @@ def _hits_belady(prep: _Prepared, capacity: int) -> int:
     return hits
 
 
+def _prefix_hits(keys: Sequence[int], n_lookup: int, held: Container[int]) -> int:
+    """How many of the first ``n_lookup`` keys ``held`` has before the first it lacks: a
+    prefix cache serves a request's blocks up to its first miss."""
+    h = 0
+    for k in keys[:n_lookup]:
+        if k not in held:
+            break
+        h += 1
+    return h
+
+
 def _hits_infinite(prep: _Prepared) -> int:
     seen: set[int] = set()
     hits = 0
     for keys, n_lookup in zip(prep.keys, prep.lookup, strict=True):
-        h = 0
-        for k in keys[:n_lookup]:
-            if k not in seen:
-                break
-            h += 1
-        hits += h
+        hits += _prefix_hits(keys, n_lookup, seen)
         seen.update(keys)
     return hits
 
