@@ -27,7 +27,7 @@ FIGURES = PAPER / "figures"
 sys.path.insert(0, str(ROOT))
 
 from bench.studies import always_written, writers  # noqa: E402
-from bench.vllm.vs_vllm import RATIO_TARGETS  # noqa: E402 - the repo root goes first
+from bench.vllm.vs_vllm_targets import RATIO_TARGETS  # noqa: E402 - the repo root goes first
 from kvtriton.plots import (  # noqa: E402
     PLANNER_VARIANTS,
     plot_gain_over_control,
