@@ -67,7 +67,7 @@ GPU_FUZZ_EXAMPLES = 10
 # interpreter never pays.
 TESTS_MEASURED_S = 59
 TESTS_FACTOR = 2
-# bench.kernels.bandwidth.EXIT_TARGET_MISSED: it ran to the end, a target missed.
+# bench.kernels.targets.EXIT_TARGET_MISSED: it ran to the end, a target missed.
 TARGETS_MISSED_RC = 3
 
 ENV_PROBE = """

@@ -42,6 +42,9 @@ The dry run computes every target's value from its CPU timings, through the same
 the GEMM runs beside a store on a thread), and judges none of them: the numbers are not link
 bandwidth.
 
+The targets and their verdict are in ``bench.kernels.targets``, the timing of a shape in
+``bench.kernels.timing`` and the contention run in ``bench.kernels.contention``.
+
     python -m bench.kernels.bandwidth            # full size, needs CUDA
     python -m bench.kernels.bandwidth --quick    # a few sizes, the sweep and the contention run
     python -m bench.kernels.bandwidth --dry-run  # the same harness on CPU tensors, tiny sizes
@@ -52,131 +55,36 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import threading
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from bench.common import write_result
+from bench.kernels.contention import contention
+from bench.kernels.targets import (
+    LAYER_COUNTS,
+    LAYERS_PAIRS,
+    LOOP_MAX_PAIRS,
+    SWEEP_BLOCKS,
+    TARGET_FROM_BLOCKS,
+    evaluate_targets,
+    exit_code,
+    find_row,
+    piece_table,
+    target_table,
+    targets_summary,
+)
+from bench.kernels.timing import Case, Timer, interpreted, time_cases
 
 LLAMA_SIZES = [2**i for i in range(13)]  # 1 .. 4096 blocks per launch
 LLAMA_SIZES_QUICK = [1, 16, 64, 256]
 LLAMA_SIZES_DRY = [1, 4]
 MAMBA_SIZES = [1, 2, 4, 8]  # Mamba state blocks per launch, with 16 attention blocks each
 MAMBA_SIZES_QUICK = [1, 2]
-LAYER_COUNTS = (8, 32, 64)
-LAYERS_PAIRS = 256
-LOOP_MAX_PAIRS = 1024  # the per-block loop is host-bound; above this it only costs time
-TARGET_FROM_BLOCKS = 64  # the ratio targets cover launches of this many blocks and more
-# Back-to-back launches per timed repetition: enough for ~20 ms of device time, at most this many.
-MAX_BURST = 16
-BURST_SECONDS = 0.02
 SWEEP_HEADS = (1, 2, 4, 6, 8, 16)  # K/V pages of 4, 8, 16, 24, 32, 64 KiB (16 tokens x 128 x bf16)
 SWEEP_HEADS_DRY = (1, 6)  # 4 and 24 KiB: the ends of the small-piece regime
-SWEEP_BLOCKS = 64
-SMALL_PIECES = (4 * 1024, 24 * 1024)  # vLLM PR #42212 (H100): its DMA path at 5-7 GB/s here
-CONTENTION_BYTES = 2**30
-GEMM_SIZE = 8192
-GEMM_SLOWDOWN_MAX = 0.05
-EXIT_TARGET_MISSED = 3  # the run ended and a measured target was missed (a crash exits 1)
-
-TARGETS = {
-    "d2h_vs_ceiling": ("D2H kernel >= 0.90 x the contiguous D2H ceiling from 64 blocks up "
-                       "(llama3-8b)", 0.90),
-    "d2h_vs_loop": ("D2H kernel >= 5x the per-block copy_ loop from 64 blocks up (llama3-8b, "
-                    f"loop measured up to {LOOP_MAX_PAIRS} blocks)", 5.0),
-    "h2d_vs_ceiling": ("H2D kernel >= 0.70 x the contiguous H2D ceiling from 64 blocks up "
-                       "(llama3-8b)", 0.70),
-    "host_time_vs_layers": ("host time per launch independent of the number of layers: max/min "
-                            f"over {LAYER_COUNTS} layers at {LAYERS_PAIRS} blocks <= 1.25", 1.25),
-    "gemm_slowdown": (f"bf16 GEMM slowdown while a 1 GiB store runs through the kernel at the "
-                      f"default SM budget <= {GEMM_SLOWDOWN_MAX:.0%}", GEMM_SLOWDOWN_MAX),
-    "small_pieces_vs_copy_engine": (
-        "kernel GB/s >= the copy engine's in the same run at every piece of 4-24 KiB (piece "
-        f"sweep, {SWEEP_BLOCKS} blocks, both directions), where backend='auto' picks the kernel; "
-        "vLLM's DMA path manages 5-7 GB/s there (vLLM PR #42212, H100)", 1.0),
-}
-
-
-@dataclass(slots=True)
-class Case:
-    """One timed shape: ``fn`` is what runs back to back (the kernel: launches of a prepared
-    step), ``host_fn`` the whole submitting call whose wall time is the host time per launch;
-    ``parts`` optional named pieces of ``host_fn`` timed the same way."""
-
-    scenario: str
-    size: int  # blocks per launch (Mamba state blocks for the hybrid)
-    n_pairs: int
-    nbytes: int
-    method: str
-    direction: str
-    fn: Callable[[], None]
-    reps: int
-    host_fn: Callable[[], None] | None = None
-    parts: dict[str, Callable[[], None]] | None = None
-
-
-class Timer:
-    """CUDA events on the current stream around back-to-back calls when ``cuda``; the wall clock
-    otherwise (CPU copies are synchronous)."""
-
-    def __init__(self, cuda: bool):
-        self.cuda = cuda
-
-    def _sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-
-    def burst(self, fn: Callable[[], None]) -> int:
-        """Calls per timed repetition: about ``BURST_SECONDS`` of device time, 1 to
-        ``MAX_BURST``, from one call's time after warm-up (always 1 on the CPU, where the
-        wall clock of one call is already its whole time)."""
-        if not self.cuda:
-            return 1
-        one = self.device_time(fn, 1)
-        return max(1, min(MAX_BURST, int(BURST_SECONDS / max(one, 1e-9))))
-
-    def device_time(self, fn: Callable[[], None], calls: int) -> float:
-        """Seconds per call over ``calls`` back-to-back calls."""
-        self._sync()
-        if self.cuda:
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(calls):
-                fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / 1e3 / calls
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        return (time.perf_counter() - t0) / calls
-
-    def host_time(self, fn: Callable[[], None]) -> float:
-        """Wall seconds of one call on an idle device (its work is not waited for)."""
-        self._sync()
-        t0 = time.perf_counter()
-        fn()
-        t1 = time.perf_counter()
-        self._sync()
-        return t1 - t0
-
-    def measure(self, case: Case) -> tuple[list[float], list[float], dict[str, list[float]]]:
-        calls = self.burst(case.fn)
-        device_s = [self.device_time(case.fn, calls) for _ in range(case.reps)]
-        host_s = [self.host_time(case.host_fn or case.fn) for _ in range(case.reps)]
-        parts = {name: [self.host_time(fn) for _ in range(case.reps)]
-                 for name, fn in (case.parts or {}).items()}
-        return device_s, host_s, parts
-
-
-def _pct(values: list[float], q: float) -> float:
-    return float(np.percentile(np.asarray(values), q))
 
 
 def memcpy_batch_status() -> str:
@@ -338,172 +246,6 @@ def _mamba_pairs(sizes: list[int], rng) -> dict[int, tuple]:
     return out
 
 
-def _summarize(case: Case, device_s: list[float], host_s: list[float],
-               parts: dict[str, list[float]]) -> dict:
-    gbps = [case.nbytes / t / 1e9 for t in device_s]
-    out = {
-        "scenario": case.scenario,
-        "blocks_per_launch": case.size,
-        "pairs": case.n_pairs,
-        "bytes": case.nbytes,
-        "method": case.method,
-        "direction": case.direction,
-        "reps": case.reps,
-        "gbps_median": _pct(gbps, 50),
-        "gbps_p10": _pct(gbps, 10),
-        "gbps_p90": _pct(gbps, 90),
-        "time_us_median": _pct(device_s, 50) * 1e6,
-        "time_us_p10": _pct(device_s, 10) * 1e6,
-        "time_us_p90": _pct(device_s, 90) * 1e6,
-        "host_us_median": _pct(host_s, 50) * 1e6,
-    }
-    for name, values in parts.items():
-        out[f"host_{name}_us_median"] = _pct(values, 50) * 1e6
-    return out
-
-
-def _find(results, **key) -> dict | None:
-    for r in results:
-        if all(r[k] == v for k, v in key.items()):
-            return r
-    return None
-
-
-LOWER_IS_BETTER = ("host_time_vs_layers", "gemm_slowdown")
-MET_COLUMN = {"met": "yes", "missed": "NO", "not evaluated": "n/a (dry run)",
-              "not measured": "not measured"}
-
-
-def _small_piece_ratios(sweep: dict | None) -> list[float]:
-    """Kernel GB/s over copy-engine GB/s for each sweep row in ``SMALL_PIECES``."""
-    rows = (sweep or {}).get("rows", [])
-    lo, hi = SMALL_PIECES
-    out = []
-    for r in rows:
-        if r["method"] != "kernel" or not lo <= r["piece_bytes"] <= hi:
-            continue
-        engine = _find(rows, method="copy_engine", direction=r["direction"],
-                       piece_bytes=r["piece_bytes"])
-        if engine:
-            out.append(r["gbps_median"] / engine["gbps_median"])
-    return out
-
-
-def evaluate_targets(results: list[dict], evaluate: bool, contention: dict | None = None,
-                     sweep: dict | None = None, target_from: int = TARGET_FROM_BLOCKS) -> dict:
-    """Each target: the worst value over the sizes it covers (llama3-8b launches of
-    ``target_from`` blocks and more for the ratios), its bound, and ``status``: ``met`` or
-    ``missed``; ``not evaluated`` when ``evaluate`` is false (the value is computed, ``met`` is
-    None); ``not measured`` when nothing it covers was timed."""
-    out = {}
-    ratios: dict[str, list[float]] = {k: [] for k in TARGETS}
-    llama_top = max((x["blocks_per_launch"] for x in results if x["scenario"] == "llama3-8b"),
-                    default=None)
-    for r in results:
-        if r["scenario"] != "llama3-8b" or r["method"] != "kernel" \
-                or r["blocks_per_launch"] < target_from:
-            continue
-        ceiling = _find(results, scenario="llama3-8b", method="ceiling", direction=r["direction"],
-                        blocks_per_launch=llama_top)
-        key = "d2h_vs_ceiling" if r["direction"] == "d2h" else "h2d_vs_ceiling"
-        if ceiling:
-            ratios[key].append(r["gbps_median"] / ceiling["gbps_median"])
-        loop = _find(results, scenario="llama3-8b", method="loop", direction=r["direction"],
-                     blocks_per_launch=r["blocks_per_launch"])
-        if loop and r["direction"] == "d2h":
-            ratios["d2h_vs_loop"].append(r["gbps_median"] / loop["gbps_median"])
-    hosts = [r["host_us_median"] for r in results
-             if r["scenario"].startswith("layers-") and r["method"] == "kernel"
-             and r["direction"] == "d2h"]
-    if hosts:
-        ratios["host_time_vs_layers"].append(max(hosts) / min(hosts))
-    slowdown = ((contention or {}).get("kernel") or {}).get("slowdown")
-    if slowdown is not None:
-        ratios["gemm_slowdown"].append(slowdown)
-    ratios["small_pieces_vs_copy_engine"] = _small_piece_ratios(sweep)
-    for key, (text, bound) in TARGETS.items():
-        lower = key in LOWER_IS_BETTER
-        row = {"target": text, "op": "<=" if lower else ">=", "bound": bound, "value": None,
-               "met": None}
-        vals = ratios[key]
-        if not vals:
-            out[key] = {**row, "status": "not measured", "note": "not measured"}
-            continue
-        worst = max(vals) if lower else min(vals)
-        met = worst <= bound if lower else worst >= bound
-        row["value"] = worst
-        if evaluate:
-            out[key] = {**row, "met": bool(met), "status": "met" if met else "missed"}
-        else:
-            out[key] = {**row, "status": "not evaluated",
-                        "note": "not evaluated: CPU dry run, the numbers are not link bandwidth"}
-    return out
-
-
-def targets_summary(targets: dict) -> str:
-    """One line: how many targets were met, which were missed, which were not measured."""
-    def named(status: str) -> list[str]:
-        return [k for k, t in targets.items() if t["status"] == status]
-
-    unjudged = named("not evaluated")
-    parts = [f"targets: not judged (CPU dry run), {len(unjudged)} of {len(targets)} computed"
-             if unjudged else f"targets: {len(named('met'))} of {len(targets)} met"]
-    if named("missed"):
-        parts.append(f"MISSED: {', '.join(named('missed'))}")
-    if named("not measured"):
-        parts.append(f"not measured: {', '.join(named('not measured'))}")
-    return "; ".join(parts)
-
-
-def exit_code(targets: dict) -> int:
-    """``EXIT_TARGET_MISSED`` when a measured target was missed, else 0."""
-    return EXIT_TARGET_MISSED if any(t["status"] == "missed" for t in targets.values()) else 0
-
-
-def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
-    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
-    return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
-            for r in (header, *rows)]
-
-
-def target_table(targets: dict) -> list[str]:
-    """Each target's measured value, bound and verdict, then the summary line."""
-    rows = [(name, "-" if t["value"] is None else f"{t['value']:.3g}",
-             f"{t['op']} {t['bound']:g}", MET_COLUMN[t["status"]])
-            for name, t in targets.items()]
-    return [*_table(("target", "measured", "bound", "met"), rows), targets_summary(targets)]
-
-
-def piece_table(sweep: dict | None) -> list[str]:
-    """Kernel against copy-engine GB/s per piece size and direction, from the same run."""
-    if not sweep:
-        return []
-    lo, hi = SMALL_PIECES
-    rows = []
-    for r in sorted((r for r in sweep["rows"] if r["method"] == "kernel"),
-                    key=lambda r: (r["piece_bytes"], r["direction"])):
-        engine = _find(sweep["rows"], method="copy_engine", direction=r["direction"],
-                       piece_bytes=r["piece_bytes"])
-        rows.append((f"{r['piece_bytes'] / 1024:g} KiB", r["direction"], f"{r['gbps_median']:.3g}",
-                     f"{engine['gbps_median']:.3g}",
-                     f"{r['gbps_median'] / engine['gbps_median']:.3g}",
-                     "small" if lo <= r["piece_bytes"] <= hi else ""))
-    title = [f"piece sweep: kernel against copy engine in this run ({sweep['blocks']} blocks, "
-             f"{sweep['layers']} layers per piece size)",
-             f"small: {lo // 1024}-{hi // 1024} KiB pieces, where vLLM's DMA path manages 5-7 GB/s "
-             "(vLLM PR #42212, H100)"]
-    return [*title, *_table(("piece", "dir", "kernel GB/s", "copy engine GB/s", "kernel/engine",
-                            "regime"), rows)]
-
-
-def _time_cases(timer: Timer, cases: list[Case], warmups: int) -> list[dict]:
-    for case in cases:  # warm every shape (and compile) before timing any
-        for _ in range(warmups):
-            case.fn()
-    timer._sync()
-    return [_summarize(case, *timer.measure(case)) for case in cases]
-
-
 def piece_sweep(device: str, dry_run: bool, backend: str, sm_budget: int | None, reps: int,
                 timer: Timer, rng) -> dict:
     """Kernel against copy engine per piece size; the crossover per direction is the smallest
@@ -517,16 +259,16 @@ def piece_sweep(device: str, dry_run: bool, backend: str, sm_budget: int | None,
         layout = KVLayout([spec], name=f"pieces-{spec.page_bytes // 1024}KiB")
         scenario = Scenario(layout.name, layout, _llama_pairs([n], rng), device, backend,
                             sm_budget)
-        timed = _time_cases(timer, scenario.cases(("kernel", "copy_engine"), reps),
-                            1 if dry_run else 3)
+        timed = time_cases(timer, scenario.cases(("kernel", "copy_engine"), reps),
+                           1 if dry_run else 3)
         rows.extend({**row, "piece_bytes": spec.page_bytes} for row in timed)
         scenario.engine.close()
     crossover = {}
     for d in ("d2h", "h2d"):
         wins = [r["piece_bytes"] for r in rows
                 if r["direction"] == d and r["method"] == "copy_engine"
-                and r["gbps_median"] >= _find(rows, direction=d, method="kernel",
-                                              piece_bytes=r["piece_bytes"])["gbps_median"]]
+                and r["gbps_median"] >= find_row(rows, direction=d, method="kernel",
+                                                 piece_bytes=r["piece_bytes"])["gbps_median"]]
         crossover[d] = min(wins) if wins else None
     from kvtriton.engine.copy_engine import COPY_ENGINE_MAX_PIECES, COPY_ENGINE_MIN_PIECE_BYTES
 
@@ -537,142 +279,11 @@ def piece_sweep(device: str, dry_run: bool, backend: str, sm_budget: int | None,
                      "torch): below a few hundred KiB its time is host submission, not DMA")}
 
 
-def _gemm(n: int, device: str):
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    c = torch.empty(n, n, device=device, dtype=torch.bfloat16)
-    return lambda: torch.mm(a, b, out=c)
-
-
-def contention(device: str, dry_run: bool, sm_budget: int | None, reps: int) -> dict:
-    """A bf16 GEMM's time alone, and while a store of ``CONTENTION_BYTES`` runs on a
-    low-priority side stream through the kernel and through the copy engine."""
-    from kvtriton.engine import TransferEngine, allocate_kv_caches
-    from kvtriton.engine.copy_engine import copy_pieces
-    from kvtriton.kernels.copy_blocks import launch_copy, prepare_copy
-    from kvtriton.specs import FullAttentionSpec, KVLayout, preset
-
-    cuda = device == "cuda"
-    layout = KVLayout([FullAttentionSpec(16, 1, 32, 1)], name="tiny") if dry_run else \
-        preset("llama3-8b")
-    n = 2 if dry_run else CONTENTION_BYTES // layout.cpu_block_bytes
-    caches = allocate_kv_caches(layout, n, device=device)
-    backend = "triton" if cuda or _interpreted() else "torch"
-    engine = TransferEngine(layout, caches, n, backend=backend, sm_budget=sm_budget)
-    ids = [np.arange(n, dtype=np.int64), np.arange(n, dtype=np.int64)[::-1].copy(),
-           np.zeros(n, dtype=np.int64)]
-    stores = {"copy_engine": functools.partial(copy_pieces, "store", engine.pieces,
-                                               engine.cpu_pool, *ids, non_blocking=cuda)}
-    if backend == "triton":
-        prepared = prepare_copy("store", engine.table, engine.cpu_pool, *ids,
-                                sm_budget=engine.sm_budget,
-                                cpu_pool_device_ptr=engine.cpu_pool_device_ptr)
-        stores["kernel"] = functools.partial(launch_copy, prepared)
-    gemm = _gemm(256 if dry_run else GEMM_SIZE, device)
-    timer = Timer(cuda)
-    for fn in (gemm, *stores.values()):
-        fn()
-    gemm_alone = [timer.device_time(gemm, 1) for _ in range(max(reps, 5))]
-    out = {"bytes": n * layout.cpu_block_bytes, "gemm": f"bf16 {GEMM_SIZE}^3" if not dry_run
-           else "bf16 256^3", "sm_budget": engine.sm_budget,
-           "gemm_alone_ms": _pct(gemm_alone, 50) * 1e3}
-    for method, store in stores.items():
-        store_alone = timer.device_time(store, 1)
-        row = {"store_alone_ms": store_alone * 1e3,
-               "store_alone_gbps": out["bytes"] / store_alone / 1e9}
-        if cuda:
-            row.update(_overlap(gemm, store, out["gemm_alone_ms"] / 1e3, store_alone))
-        else:
-            row.update(_overlap_thread(gemm, store, out["gemm_alone_ms"] / 1e3))
-            row["note"] = ("CPU dry run: the store on a thread beside the GEMMs, sharing the "
-                           "cores; not the GPU's contention")
-        out[method] = row
-    engine.close()
-    return out
-
-
-def _slowdown(marks: list[tuple[float, float]], start: float, end: float, gemm_s: float) -> dict:
-    """The GEMMs (``marks``: start and end seconds) that ran entirely inside the store's span
-    (``start``, ``end``, the same clock) against the GEMM alone (``gemm_s``)."""
-    during = [b - a for a, b in marks if a >= start and b <= end]
-    if not during:
-        return {"slowdown": None, "gemms_during": 0, "store_during_ms": (end - start) * 1e3,
-                "note": "no GEMM ran entirely inside the store"}
-    gemm_during = float(np.median(during))
-    return {"slowdown": gemm_during / gemm_s - 1, "gemm_during_ms": gemm_during * 1e3,
-            "gemms_during": len(during), "store_during_ms": (end - start) * 1e3}
-
-
-def _overlap(gemm, store, gemm_s: float, store_s: float) -> dict:
-    """GEMMs queued back to back on the current stream, the store on a low-priority side
-    stream; the GEMMs that ran entirely inside the store's span are compared with alone."""
-    count = min(400, int(1.5 * store_s / max(gemm_s, 1e-6)) + 4)
-    side = torch.cuda.Stream(priority=0)
-    ev = lambda: torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    t0 = ev()
-    t0.record()
-    marks = []
-    for _ in range(count):
-        a, b = ev(), ev()
-        a.record()
-        gemm()
-        b.record()
-        marks.append((a, b))
-    s0, s1 = ev(), ev()
-    with torch.cuda.stream(side):
-        s0.record(side)
-        store()
-        s1.record(side)
-    torch.cuda.synchronize()
-    since = lambda e: t0.elapsed_time(e) / 1e3  # seconds after t0
-    return _slowdown([(since(a), since(b)) for a, b in marks], since(s0), since(s1), gemm_s)
-
-
-def _overlap_thread(gemm, store, gemm_s: float, gemms: int = 8) -> dict:
-    """The dry run's stand-in for ``_overlap`` on the CPU: the store back to back on a thread
-    while ``gemms`` GEMMs run beside it, all of them inside its span by construction."""
-    started, stop = threading.Event(), threading.Event()
-    span: list[float] = []
-    errors: list[BaseException] = []
-
-    def run_store():
-        try:
-            span.append(time.perf_counter())
-            started.set()
-            while not stop.is_set():
-                store()
-            span.append(time.perf_counter())
-        except BaseException as exc:  # re-raised in the caller's thread
-            errors.append(exc)
-            started.set()
-
-    side = threading.Thread(target=run_store)
-    side.start()
-    started.wait()
-    marks = []
-    while len(marks) < gemms and side.is_alive():
-        t = time.perf_counter()
-        gemm()
-        marks.append((t, time.perf_counter()))
-    stop.set()
-    side.join()
-    if errors:
-        raise errors[0]
-    return _slowdown(marks, *span, gemm_s)
-
-
-def _interpreted() -> bool:
-    from kvtriton.kernels.copy_blocks import INTERPRETED
-
-    return INTERPRETED
-
-
 def run(quick: bool, dry_run: bool, sm_budget: int | None, reps: int | None,
         extras: bool = True) -> dict:
     cuda = torch.cuda.is_available() and not dry_run
     device = "cuda" if cuda else "cpu"
-    backend = "triton" if cuda or _interpreted() else "torch"
+    backend = "triton" if cuda or interpreted() else "torch"
     rng = np.random.default_rng(0)
     llama, mamba, by_layers = _layouts(dry_run)
     if dry_run:
@@ -694,7 +305,7 @@ def run(quick: bool, dry_run: bool, sm_budget: int | None, reps: int | None,
     results = []
     for name, layout, pairs, methods in plan:
         scenario = Scenario(name, layout, pairs(), device, backend, sm_budget)
-        results.extend(_time_cases(timer, scenario.cases(methods, reps), 1 if dry_run else 3))
+        results.extend(time_cases(timer, scenario.cases(methods, reps), 1 if dry_run else 3))
         scenario.engine.close()
         del scenario
         if cuda:

@@ -417,7 +417,8 @@ def anatomy(limit: int | None, capacity: int) -> dict:
 
 
 def findings(name: str, doc: dict) -> dict:
-    """The in-loop bound over the control on Mooncake's test half, and each idea not built with
+    """The in-loop bound's hit rate over the control's on Mooncake's test half (``None`` where the
+    control hits nothing), and each idea not built with
     its reason, the figures it names filled in from the anatomy."""
     a, rows = doc["anatomy"], doc["mooncake_rows"]
     sessions = a["inferred_sessions"]
@@ -432,7 +433,10 @@ def findings(name: str, doc: dict) -> dict:
         return text.rstrip(".")
 
     control, bound = rows["eager"]["parts"]["test"], rows["eager+nextuse"]["parts"]["test"]
-    return {"bound_over_control_test": bound["token_hit_rate"] / control["token_hit_rate"],
+    # None where the control hits nothing on the test half (a tiny --limit run).
+    over = (bound["token_hit_rate"] / control["token_hit_rate"]
+            if control["token_hit_rate"] else None)
+    return {"bound_over_control_test": over,
             "not_built": {k: why(x["why_not"]) for k, x in doc["not_built"].items()}}
 
 

@@ -27,6 +27,10 @@ engine samples its own tokens, which a later prompt built from the trace never m
 Run: ``python -m bench.vllm.engine [--full] [--workloads agent,cc_agentic] [--systems ...]``;
 ``--model DIR`` serves a local model folder instead (a GPU box; nothing is downloaded). Writes
 ``bench/results/vllm_engine.json`` (``vllm_engine_full.json`` with ``--full``).
+
+The sizes and workloads are in ``bench.vllm.engine_workloads``, one engine run in
+``bench.vllm.engine_replay``, the fit, the prediction and the targets in
+``bench.vllm.engine_prediction``.
 """
 
 from __future__ import annotations
@@ -35,387 +39,39 @@ import os
 import sys
 import tempfile
 import time
-import zlib
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from bench.common import OneLineParser, machine_info, write_result
 from bench.vllm.engine_findings import findings
+from bench.vllm.engine_prediction import (
+    TARGET_HIT_POINTS,
+    TARGET_TTFT_REL,
+    combine_repeats,
+    compare,
+    fit_cost,
+    predict,
+    prefill_ms_per_1k,
+)
+from bench.vllm.engine_replay import run_system
+from bench.vllm.engine_workloads import (
+    BLOCK_TOKENS,
+    CC_STRIDE,
+    FULL,
+    MAX_OUTPUT,
+    MODEL,
+    QUICK,
+    SMOKE,
+    THINK_CAP_S,
+    WORKLOADS,
+    Size,
+    engine_workload,
+    prompt_tokens,
+)
 
 SYSTEMS = ("none", "eager", "lazy+hints", "eager+s3fifo", "default")
-WORKLOADS = ("agent", "cc_agentic")
-BLOCK_TOKENS = 64
-MAX_OUTPUT = 16
-CC_STRIDE = 64
-THINK_CAP_S = 12.0
-# The random model of the CPU run: 4 layers of width 256 (fp32), about 100 ms per 1,000 prefill
-# tokens and 5-10 ms per decode step on 2 cores, so a CPU hit saves most of a turn's time.
-MODEL = dict(hidden_size=256, intermediate_size=1024, num_layers=4, num_heads=4, num_kv_heads=2,
-             vocab_size=1000)
-TARGET_HIT_POINTS = 1.0
-TARGET_TTFT_REL = 0.20
 
-
-@dataclass(frozen=True)
-class Size:
-    """One run's size: the workload's knobs and the engine's capacities."""
-
-    agent_conversations: int
-    agent_turns: tuple[int, int]
-    cc_sessions: int
-    cc_turns: int
-    gpu_blocks: int  # the engine's KV cache, in blocks of BLOCK_TOKENS
-    cpu_ratio: float  # CPU tier / GPU KV cache
-    time_scale: float  # arrivals and think times multiplied by this
-    max_num_batched_tokens: int = 1024
-    max_num_seqs: int = 16
-
-
-# Think times dominate service times (the load is low): the order in which turns arrive, and
-# so what the caches hold, follows the trace, not a step's jitter. At higher load the replay is
-# chaotic (a few milliseconds move a turn ahead of another and the hit rate by points, in the
-# engine run to run as much as between engine and simulator: `--time-scale 0.05` shows it).
-# CPU = GPU: the tier is full and the setups differ (at 1.5x or more it holds these workloads
-# whole and every setup ties).
-QUICK = Size(agent_conversations=6, agent_turns=(3, 4), cc_sessions=4, cc_turns=6,
-             gpu_blocks=48, cpu_ratio=1.0, time_scale=0.25)
-# The tests' size: every step of the pipeline, a few seconds of serving per engine.
-SMOKE = Size(agent_conversations=2, agent_turns=(2, 2), cc_sessions=1, cc_turns=3,
-             gpu_blocks=48, cpu_ratio=1.0, time_scale=0.1)
-FULL = Size(agent_conversations=16, agent_turns=(4, 8), cc_sessions=10, cc_turns=10,
-            gpu_blocks=64, cpu_ratio=1.0, time_scale=0.25)
-
-
-# ---- workloads -------------------------------------------------------------------------------
-
-def engine_workload(name: str, size: Size):
-    """The workload ``name`` as this benchmark replays it (module docstring): the engine and the
-    simulator get exactly this."""
-    from kvtriton.sim import CC_AGENTIC_SAMPLE, agent_workload, data_path, load_trace
-    from kvtriton.sim.workloads import coarsen, first_turns, fresh_outputs, scale_times
-
-    if name == "agent":
-        lo, hi = size.agent_turns
-        wl = agent_workload(num_conversations=size.agent_conversations, min_turns=lo,
-                            max_turns=hi, system_prompt_tokens=384, first_user_tokens=256,
-                            user_tokens=96, output_tokens=MAX_OUTPUT, think_s_mean=4.0,
-                            start_window_s=6.0, hash_block_size=BLOCK_TOKENS,
-                            vocab_size=MODEL["vocab_size"], seed=0)
-    elif name == "cc_agentic":
-        wl = first_turns(load_trace(data_path(CC_AGENTIC_SAMPLE)), size.cc_turns)
-        # The main agents only: a subagent starts at its recorded time, which would stretch
-        # the replay by minutes of idle engine.
-        sessions = sorted({r.session for r in wl if "/" not in r.session})[:size.cc_sessions]
-        keep = [r for r in wl.requests if r.session in sessions]
-        keep = [replace(r, think_s=min(r.think_s, THINK_CAP_S)) for r in keep]
-        wl = coarsen(type(wl)(keep, wl.hash_block_size, wl.name), CC_STRIDE)
-    else:
-        raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
-    if wl.hash_block_size != BLOCK_TOKENS:
-        raise ValueError(f"workload {name!r}: {wl.hash_block_size}-token blocks, the engine "
-                         f"runs {BLOCK_TOKENS}")
-    return scale_times(fresh_outputs(wl, MAX_OUTPUT), size.time_scale)
-
-
-def prompt_tokens(wl, vocab: int) -> dict[str, list[int]]:
-    """Per request, prompt token ids made from its block hashes (a block's tokens are drawn
-    from its hash, so equal hashes give equal tokens and prefixes shared in the trace are
-    shared here); the partial last block is drawn from the request id."""
-    b = wl.hash_block_size
-    cache: dict[int, list[int]] = {}
-    out = {}
-    for r in wl:
-        ids: list[int] = []
-        for h in r.hashes[:r.prompt_len // b].tolist():
-            blk = cache.get(h)
-            if blk is None:
-                blk = cache[h] = np.random.default_rng(h).integers(1, vocab, b).tolist()
-            ids += blk
-        tail = r.prompt_len - len(ids)
-        if tail:
-            seed = zlib.crc32(r.request_id.encode())  # not hash(): salted per process
-            ids += np.random.default_rng(seed).integers(1, vocab, tail).tolist()
-        out[r.request_id] = ids
-    return out
-
-
-# ---- one engine run --------------------------------------------------------------------------
-
-class StepRecorder:
-    """What every engine step computed, and each request's prefix hits at its first admission
-    (vLLM's own ``prefill_stats``), from a wrapper around the in-process scheduler's
-    ``schedule``; ``replay`` pairs each step's chunks with its measured time."""
-
-    def __init__(self, scheduler: Any) -> None:
-        self.sched = scheduler
-        self.hits: dict[str, tuple[int, int]] = {}
-        self.chunks: list[tuple[int, int, int]] = []
-        self._schedule = scheduler.schedule
-        scheduler.schedule = self._record_schedule
-
-    def _record_schedule(self, *args: Any, **kwargs: Any) -> Any:
-        out = self._schedule(*args, **kwargs)
-        reqs = self.sched.requests
-        # vLLM advanced num_computed_tokens when it scheduled them.
-        self.chunks += [(n, reqs[rid].num_computed_tokens - n, reqs[rid].num_prompt_tokens)
-                        for rid, n in out.num_scheduled_tokens.items()]
-        for rid, req in reqs.items():
-            if rid not in self.hits and req.prefill_stats is not None:
-                st = req.prefill_stats
-                self.hits[rid] = (st.num_local_cached_tokens, st.num_external_cached_tokens)
-        return out
-
-    def take(self) -> list[tuple[int, int, int]]:
-        chunks, self.chunks = self.chunks, []
-        return chunks
-
-
-def _percentile(xs: list[float], q: float) -> float | None:
-    return float(np.percentile(np.asarray(xs), q)) if xs else None
-
-
-def replay(engine: Any, recorder: StepRecorder, wl, tokens: dict[str, list[int]],
-           hints: bool) -> dict[str, Any]:
-    """Serve ``wl`` on ``engine`` by time stamp, as the simulator's clock does: a request
-    without a predecessor at its ``arrival_s``, a closed-loop turn ``think_s`` after the turn
-    it follows finished. Per request TTFT (from when it was due to the end of the step that gave
-    its first token); every step's chunks with its measured seconds (``engine.step()`` whole:
-    scheduling, the model, output processing)."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    done: dict[str, float] = {}
-    due_at: dict[str, float] = {}
-    ttft: dict[str, float] = {}
-    steps: list[tuple[list[tuple[int, int, int]], float]] = []
-    empty: list[float] = []
-    out_tokens = 0
-    waiting = sorted(wl, key=lambda r: r.arrival_s)
-    t0 = time.perf_counter()
-    while waiting or engine.has_unfinished_requests():
-        now = time.perf_counter() - t0
-        still, next_due = [], float("inf")
-        for r in waiting:
-            due = r.arrival_s if r.after is None else (
-                done[r.after] + r.think_s if r.after in done else float("inf"))
-            if due > now:
-                still.append(r)
-                next_due = min(next_due, due)
-                continue
-            extra = {"kv_transfer_params": {"kvtriton_hint": r.hint}} \
-                if hints and r.hint is not None else None
-            engine.add_request(r.request_id, TokensPrompt(prompt_token_ids=tokens[r.request_id]),
-                               SamplingParams(temperature=0, max_tokens=r.output_len,
-                                              ignore_eos=True, detokenize=False,
-                                              extra_args=extra))
-            due_at[r.request_id] = due
-        waiting = still
-        if not engine.has_unfinished_requests():
-            time.sleep(min(max(next_due - now, 0.0), 0.01))
-            continue
-        t_step = time.perf_counter()
-        outputs = engine.step()
-        t = time.perf_counter()
-        chunks = recorder.take()
-        if chunks:
-            steps.append((chunks, t - t_step))
-        else:  # a step with only the connector's work (a load issued, stores reported)
-            empty.append(t - t_step)
-        for o in outputs:
-            if o.request_id not in ttft and o.outputs and o.outputs[0].token_ids:
-                ttft[o.request_id] = t - t0 - due_at[o.request_id]
-            if o.finished:
-                done[o.request_id] = t - t0
-                out_tokens += len(o.outputs[0].token_ids)
-    wall = time.perf_counter() - t0
-    return {"requests": len(done), "wall_s": wall, "output_tokens": out_tokens,
-            "output_tokens_per_s": out_tokens / wall if wall else None, "ttft": ttft,
-            "steps": steps, "steps_without_tokens": len(empty),
-            "step_without_tokens_s_mean": float(np.mean(empty)) if empty else None}
-
-
-def connector_config(system: str, cpu_bytes: int) -> dict[str, Any] | None:
-    """``kv_connector_extra_config`` of a system (None: no connector)."""
-    if system == "none":
-        return None
-    if system == "default":
-        return {"cpu_bytes_per_rank": cpu_bytes}
-    return {"setup": system, "cpu_bytes_per_rank": cpu_bytes}
-
-
-def run_system(system: str, model: str, wl, tokens: dict, *, gpu_blocks: int, cpu_bytes: int,
-               kv_bytes_per_block: int, size: Size, max_model_len: int, dtype: str
-               ) -> dict[str, Any]:
-    """One engine, one replay: the system's row and its timed steps."""
-    from vllm import LLM
-    from vllm.config import KVTransferConfig
-
-    from bench.vllm.engine_run import shutdown_engine
-
-    kv = None
-    if system == "simple":
-        kv = KVTransferConfig(kv_connector="SimpleCPUOffloadConnector", kv_role="kv_both",
-                              kv_connector_extra_config={"cpu_bytes_to_use": cpu_bytes})
-    elif (extra := connector_config(system, cpu_bytes)) is not None:
-        kv = KVTransferConfig(kv_connector="KVTritonConnector",
-                              kv_connector_module_path="kvtriton.vllm", kv_role="kv_both",
-                              kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
-    t0 = time.perf_counter()
-    # One block more than asked: vLLM keeps a null block out of the pool.
-    llm = LLM(model=model, skip_tokenizer_init=True, enforce_eager=True,
-              block_size=BLOCK_TOKENS, enable_prefix_caching=True,
-              kv_cache_memory_bytes=(gpu_blocks + 1) * kv_bytes_per_block,
-              max_model_len=max_model_len, max_num_batched_tokens=size.max_num_batched_tokens,
-              max_num_seqs=size.max_num_seqs, seed=0, dtype=dtype, kv_transfer_config=kv)
-    startup = time.perf_counter() - t0
-    core = llm.llm_engine.engine_core.engine_core
-    conn = core.scheduler.connector
-    try:
-        rec = StepRecorder(core.scheduler)
-        res = replay(llm.llm_engine, rec, wl, tokens, hints=kv is not None)
-        steps = res.pop("steps")
-        prompt = sum(r.prompt_len for r in wl)
-        gpu_hit = sum(h[0] for h in rec.hits.values())
-        cpu_hit = sum(h[1] for h in rec.hits.values())
-        res_ttft = res.pop("ttft")
-        ttft = list(res_ttft.values())
-        row: dict[str, Any] = {
-            "system": system, "startup_s": startup, **res,
-            "engine_gpu_blocks": core.scheduler.kv_cache_manager.block_pool.num_gpu_blocks - 1,
-            "prompt_tokens": prompt, "gpu_hit_tokens": gpu_hit, "cpu_hit_tokens": cpu_hit,
-            "token_hit_rate": (gpu_hit + cpu_hit) / prompt,
-            "ttft_p50_s": _percentile(ttft, 50), "ttft_p90_s": _percentile(ttft, 90),
-            "ttft_mean_s": float(np.mean(ttft)) if ttft else None,
-            "ttft_by_request_s": {rid: round(t, 6) for rid, t in sorted(res_ttft.items())},
-            "stored_blocks": 0, "loaded_blocks": 0, "cpu_blocks": 0}
-        if conn is not None and hasattr(conn, "scheduler_side"):
-            planner = conn.scheduler_side.planner
-            st = planner.stats.as_dict()
-            row.update(stored_blocks=st["blocks_stored"], loaded_blocks=st["blocks_loaded"],
-                       cpu_blocks=planner.cpu_pool.num_blocks - 1,
-                       setup=conn.scheduler_side.config.setup)
-            from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-            row["transfers"] = get_kv_transfer_group().worker_side.transfer_totals()
-        row["_steps"] = steps
-    finally:
-        shutdown_engine(llm)
-    return row
-
-
-# ---- the prediction --------------------------------------------------------------------------
-
-def combine_repeats(reps: list[dict[str, Any]]) -> dict[str, Any]:
-    """One row from repeated runs of a system: the first run's fields, with the hit rate, CPU
-    hit tokens, TTFT p50/p90 and throughput as the mean over runs (and the hit rate's and TTFT
-    p50's range: the engine's own run-to-run spread), and every run's steps for the fit."""
-    if len(reps) == 1:
-        return reps[0]
-    row = dict(reps[0])
-    row["repeats"] = len(reps)
-    for key in ("token_hit_rate", "cpu_hit_tokens", "ttft_p50_s", "ttft_p90_s", "ttft_mean_s",
-                "output_tokens_per_s", "stored_blocks", "loaded_blocks"):
-        vals = [r[key] for r in reps if r.get(key) is not None]
-        row[key] = float(np.mean(vals)) if vals else None
-    for key in ("token_hit_rate", "ttft_p50_s"):
-        vals = [r[key] for r in reps]
-        row[f"{key}_range"] = [float(min(vals)), float(max(vals))]
-    row["_steps"] = [step for r in reps for step in r["_steps"]]
-    return row
-
-
-# On vLLM's CPU backend the worker copies inside the step that issued them (a torch copy, done
-# before the step's output): a transfer completes with its step and its time is part of the
-# step's measured time, which the fit already charges. The simulator then models it as a link
-# this fast: it completes within the step, as in the engine.
-SYNC_BYTES_PER_S = 1e15
-
-
-def fit_cost(rows: list[dict[str, Any]], block_bytes: int, *, synchronous: bool):
-    """``MeasuredCost`` from every timed step of ``rows``. Transfer rates: ``synchronous`` (the
-    CPU backend) at ``SYNC_BYTES_PER_S``; else the connector's measured copy times, per block,
-    scaled to the simulator's ``block_bytes``."""
-    from kvtriton.sim.cost import MeasuredCost, step_features
-
-    feats, secs = [], []
-    for row in rows:
-        for chunks, dt in row["_steps"]:
-            feats.append(step_features(chunks))
-            secs.append(dt)
-    rates = {}
-    for kind, key in (("load", "h2d"), ("store", "d2h")):
-        blocks = seconds = 0.0
-        for row in rows:
-            t = row.get("transfers", {}).get(kind)
-            if t and t["seconds"]:
-                blocks += t["bytes"] / row["_block_bytes"]
-                seconds += t["seconds"]
-        # No transfer measured: a nominal rate (the tier then moved nothing worth timing).
-        rates[key] = (SYNC_BYTES_PER_S if synchronous else
-                      blocks * block_bytes / seconds if seconds else 10e9)
-    return MeasuredCost.fit(feats, secs, h2d_bytes_per_s=rates["h2d"],
-                            d2h_bytes_per_s=rates["d2h"])
-
-
-def predict(wl, systems: list[str], cost, *, gpu_blocks: int, cpu_blocks: int, size: Size,
-            engine: str = "kvtriton") -> dict[str, dict]:
-    """The simulator's rows for ``systems`` on ``wl`` at the engine's sizes and ``cost``:
-    ``engine="kvtriton"`` is the study's serving loop, ``"vllm"`` the same clock around vLLM's
-    own ``Scheduler`` and the connector's scheduler side (``kvtriton.sim.vllm_loop``)."""
-    from kvtriton.setups import DEFAULT_SETUP
-    from kvtriton.sim import simulate
-
-    names = [DEFAULT_SETUP if s == "default" else "eager" if s == "simple" else s
-             for s in systems]
-    res = simulate(wl, setups=list(dict.fromkeys(names)), gpu_blocks=gpu_blocks,
-                   cpu_blocks=cpu_blocks, token_budget=size.max_num_batched_tokens,
-                   max_running=size.max_num_seqs, bound=False, cost=cost, engine=engine)
-    by_name = {r["setup"]: r for r in res.rows}
-    return {s: by_name[n] for s, n in zip(systems, names, strict=True)}
-
-
-def compare(measured: list[dict[str, Any]], predicted: dict[str, dict]) -> dict[str, Any]:
-    """The targets: hit rate within ``TARGET_HIT_POINTS`` for every system; the systems' TTFT
-    p50 in the same order, judged on every pair whose measured p50s differ by more than
-    ``TARGET_TTFT_REL`` (closer pairs are within the timing tolerance itself, and several
-    setups tie when the tier holds everything); modeled TTFT p50 within ``TARGET_TTFT_REL`` of
-    measured."""
-    rows, hit_ok, ttft_ok = [], True, True
-    for m in measured:
-        p = predicted[m["system"]]
-        d_hit = 100 * (p["token_hit_rate"] - m["token_hit_rate"])
-        rel = p["ttft_p50_s"] / m["ttft_p50_s"] - 1 if m["ttft_p50_s"] else None
-        hit_ok &= abs(d_hit) <= TARGET_HIT_POINTS
-        ttft_ok &= rel is not None and abs(rel) <= TARGET_TTFT_REL
-        rows.append({"system": m["system"], "hit_rate_engine": m["token_hit_rate"],
-                     "hit_rate_sim": p["token_hit_rate"], "hit_points_off": d_hit,
-                     "ttft_p50_engine_s": m["ttft_p50_s"], "ttft_p50_sim_s": p["ttft_p50_s"],
-                     "ttft_p50_rel_off": rel})
-    pairs, wrong = 0, []
-    for i, a in enumerate(rows):
-        for b in rows[i + 1:]:
-            lo, hi = sorted((a["ttft_p50_engine_s"], b["ttft_p50_engine_s"]))
-            if hi <= lo * (1 + TARGET_TTFT_REL):
-                continue
-            pairs += 1
-            if (a["ttft_p50_engine_s"] < b["ttft_p50_engine_s"]) != \
-                    (a["ttft_p50_sim_s"] < b["ttft_p50_sim_s"]):
-                wrong.append([a["system"], b["system"]])
-    return {"rows": rows,
-            "targets": {"hit_rate_within_1_point": bool(hit_ok),
-                        "ttft_p50_same_order": not wrong,
-                        "ttft_p50_within_20pct": bool(ttft_ok)},
-            "ttft_order_engine": [r["system"] for r in sorted(
-                rows, key=lambda r: r["ttft_p50_engine_s"])],
-            "ttft_order_sim": [r["system"] for r in sorted(
-                rows, key=lambda r: r["ttft_p50_sim_s"])],
-            "ttft_pairs_compared": pairs, "ttft_pairs_misordered": wrong}
-
-
-# ---- the run ---------------------------------------------------------------------------------
 
 def _model_dir(args: Any) -> tuple[str, int, int, str]:
     """The model folder, its vocabulary, its KV bytes per block and dtype."""
@@ -441,11 +97,6 @@ def _default_setup() -> str:
     from kvtriton.setups import DEFAULT_SETUP
 
     return DEFAULT_SETUP
-
-
-def prefill_ms_per_1k(cost) -> float:
-    """Modeled ms to prefill 1,000 tokens in one step from an empty context."""
-    return 1e3 * (cost.step_overhead_s + cost.prefill_s(1000, 0))
 
 
 def run_workload(name: str, systems: list[str], args: Any, size: Size) -> dict[str, Any]:

@@ -4,6 +4,8 @@ step in which its numerator's time exceeds its denominator's most."""
 
 from __future__ import annotations
 
+from bench.vllm.vs_vllm_targets import RATIO_TARGETS
+
 VARIANTS = {
     "vllm_control": "vLLM control (cursor scan)",
     "vllm_rescan_restore": "vLLM re-scan re-store",
@@ -30,8 +32,6 @@ def findings(name: str, doc: dict) -> dict:
     order of ``doc["targets"]``, ``None`` for the others) the up to three parts that grew most
     over the denominator, ``[part, ms]``; ``compared``: that target's ``[numerator,
     denominator]``."""
-    from bench.vllm.vs_vllm import RATIO_TARGETS
-
     by_name = {n: (num, den) for n, num, den, _, _ in RATIO_TARGETS}
     at = {(r["variant"], r["requests"], r["blocks_per_request"]): r for r in doc["rows"]}
     grew = []

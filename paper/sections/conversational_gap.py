@@ -65,11 +65,12 @@ def conversational_gap_section(v: dict) -> None:
     nb = "\n".join(f"- Idea {k}: not built. {why}."
                    for k, why in doc["findings"]["not_built"].items())
     met = doc["target_met_by"]
+    over = doc["findings"]["bound_over_control_test"]
+    times = "above" if over is None else f"{over:.1f} times"
     v["gap_study_text"] = (
         f"**The conversational gap** (`bench/tier_study/conversational_gap.py`; "
         f"{machine_line(doc)}). On the "
-        "Mooncake trace at CPU = GPU the in-loop bound is "
-        f"{doc['findings']['bound_over_control_test']:.1f} times the "
+        f"Mooncake trace at CPU = GPU the in-loop bound is {times} the "
         "control on the test half. Target: "
         f"at least {t['mooncake_test_gap_share']:.0%} of the gap on the test half, with no loss "
         f"beyond {t['other_test_points_at_least']:+.1f} points on the coding-agent and agent "

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from bench import gpu_check
-from bench.kernels import bandwidth
+from bench.kernels import targets
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = ["setup", "env", "compiled", "tests", "kernel_check", "bench"]
@@ -67,16 +67,16 @@ def test_the_tests_step_is_the_device_lane_by_marker_with_a_bounded_fuzz():
 
 
 def _bench_json(path: Path, h2d_kernel_gbps: float) -> dict:
-    """What bench.kernels.bandwidth writes of its targets, for a run whose H2D kernel reached
-    ``h2d_kernel_gbps`` against a 50 GB/s ceiling."""
+    """What bench.kernels.bandwidth writes of its targets (judged by bench.kernels.targets), for a
+    run whose H2D kernel reached ``h2d_kernel_gbps`` against a 50 GB/s ceiling."""
     rows = [{"scenario": "llama3-8b", "blocks_per_launch": 64, "method": m, "direction": d,
              "gbps_median": g, "host_us_median": 10.0}
             for d in ("d2h", "h2d") for m, g in
             (("ceiling", 50.0), ("loop", 4.0),
              ("kernel", h2d_kernel_gbps if d == "h2d" else 48.0))]
-    targets = bandwidth.evaluate_targets(rows, evaluate=True)
-    doc = {"targets": targets, "targets_summary": bandwidth.targets_summary(targets),
-           "report": bandwidth.target_table(targets)}
+    judged = targets.evaluate_targets(rows, evaluate=True)
+    doc = {"targets": judged, "targets_summary": targets.targets_summary(judged),
+           "report": targets.target_table(judged)}
     path.write_text(json.dumps(doc))
     return doc
 
@@ -89,7 +89,7 @@ def _bench_json(path: Path, h2d_kernel_gbps: float) -> dict:
 def test_a_missed_target_is_a_verdict_apart_from_a_failed_step(
         tmp_path, monkeypatch, capsys, bench_rc, h2d, failed, missed, rc):
     # 3: the benchmark ran to the end and missed a target; gpu_check passes the verdict on.
-    assert gpu_check.TARGETS_MISSED_RC == bandwidth.EXIT_TARGET_MISSED == 3
+    assert gpu_check.TARGETS_MISSED_RC == targets.EXIT_TARGET_MISSED == 3
     bench = _bench_json(tmp_path / "bench.json", h2d)
     steps = [
         gpu_check.Step("bench", [sys.executable, "-c", f"raise SystemExit({bench_rc})"], 30,
@@ -183,8 +183,8 @@ def test_dry_run_prints_the_target_table_from_the_target_code(dry_run):
     header = next(i for i, line in enumerate(lines) if line.split() == ["target", "measured",
                                                                       "bound", "met"])
     rows = {line.split()[0]: line for line in lines[header + 1: header + 1 + len(
-        bandwidth.TARGETS)]}
-    assert set(rows) == set(bandwidth.TARGETS)
+        targets.TARGETS)]}
+    assert set(rows) == set(targets.TARGETS)
     for name, line in rows.items():
         # Every target's value is computed on the CPU (the dry run reaches the target code),
         # and judged by nobody.

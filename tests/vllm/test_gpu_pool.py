@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from bench.vllm.vs_vllm import _hash, _VllmRequest
+from bench.vllm.vs_vllm_variants import _hash, _VllmRequest
 from kvtriton.vllm.gpu_pool import VllmGpuPool
 from kvtriton.vllm.keys import KeyIds
 

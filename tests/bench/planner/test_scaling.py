@@ -1,6 +1,7 @@
-"""``bench/planner/scaling.py`` and the kvtriton side of ``bench/vllm/vs_vllm.py``: the per-step
-CPU eviction (``--eviction lru``, the pool's next victims; ``random``, the former uniform draw),
-short runs of both CLIs on tiny scenarios, and the one-line exit-2 answer to bad arguments.
+"""``bench/planner/scaling.py`` and the kvtriton side of ``bench/vllm/vs_vllm.py`` (its variants in
+``vs_vllm_variants.py``): the per-step CPU eviction (``--eviction lru``, the pool's next victims;
+``random``, the former uniform draw), short runs of both CLIs on tiny scenarios, and the one-line
+exit-2 answer to bad arguments.
 
 Results go to a temporary folder: a test run must never overwrite ``bench/results/``.
 """
@@ -112,19 +113,19 @@ def test_bad_arguments_exit_2_with_one_line(results, capsys, argv, message):
 
 
 def test_vs_vllm_kvt_side_is_the_planner_scenario_with_lru():
-    from bench.vllm import vs_vllm
+    from bench.vllm import vs_vllm_variants
 
-    sc = vs_vllm.KvtScenario("kvt_fused_restore", 2, 8, steps=4, evict_fraction=0.25)
+    sc = vs_vllm_variants.KvtScenario("kvt_fused_restore", 2, 8, steps=4, evict_fraction=0.25)
     assert isinstance(sc, Scenario) and sc.eviction == "lru"
     assert sc.planner.config.cpu_free_order == "head_first"
-    ref = Scenario(vs_vllm.KVT_CONFIGS["kvt_fused_restore"], 2, 8, steps=4,
+    ref = Scenario(vs_vllm_variants.KVT_CONFIGS["kvt_fused_restore"], 2, 8, steps=4,
                    evict_fraction=0.25, seed=0, eviction="lru")
     for _ in range(4):
         dt, stored, parts = sc.step()
         r = ref.advance()
         assert dt >= 0 and stored == r.planned == r.stored + r.restored
         # The parts split the timed build and nothing else: they add up to it.
-        assert set(parts) == set(vs_vllm.PARTS) and parts["adapter"] == 0
+        assert set(parts) == set(vs_vllm_variants.PARTS) and parts["adapter"] == 0
         assert sum(parts.values()) == pytest.approx(dt)
         assert all(parts[p] >= 0 for p in ("tables", "selection", "cpu_alloc", "pin"))
     assert list(sc.cpu.iter_free()) == list(ref.cpu.iter_free())
@@ -132,7 +133,7 @@ def test_vs_vllm_kvt_side_is_the_planner_scenario_with_lru():
 
 def test_vs_vllm_short_run(results, capsys):
     pytest.importorskip("vllm")
-    from bench.vllm import vs_vllm
+    from bench.vllm import vs_vllm, vs_vllm_variants
 
     payload = vs_vllm.main(["--sizes", "2", "128", "--blocks", "8", "16", "--steps", "3",
                                   "--evict", "0.25", "--variants", "vllm_control",
@@ -146,7 +147,7 @@ def test_vs_vllm_short_run(results, capsys):
     assert rows["kvt_fused_restore", 2, 8]["stored_per_step"] == \
         rows["kvt_connector_fused_restore", 2, 8]["stored_per_step"] > 2
     for row in rows.values():
-        assert set(row["parts_ms"]) == set(vs_vllm.PARTS)
+        assert set(row["parts_ms"]) == set(vs_vllm_variants.PARTS)
     assert rows["kvt_connector_fused_restore", 2, 8]["parts_ms"]["adapter"] > 0
     assert rows["vllm_control", 2, 8]["parts_ms"]["selection"] > 0
     # Targets at R = 128 only (not 256: not run), for both block counts, and the block scaling.

@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 
-from bench.vllm import engine
+from bench.vllm import engine, engine_prediction
 from kvtriton.setups import DEFAULT_SETUP
 
 
@@ -52,8 +52,8 @@ def test_repeats_combine_into_a_mean_with_the_engines_range():
              "ttft_p90_s": 2 * t, "ttft_mean_s": t, "output_tokens_per_s": 10.0,
              "stored_blocks": 4, "loaded_blocks": 1, "_steps": [([(5, 0, 5)], t)]}
             for h, c, t in ((0.4, 100, 0.2), (0.5, 300, 0.4))]
-    row = engine.combine_repeats(reps)
+    row = engine_prediction.combine_repeats(reps)
     assert row["token_hit_rate"] == pytest.approx(0.45) and row["cpu_hit_tokens"] == 200
     assert row["token_hit_rate_range"] == [0.4, 0.5] and row["ttft_p50_s_range"] == [0.2, 0.4]
     assert row["repeats"] == 2 and len(row["_steps"]) == 2
-    assert engine.combine_repeats(reps[:1]) is reps[0]
+    assert engine_prediction.combine_repeats(reps[:1]) is reps[0]
