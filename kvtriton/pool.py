@@ -21,32 +21,35 @@ Batch listeners (``add_batch_listener``) are called once per pool call that chan
 allocation that evicted, ``cache_blocks``, a reset) with two int64 arrays, every (key, block)
 pair the call changed, once the whole call is applied: a step's allocation of n blocks is one
 call to them, not n.
+
+The key map's operations (registering and dropping keys, with their listener calls and events)
+are ``BlockPool``'s base ``kvtriton.pool_keys.PoolKeyMap``; the listener signatures, the events
+and ``GpuPool``, the interface the planner needs of a GPU pool, are in ``kvtriton.pool_interface``.
 """
 
 from __future__ import annotations
 
-import logging
 from array import array
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Sequence
 from operator import itemgetter
-from typing import Protocol
 
 import numpy as np
 
 from kvtriton.eviction import EvictionQueue, make_eviction_queue
+from kvtriton.pool_interface import (
+    AllBlocksCleared,
+    BatchCallback,
+    BlockRemoved,
+    BlockStored,
+    KeyCallback,
+)
+from kvtriton.pool_keys import PoolKeyMap
 from kvtriton.validation import is_int
 
-__all__ = ["NULL_BLOCK", "AllBlocksCleared", "BlockPool", "BlockRemoved", "BlockStored", "GpuPool"]
-
-logger = logging.getLogger(__name__)
+__all__ = ["NULL_BLOCK", "BlockPool"]
 
 NULL_BLOCK = 0
-
-KeyCallback = Callable[[int, int], None]
-#: ``(keys, block_ids)``: int64 arrays of the same length, pair i is one (key, block).
-BatchCallback = Callable[[np.ndarray, np.ndarray], None]
 
 
 def all_distinct(ids: np.ndarray, scratch: np.ndarray) -> bool:
@@ -58,89 +61,7 @@ def all_distinct(ids: np.ndarray, scratch: np.ndarray) -> bool:
     return bool((scratch[ids] == at).all())
 
 
-class GpuPool(Protocol):
-    """What the planner (``kvtriton.planner``) uses of the scheduler's GPU pool: ``BlockPool``
-    and vLLM's pool seen through ``kvtriton.vllm.gpu_pool.VllmGpuPool`` both serve it.
-
-    Lazy mode on a layout of several groups also needs ``block_group(block_id) -> int | None``
-    (the group a block was cached for); the planner looks it up and refuses a pool without it
-    there, so it is not a member here.
-    """
-
-    #: Blocks in the pool, the null block 0 included: block ids are ``[0, num_blocks)``.
-    num_blocks: int
-    #: References per block id; 0: free.
-    ref_cnt: Sequence[int]
-
-    def add_listener(self, on_insert: KeyCallback | None = None,
-                     on_evict: KeyCallback | None = None) -> None:
-        """Call ``on_insert(key, block_id)`` / ``on_evict(key, block_id)`` for every key that
-        becomes hittable / stops being hittable."""
-        ...
-
-    def block_hash(self, block_id: int) -> int | None:
-        """The primary key of ``block_id``, or None if it is unhashed."""
-        ...
-
-    def block_keys(self, block_id: int) -> Sequence[int]:
-        """Every key ``block_id`` is registered under, primary first (empty if unhashed)."""
-        ...
-
-    def get_cached_block(self, key: int) -> int | None:
-        """A block registered under ``key``, or None."""
-        ...
-
-    def __contains__(self, key: int) -> bool:
-        """Whether a block is registered under ``key``."""
-        ...
-
-    def iter_free(self, after: int | None = None) -> Iterator[int]:
-        """Free blocks in eviction order (next victim first), past ``after`` if it is free."""
-        ...
-
-    def touch(self, block_ids: Sequence[int]) -> None:
-        """Take one reference on each block (pins; a free block leaves the free queue)."""
-        ...
-
-    def pin_held(self, block_ids: Sequence[int] | np.ndarray) -> None:
-        """``touch`` of blocks the caller knows a running request references now (its
-        full-attention table): a pool may keep such pins apart from its own count until that
-        reference is dropped (``VllmGpuPool``)."""
-        ...
-
-    def free_blocks(self, block_ids: Sequence[int]) -> None:
-        """Drop one reference on each block, in order."""
-        ...
-
-
-@dataclass(slots=True)
-class BlockStored:
-    """A block became hittable under ``block_hashes`` (fields as in vLLM's kv_events)."""
-
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None = None
-    group_idx: int | None = None
-
-
-@dataclass(slots=True)
-class BlockRemoved:
-    """``block_hashes`` are no longer hittable in ``medium``."""
-
-    block_hashes: list[int]
-    medium: str | None
-
-
-@dataclass(slots=True)
-class AllBlocksCleared:
-    medium: str | None
-
-
-class BlockPool:
+class BlockPool(PoolKeyMap):
     """``num_blocks`` blocks (block 0 is the null block) with ref counts and a hash map.
 
     ``on_insert(key, block_id)`` and ``on_evict(key, block_id)`` listeners see every key that
@@ -490,238 +411,6 @@ class BlockPool:
         zero = ids[left == 0]
         if len(zero):
             self._eviction.push_many(zero, self._hashed_np[zero], self._primary)
-
-    # ---- hashing ---------------------------------------------------------------------------
-
-    def cache_block(
-        self,
-        block_id: int,
-        key: int,
-        aliases: Sequence[int] = (),
-        *,
-        parent_key: int | None = None,
-        token_ids: Sequence[int] = (),
-        block_size: int = 0,
-        lora_id: int | None = None,
-        group_idx: int | None = None,
-    ) -> None:
-        """Register ``block_id`` under its primary ``key`` and ``aliases``; ``group_idx`` (the
-        KV-cache group the block belongs to) is kept until the block's hashes are evicted
-        (``block_group``) and named in its ``BlockStored`` event.
-
-        The block must be unhashed and referenced (a free block would be evicted unseen).
-        """
-        if type(block_id) is not int or not 0 < block_id < self.num_blocks:
-            self._check_ids([block_id], "cache_block")
-        if self._primary[block_id] is not None:
-            raise ValueError(f"cache_block: block {block_id} is already cached under "
-                             f"{self._primary[block_id]:#x}")
-        if self.ref_cnt[block_id] == 0:
-            raise ValueError(f"cache_block: block {block_id} is free; cache it while referenced")
-        aliases = tuple(a for a in dict.fromkeys(aliases) if a != key) if aliases else ()
-        for k in (key, *aliases):
-            # A None key would leave the block looking unhashed while the map holds it.
-            if type(k) is not int and not is_int(k):  # the common case first: hot path
-                raise ValueError(f"cache_block: key {k!r} of block {block_id} is not an int")
-        if group_idx is not None and (not is_int(group_idx) or group_idx < 0):
-            raise ValueError(f"cache_block: group_idx {group_idx!r} of block {block_id} is not "
-                             "a non-negative int")
-        self._register(block_id, key, aliases, group_idx)
-        if self._on_insert_many:
-            self._notify_many(self._on_insert_many, [key, *aliases],
-                              [block_id] * (1 + len(aliases)))
-        if self.enable_events:
-            self._events.append(BlockStored([key, *aliases], parent_key, list(token_ids),
-                                            block_size, lora_id, self.medium, None, group_idx))
-
-    def _register(self, block_id: int, key: int, aliases: tuple[int, ...],
-                  group_idx: int | None) -> None:
-        self._primary[block_id] = key
-        self._hashed[block_id] = 1
-        self._group[block_id] = None if group_idx is None else int(group_idx)
-        self._aliases[block_id] = aliases
-        for k in (key, *aliases):
-            self._map_add(k, block_id)
-            for cb in self._on_insert:
-                cb(k, block_id)
-
-    def cache_blocks(self, block_ids: Sequence[int], keys: Sequence[Sequence[int]],
-                     group_idx: Sequence[int | None] | None = None) -> None:
-        """``cache_block`` for each block in order, ``keys[i]`` its primary key then aliases; the
-        batch listeners are called once, after all of them. Every block is checked first: a bad
-        one raises ``ValueError`` and none is cached."""
-        n = len(block_ids)
-        if len(keys) != n or (group_idx is not None and len(group_idx) != n):
-            raise ValueError(f"cache_blocks: {n} blocks, {len(keys)} key lists, "
-                             f"{n if group_idx is None else len(group_idx)} groups")
-        self._check_ids(list(block_ids), "cache_blocks")
-        groups = [None] * n if group_idx is None else list(group_idx)
-        primary, ref = self._primary, self.ref_cnt
-        todo = []
-        for b, ks, g in zip(block_ids, keys, groups, strict=True):
-            if not ks:
-                raise ValueError(f"cache_blocks: block {b} has no key")
-            if primary[b] is not None:
-                raise ValueError(f"cache_blocks: block {b} is already cached under "
-                                 f"{primary[b]:#x}")
-            if ref[b] == 0:
-                raise ValueError(f"cache_blocks: block {b} is free; cache it while referenced")
-            for k in ks:
-                if type(k) is not int and not is_int(k):
-                    raise ValueError(f"cache_blocks: key {k!r} of block {b} is not an int")
-            if g is not None and ((type(g) is not int and not is_int(g)) or g < 0):
-                raise ValueError(f"cache_blocks: group_idx {g!r} of block {b} is not a "
-                                 "non-negative int")
-            key = ks[0]
-            aliases = tuple(a for a in dict.fromkeys(ks[1:]) if a != key) if len(ks) > 1 else ()
-            todo.append((b, key, aliases, g))
-        if len({t[0] for t in todo}) != n:
-            raise ValueError("cache_blocks: a block is named twice")
-        all_keys, all_blocks = [], []
-        # The common case inlined: a block with one key no other block holds, in a pool with
-        # no per-key listener and no events (``_register`` then only sets its entries).
-        quiet = not self._on_insert and not self.enable_events
-        entries, groups_of, aliases_of, hashed = self._map, self._group, self._aliases, \
-            self._hashed
-        for b, key, aliases, g in todo:
-            if quiet and not aliases and key not in entries:
-                primary[b] = key
-                hashed[b] = 1
-                groups_of[b] = None if g is None else int(g)
-                aliases_of[b] = ()
-                entries[key] = b
-                all_keys.append(key)
-                all_blocks.append(b)
-                continue
-            self._register(b, key, aliases, g)
-            all_keys.append(key)
-            all_blocks.append(b)
-            if aliases:
-                all_keys += aliases
-                all_blocks += [b] * len(aliases)
-            if self.enable_events:
-                self._events.append(BlockStored([key, *aliases], None, [], 0, None, self.medium,
-                                                None, g))
-        self._notify_many(self._on_insert_many, all_keys, all_blocks)
-
-    def _map_add(self, key: int, b: int) -> None:
-        entry = self._map.get(key)
-        if entry is None:
-            self._map[key] = b
-        elif isinstance(entry, int):
-            self._map[key] = {entry: None, b: None}
-        else:
-            entry[b] = None
-
-    def _map_remove(self, key: int, b: int) -> None:
-        entry = self._map[key]
-        if isinstance(entry, int):
-            del self._map[key]
-            return
-        del entry[b]
-        if len(entry) == 1:
-            self._map[key] = next(iter(entry))
-
-    def _evict(self, b: int) -> tuple[int, ...]:
-        """Drop the hashes of ``b``; per-key listeners are called, batch listeners are the
-        caller's (``_evict_many``). Returns the keys dropped."""
-        keys = self.block_keys(b)
-        self._eviction.on_evicted(b, keys[0])
-        self._primary[b] = None
-        self._hashed[b] = 0
-        self._group[b] = None
-        self._last_user[b] = None
-        self._aliases[b] = ()
-        for k in keys:
-            self._map_remove(k, b)
-            for cb in self._on_evict:
-                cb(k, b)
-        if self.enable_events:
-            self._events.append(BlockRemoved(list(keys), self.medium))
-        return keys
-
-    def _evict_many(self, blocks: list[int]) -> None:
-        """Drop the hashes of ``blocks`` in order, then tell the batch listeners once."""
-        if not self._on_evict_many:
-            for b in blocks:
-                self._evict(b)
-            return
-        if not self._on_evict and not self.enable_events:
-            self._evict_many_quiet(blocks)
-            return
-        all_keys, all_blocks = [], []
-        for b in blocks:
-            keys = self._evict(b)
-            all_keys += keys
-            all_blocks += [b] * len(keys) if len(keys) > 1 else (b,)
-        self._notify_many(self._on_evict_many, all_keys, all_blocks)
-
-    def _evict_many_quiet(self, blocks: list[int]) -> None:
-        """``_evict_many`` for a pool with batch listeners only (no per-key listener, no
-        events), ``_evict`` inlined: the simulator's pools evict hundreds of thousands of
-        blocks a run, and the per-block calls were a tenth of its time."""
-        primary, aliases, group, last = self._primary, self._aliases, self._group, self._last_user
-        on_evicted = self._eviction.on_evicted if self._tracks_evictions else None
-        entries, hashed = self._map, self._hashed
-        all_keys: list[int] = []
-        all_blocks: list[int] = []
-        for b in blocks:
-            key, extra = primary[b], aliases[b]
-            if on_evicted is not None:
-                on_evicted(b, key)
-            primary[b] = group[b] = last[b] = None
-            hashed[b] = 0
-            if extra:
-                aliases[b] = ()
-                for k in (key, *extra):
-                    self._map_remove(k, b)
-                all_keys += (key, *extra)
-                all_blocks += [b] * (1 + len(extra))
-                continue
-            if type(entries[key]) is dict:  # other blocks share the key
-                self._map_remove(key, b)
-            else:
-                del entries[key]
-            all_keys.append(key)
-            all_blocks.append(b)
-        self._notify_many(self._on_evict_many, all_keys, all_blocks)
-
-    def evict_cached(self, block_id: int) -> bool:
-        """Drop the hashes of a free cached block now (it stays free, first to be reused).
-
-        Returns False (and changes nothing) if the block is referenced or unhashed. Used to model
-        outside pressure on a tier, e.g. the benchmark's per-step eviction rate.
-        """
-        self._check_ids([block_id], "evict_cached")
-        if self.ref_cnt[block_id] or self._primary[block_id] is None:
-            return False
-        self._eviction.remove(block_id)
-        self._evict_many([block_id])
-        self._eviction.push(block_id, None)
-        return True
-
-    def reset_prefix_cache(self) -> bool:
-        """Forget every hash if no block is referenced; returns whether it did."""
-        if self.num_used_blocks:
-            logger.warning("reset_prefix_cache: %d blocks still referenced; not reset",
-                           self.num_used_blocks)
-            return False
-        dropped = [(k, b) for b in range(1, self.num_blocks) for k in self.block_keys(b)]
-        # Listeners see the pool as it is after the reset, as they do for a single eviction.
-        self._map.clear()
-        self._primary = [None] * self.num_blocks
-        self._hashed_np[:] = False
-        self._aliases = [()] * self.num_blocks
-        self._group = [None] * self.num_blocks
-        self._last_user = [None] * self.num_blocks
-        self._fill_free_queue()
-        for k, b in dropped:
-            for cb in self._on_evict:
-                cb(k, b)
-        self._notify_many(self._on_evict_many, [k for k, _ in dropped], [b for _, b in dropped])
-        if self.enable_events:
-            self._events.append(AllBlocksCleared(self.medium))
-        return True
 
     # ---- checks for tests and fuzzing ------------------------------------------------------
 

@@ -64,6 +64,7 @@ def test_simulator_does_not_import_triton(code):
     "from kvtriton.sim import agent_workload",
     "import kvtriton.sim.loop",
     "import kvtriton.sim.scheduler",
+    "import kvtriton.sim.batch_scheduler",
 ])
 def test_simulator_imports_leave_out_triton_and_integrity_mode(code):
     probe = f"{code}\nimport sys\nprint(' '.join(sys.modules))"

@@ -11,15 +11,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from helpers.planner_state import deep_state, raises_naming
-from kvtriton.pool import (
-    NULL_BLOCK,
-    AllBlocksCleared,
-    BlockPool,
-    BlockRemoved,
-    BlockStored,
-    GpuPool,
-    cached_prefix_blocks,
-)
+from kvtriton.pool import NULL_BLOCK, BlockPool, cached_prefix_blocks
+from kvtriton.pool_interface import AllBlocksCleared, BlockRemoved, BlockStored, GpuPool
 
 N = 8  # blocks 1..7 usable
 

@@ -1,11 +1,11 @@
 """Soak: 100,000 scheduler steps of a random multi-turn workload through the planner and pools.
 
-The simulator's scheduler (``kvtriton.sim.scheduler.BatchScheduler``) drives ``OffloadPlanner``
-with a fused scan and re-store on: conversations come back turn after turn with a longer prompt
-(a GPU or CPU prefix hit, or a load when the GPU lost it), prefill is chunked by a token budget,
-the GPU pool is small enough that requests are preempted, the CPU pool small enough that it
-evicts blocks of running requests (re-stored later), and store and load reports arrive one to
-four steps late, out of order. A conversation that reaches the context cap starts over, so the
+The simulator's scheduler (``kvtriton.sim.batch_scheduler.BatchScheduler``) drives
+``OffloadPlanner`` with a fused scan and re-store on: conversations come back turn after turn with a
+longer prompt (a GPU or CPU prefix hit, or a load when the GPU lost it), prefill is chunked by a
+token budget, the GPU pool is small enough that requests are preempted, the CPU pool small enough
+that it evicts blocks of running requests (re-stored later), and store and load reports arrive one
+to four steps late, out of order. A conversation that reaches the context cap starts over, so the
 set of distinct blocks is bounded (``--fresh`` gives restarted conversations new content instead,
 which measures what every never-seen block costs: dense key ids are never recycled).
 
@@ -34,7 +34,8 @@ from bench.common import write_result
 from kvtriton.hashing import HashIndex, chain_hashes, request_keys
 from kvtriton.planner import OffloadPlanner, PlannerConfig, Request
 from kvtriton.pool import BlockPool
-from kvtriton.sim.scheduler import BatchScheduler, SeqBlocks
+from kvtriton.sim.batch_scheduler import BatchScheduler
+from kvtriton.sim.scheduler import SeqBlocks
 from kvtriton.specs import FullAttentionSpec, KVLayout
 
 LAYOUT = KVLayout([FullAttentionSpec(16, 8, 128, 32)], name="llama3-8b-like")

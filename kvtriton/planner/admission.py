@@ -22,7 +22,7 @@ import numpy as np
 
 from kvtriton.planner.selection import Selection
 from kvtriton.planner.stats import PlannerStats
-from kvtriton.pool import GpuPool
+from kvtriton.pool_interface import GpuPool
 
 __all__ = ["HintedAdmission", "SecondSight"]
 

@@ -50,8 +50,9 @@ from kvtriton.planner.admission import HintedAdmission
 from kvtriton.planner.config import PlannerConfig
 from kvtriton.planner.selection import StoreSelector
 from kvtriton.planner.stats import PlannerStats
-from kvtriton.planner.stores import StoreJob
-from kvtriton.pool import BlockPool, GpuPool
+from kvtriton.planner.store_batches import StoreJob
+from kvtriton.pool import BlockPool
+from kvtriton.pool_interface import GpuPool
 from kvtriton.specs import KVLayout
 
 __all__ = ["LazyOffload"]

@@ -23,7 +23,8 @@ import numpy as np
 from kvtriton.lookup import Hit, find_longest_hit
 from kvtriton.planner.config import PlannerConfig
 from kvtriton.planner.stats import PlannerStats
-from kvtriton.pool import NULL_BLOCK, BlockPool, GpuPool
+from kvtriton.pool import NULL_BLOCK, BlockPool
+from kvtriton.pool_interface import GpuPool
 from kvtriton.records import Request, Transfer
 from kvtriton.specs import KVLayout
 from kvtriton.validation import block_id_array

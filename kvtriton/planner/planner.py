@@ -47,8 +47,10 @@ from kvtriton.planner.loads import Loads
 from kvtriton.planner.reference import LoopSelector
 from kvtriton.planner.scan import FusedSelector
 from kvtriton.planner.stats import PlannerStats
-from kvtriton.planner.stores import StoreJob, Stores
-from kvtriton.pool import BlockPool, GpuPool
+from kvtriton.planner.store_batches import StoreJob
+from kvtriton.planner.stores import Stores
+from kvtriton.pool import BlockPool
+from kvtriton.pool_interface import GpuPool
 from kvtriton.records import HINTS, PlannerMeta, Request, StepOutput, Transfer
 from kvtriton.specs import KVLayout
 from kvtriton.validation import block_id_array, check_request_keys, is_int

@@ -13,7 +13,8 @@ from __future__ import annotations
 import numpy as np
 
 from kvtriton.planner.selection import Selection, StoreSelector
-from kvtriton.pool import NULL_BLOCK, BlockPool, GpuPool
+from kvtriton.pool import NULL_BLOCK, BlockPool
+from kvtriton.pool_interface import GpuPool
 from kvtriton.specs import KVLayout
 
 __all__ = ["LoopSelector"]

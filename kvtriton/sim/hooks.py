@@ -1,10 +1,10 @@
 """What integrity mode needs from a scheduler, as an interface the scheduler calls.
 
-The scheduler (``kvtriton.sim.scheduler``) calls the hook with plain values (group, block and key
-ids, a request's keys and block tables, token counts); the serving loop attaches it to both
-block pools, whose key listeners it uses, and names each step. So the checker that moves real
-bytes (``kvtriton.sim.integrity``, which imports torch, the transfer engine and Triton) never
-imports the scheduler, and the scheduler imports it only as this protocol.
+The scheduler (``kvtriton.sim.scheduler``, ``kvtriton.sim.batch_scheduler``) calls the hook with
+plain values (group, block and key ids, a request's keys and block tables, token counts); the
+serving loop attaches it to both block pools, whose key listeners it uses, and names each step. So
+the checker that moves real bytes (``kvtriton.sim.integrity``, which imports torch, the transfer
+engine and Triton) never imports the scheduler, and the scheduler imports it only as this protocol.
 """
 
 from __future__ import annotations

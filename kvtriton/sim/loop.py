@@ -1,6 +1,6 @@
 """A serving loop close to vLLM's scheduler, driving ``OffloadPlanner`` as vLLM drives a connector.
 
-The scheduler step itself (``kvtriton.sim.scheduler.BatchScheduler``, vLLM 0.32's setup):
+The scheduler step itself (``kvtriton.sim.batch_scheduler.BatchScheduler``, vLLM 0.32's setup):
 running requests first (decode, or the next chunk of a prefill), then requests whose CPU load
 landed, then waiting ones in arrival order while the token budget, the GPU blocks and
 ``max_running`` allow. A new request is looked up in the GPU prefix cache, then in the CPU tier;
@@ -36,13 +36,14 @@ from kvtriton.planner import OffloadPlanner
 from kvtriton.pool import BlockPool
 from kvtriton.records import Request
 from kvtriton.setups import TierSetup
+from kvtriton.sim.batch_scheduler import BatchScheduler
 from kvtriton.sim.clock import ServingClock, gpu_blocks_for
 from kvtriton.sim.cost import ServingCost
 from kvtriton.sim.errors import UncleanEndError
 from kvtriton.sim.hooks import IntegrityHook
 from kvtriton.sim.metrics import RunMetrics
 from kvtriton.sim.next_use import NextUse, NextUseQueue
-from kvtriton.sim.scheduler import BatchScheduler, SeqBlocks
+from kvtriton.sim.scheduler import SeqBlocks
 from kvtriton.sim.workload import Workload, WorkloadRequest
 from kvtriton.specs import KVLayout
 from kvtriton.tier_signals import SignalBook, cpu_queue

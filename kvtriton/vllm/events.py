@@ -22,7 +22,7 @@ from vllm.v1.core.kv_cache_utils import (
 )
 from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind, get_kv_cache_spec_sliding_window
 
-from kvtriton import pool as kvpool
+from kvtriton import pool_interface as kvpool
 from kvtriton.vllm.keys import KeyIds
 
 __all__ = ["KVEventTranslator", "StorePayload"]

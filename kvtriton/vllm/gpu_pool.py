@@ -1,6 +1,6 @@
 """``VllmGpuPool``: vLLM's GPU ``BlockPool`` seen through the interface the planner expects.
 
-The planner's GPU pool is a ``kvtriton.pool.GpuPool`` (``kvtriton.pool.BlockPool`` in the
+The planner's GPU pool is a ``kvtriton.pool_interface.GpuPool`` (``kvtriton.pool.BlockPool`` in the
 simulator); in vLLM the GPU prefix cache is vLLM's own ``vllm.v1.core.block_pool.BlockPool``,
 and it stays the truth: this view holds no block state of its own. Reads (a block's keys, the
 block cached under a key, ref counts, the free queue in eviction order) go to vLLM's pool as it

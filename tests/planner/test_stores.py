@@ -1,6 +1,6 @@
-"""The store lifecycle (``kvtriton.planner.stores``): tables kept in step over a chunked
-prefill, completed stores registered under every key of their GPU block and freed in the
-configured order, a finish while a store is in flight, and the finish flush.
+"""The store lifecycle (``kvtriton.planner.stores``, ``kvtriton.planner.store_batches``): tables
+kept in step over a chunked prefill, completed stores registered under every key of their GPU
+block and freed in the configured order, a finish while a store is in flight, and the finish flush.
 """
 
 from __future__ import annotations
@@ -199,9 +199,9 @@ def test_finish_after_preemption_and_reallocation_flushes_the_final_table():
 def _many_requests_run(monkeypatch, passes_from: int) -> list[tuple]:
     """40 requests prefilled over chunks, then decoding, with CPU evictions between steps (so
     re-stores join the new stores); every step's store pairs, keys and the cursors."""
-    import kvtriton.planner.stores as stores
+    import kvtriton.planner.store_batches as store_batches
 
-    monkeypatch.setattr(stores, "_ROW_PASSES_FROM", passes_from)
+    monkeypatch.setattr(store_batches, "_ROW_PASSES_FROM", passes_from)
     h = PlannerDriver(num_gpu_blocks=1024, cpu=1024, config=PlannerConfig(restore=True))
     reqs = [h.request(f"r{i:02d}", tokens_for(i + 1, 80 + 16 * (i % 5))) for i in range(40)]
     for r in reqs:

@@ -34,9 +34,9 @@ from kvtriton.sim import (
     load_trace,
     simulate,
 )
+from kvtriton.sim.batch_scheduler import BatchScheduler
 from kvtriton.sim.errors import IntegrityError
 from kvtriton.sim.integrity import IntegrityChecker
-from kvtriton.sim.scheduler import BatchScheduler
 from kvtriton.specs import preset
 
 

@@ -1,5 +1,5 @@
-"""The scheduler core (``kvtriton.sim.scheduler``) of the simulator, the tests' planner driver
-and the memory soak.
+"""The scheduler core (``kvtriton.sim.scheduler``) and its step policy
+(``kvtriton.sim.batch_scheduler``) of the simulator, the tests' planner driver and the memory soak.
 
 Hand-built cases: null pages for positions already out of a sliding window (a parameter, so the
 planner driver and the simulator differ by a flag, not by a copy) and before what a hit writes,
@@ -15,7 +15,8 @@ import pytest
 from kvtriton.hashing import HashIndex, chain_hashes, request_keys
 from kvtriton.planner import OffloadPlanner, PlannerConfig, Request
 from kvtriton.pool import NULL_BLOCK, BlockPool
-from kvtriton.sim.scheduler import BatchScheduler, KVScheduler, SeqBlocks
+from kvtriton.sim.batch_scheduler import BatchScheduler
+from kvtriton.sim.scheduler import KVScheduler, SeqBlocks
 from kvtriton.specs import FullAttentionSpec, KVLayout, MambaSpec, SlidingWindowSpec
 
 # Full attention plus a 40-token sliding window, both with 16-token blocks.

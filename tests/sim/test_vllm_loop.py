@@ -128,7 +128,7 @@ def test_sliding_window_admission_cap_is_vllms():
     import tempfile
 
     from kvtriton.pool import BlockPool
-    from kvtriton.sim.scheduler import BatchScheduler
+    from kvtriton.sim.batch_scheduler import BatchScheduler
     from kvtriton.sim.vllm_scheduler import make_scheduler, tiny_model_dir
     from kvtriton.specs import preset
 
