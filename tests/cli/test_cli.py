@@ -61,6 +61,23 @@ def test_cli_simulate_writes_json_and_table(tmp_path, capsys):
     assert [r["setup"] for r in doc["rows"]] == ["eager", "eager+restore+tail"]
 
 
+def test_the_old_policies_flag_warns_and_runs_the_same_setups(tmp_path, capsys):
+    """``--policies`` (the flag's old name) is an alias of ``--setups`` that warns once; a bad
+    setup through it is the same one-line error."""
+    args = ["simulate", "--conversations", "3", "--turns", "2", "3", "--gpu-tokens", "4096",
+            "--cpu-tokens", "8192", "--quiet", "--no-bound"]
+    assert main([*args, "--setups", "eager", "--json", str(tmp_path / "new.json")]) == 0
+    capsys.readouterr()
+    assert main([*args, "--policies", "eager", "--json", str(tmp_path / "old.json")]) == 0
+    err = capsys.readouterr().err
+    assert err.count("warning: --policies is now --setups") == 1
+    new, old = (json.loads((tmp_path / n).read_text())["rows"] for n in ("new.json", "old.json"))
+    assert [r["setup"] for r in old] == ["eager"]
+    assert old[0]["token_hit_rate"] == new[0]["token_hit_rate"]
+    assert main(["simulate", "--policies", "nope"]) == 2
+    assert "unknown setup 'nope'" in capsys.readouterr().err
+
+
 def test_cli_shows_rejected_requests(tmp_path, capsys):
     out = tmp_path / "sim.json"
     assert main(["simulate", "--conversations", "3", "--turns", "2", "3", "--gpu-blocks", "230",
