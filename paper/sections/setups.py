@@ -68,6 +68,19 @@ def setups_section(v: dict) -> None:
         v["abstract_setups"] = "the setup benchmark has not been run"
         return
     labels = {tag: doc["findings"]["label"] for tag, doc in docs.items()}
+    _conditions(v, docs, labels)
+    _ablation(v, docs, labels)
+    _detail(v, docs, labels)
+    _figures(v, docs, labels)
+    _targets(v, docs, labels)
+    v["split_text"] = split_text(docs)
+    _bounds(v, docs, labels)
+    _signals(v, docs, labels)
+    _abstract(v, docs, labels)
+
+
+def _conditions(v: dict, docs: dict, labels: dict) -> None:
+    """The machine, model, cost model and workloads the study ran."""
     first = next(iter(docs.values()))
     cond = first["runs"][0]["conditions"]
     cm = cond["cost_model"]
@@ -79,7 +92,10 @@ def setups_section(v: dict) -> None:
         "each way (`kvtriton/sim/cost.py`). TTFT is modeled. Workloads: "
         + "; ".join(f"{labels[t]}: `{d['workload']}`, {d['requests']:,} requests, GPU "
                     f"{d['gpu_tokens']:,} tokens" for t, d in docs.items()) + ".")
-    # The ablation: gap closed per setup, workload and capacity.
+
+
+def _ablation(v: dict, docs: dict, labels: dict) -> None:
+    """The ablation: hit rate and gap closed per setup, workload and capacity."""
     cols, keys = ["setup"], []
     for tag, doc in docs.items():
         for run in doc["runs"]:
@@ -112,7 +128,10 @@ def setups_section(v: dict) -> None:
            f" Where the gap is under {threshold:g} points of hit rate a share of it would "
            "magnify noise, so those columns give the hit rate alone and no target is judged "
            "there.") + "\n\n" + md_table(cols, rows))
-    # Per capacity detail of the first workload's runs.
+
+
+def _detail(v: dict, docs: dict, labels: dict) -> None:
+    """Per run (workload, capacity), every row's figures."""
     tables = []
     detail = ["setup", "hit rate", "gap closed", "CPU hit tokens", "stored", "re-stored",
               "re-store thrash", "TTFT p50 / p90 / mean (s)"]
@@ -131,6 +150,10 @@ def setups_section(v: dict) -> None:
                 "tokens)" + (f"; cache-only Belady over GPU + CPU: {pct(cob['hit_rate'])}"
                              if cob else "") + ":\n\n" + md_table(detail, trs))
     v["setups_tables"] = "\n\n".join(tables)
+
+
+def _figures(v: dict, docs: dict, labels: dict) -> None:
+    """Per workload, the figure of each setup's gain over the control."""
     figs = []
     for tag, doc in docs.items():
         runs = [{"label": f"CPU {run['cpu_ratio']}x", "rows": run["rows"]}
@@ -140,7 +163,10 @@ def setups_section(v: dict) -> None:
         figs.append(f"![{labels[tag]}: hit rate over the control per setup]"
                     f"(figures/gain_{tag}.png)")
     v["fig_gap"] = "\n\n".join(figs)
-    # Targets.
+
+
+def _targets(v: dict, docs: dict, labels: dict) -> None:
+    """Per run, the best online setup against its target."""
     def target_line(tag: str, t: dict) -> str:
         tol = t.get("ttft_tolerance_s")
         strict = "" if tol is None else (
@@ -174,8 +200,10 @@ def setups_section(v: dict) -> None:
         "smaller change is below the cost model's resolution. Mean TTFT is in the detail "
         "tables. Rows given oracle closes are never the best setup.\n\n")) + "\n".join(
         target_line(tag, t) for tag, doc in docs.items() for t in doc["targets"])
-    v["split_text"] = split_text(docs)
-    # Bounds: the in-loop bounds against the cache-only one.
+
+
+def _bounds(v: dict, docs: dict, labels: dict) -> None:
+    """The in-loop bounds against the cache-only one."""
     blines = []
     for tag, doc in docs.items():
         for run in doc["runs"]:
@@ -193,7 +221,10 @@ def setups_section(v: dict) -> None:
             blines.append("- " + ", ".join(parts) + ".")
     v["bounds_text"] = "\n".join(blines)
     v["bounds_intro"] = _bounds_intro(docs)
-    # Hints and the other online signals, as gains over what they change.
+
+
+def _signals(v: dict, docs: dict, labels: dict) -> None:
+    """Hints and the other online signals, as gains over what they change (the study's findings)."""
     hl = []
     for tag, doc in docs.items():
         for run in doc["findings"]["runs"]:
@@ -208,7 +239,10 @@ def setups_section(v: dict) -> None:
         "`[oracle closes]` gives the same setup each session's last turn as a close, which "
         "uses the future (no later turn exists), so it is an oracle and never the best "
         "setup.\n\n" + "\n".join(hl))
-    # Abstract: the best online setup per workload at CPU = GPU.
+
+
+def _abstract(v: dict, docs: dict, labels: dict) -> None:
+    """The abstract's clause: the best online setup per workload at CPU = GPU."""
     ab = []
     for tag, doc in docs.items():
         t = doc["targets"][0]
