@@ -25,9 +25,14 @@ $(VENV)/.vllm: $(VENV)/.installed tools/install_vllm.sh
 	@bash tools/install_vllm.sh $(VENV)
 	@touch $@
 
+# Mooncake Store's client and master, for the second tier's tests (tools/install_store.sh)
+$(VENV)/.store: $(VENV)/.installed tools/install_store.sh
+	@bash tools/install_store.sh $(VENV)
+	@touch $@
+
 ## test: the whole test suite (Triton kernels under TRITON_INTERPRET=1 without a GPU), in
 ## TEST_WORKERS processes (pytest-xdist, a file per process at a time; TEST_WORKERS=0: one)
-test: $(VENV)/.installed $(VENV)/.vllm
+test: $(VENV)/.installed $(VENV)/.vllm $(VENV)/.store
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 lint: $(VENV)/.installed
