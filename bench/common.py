@@ -200,11 +200,19 @@ def write_result(name: str, payload: dict, results_dir: Path | None = None,
     path = out_dir / f"{name}.json"
     machine = machine_info()
     doc = {"benchmark": name, "machine": machine, **payload}
-    if findings is not None and (found := findings(name, doc)) is not None:
-        doc["findings"] = found
-    _atomic_write(path, json.dumps(doc, indent=2, sort_keys=False) + "\n")
+    _write_doc(path, doc, findings)
     _record(path, _writer(), machine["git_sha"], machine["date_utc"])
     return path
+
+
+def _write_doc(path: Path, doc: dict, findings: Callable[[str, dict], dict] | None) -> bool:
+    """Write ``doc`` to ``path`` with the study's findings last (none when ``findings`` is None
+    or finds nothing); return whether it has findings."""
+    doc.pop("findings", None)
+    if findings is not None and (found := findings(path.stem, doc)) is not None:
+        doc["findings"] = found
+    _atomic_write(path, json.dumps(doc, indent=2, sort_keys=False) + "\n")
+    return "findings" in doc
 
 
 def derive_findings(results_dir: Path | None = None) -> list[str]:
@@ -227,14 +235,9 @@ def derive_findings(results_dir: Path | None = None) -> list[str]:
         findings = getattr(importlib.import_module(module), "findings", None)
         if findings is None:
             continue
-        doc = json.loads(path.read_text())
-        doc.pop("findings", None)
-        if (found := findings(path.stem, doc)) is None:
-            continue
-        doc["findings"] = found
-        _atomic_write(path, json.dumps(doc, indent=2, sort_keys=False) + "\n")
-        _record(path, None, _git_sha(), _utc_now())
-        done.append(file)
+        if _write_doc(path, json.loads(path.read_text()), findings):
+            _record(path, None, _git_sha(), _utc_now())
+            done.append(file)
     return done
 
 
