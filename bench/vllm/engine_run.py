@@ -7,8 +7,9 @@ prompts of the one before) with greedy sampling and returns every output's token
 logprobs, with the connector's counters after each batch. Between batches a turn may be
 ``"reset_gpu"`` (vLLM's ``reset_prefix_cache()``: the GPU prefix cache only) or ``"reset_all"``
 (``reset_prefix_cache(reset_connector=True)``: the CPU tier too, transfers in flight or
-not). ``patch`` runs before the engine starts and returns its undo: the tests' fault
-injection (``tests/helpers/faults.py``) patches the transfer engine through it.
+not), or a callable, called there (in this process only). ``patch`` runs before the
+engine starts and returns its undo: the tests' fault injection (``tests/helpers/faults.py``)
+patches the transfer engine through it.
 
 The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) unless
 ``multiprocess=True``; the connector is then in the engine-core and worker processes, and only
@@ -63,7 +64,7 @@ class EngineRun:
 
     tokens: list[list[list[int]]] = field(default_factory=list)
     logprobs: list[list[list[float]]] = field(default_factory=list)
-    connector_stats: dict[str, Any] = field(default_factory=dict)  # the planner's counters
+    connector_stats: dict[str, Any] = field(default_factory=dict)  # SchedulerSide.counters()
     stats_by_turn: list[dict[str, Any]] = field(default_factory=list)  # after each batch
     # Per reset: whether stores were pending (queued or in flight) then, and what it returned.
     resets: list[tuple[bool, bool]] = field(default_factory=list)
@@ -114,7 +115,7 @@ def _llm_kwargs(model_dir: str | Path, connector: dict[str, Any] | None, *, bloc
 Prompt = Sequence[int] | tuple[Sequence[int], int]
 
 
-def run_turns(model_dir: str | Path, turns: Sequence[Sequence[Prompt] | str], *,
+def run_turns(model_dir: str | Path, turns: Sequence[Sequence[Prompt] | str | Callable], *,
               connector: dict[str, Any] | None, max_tokens: int = 8, block_size: int = 32,
               kv_cache_memory_bytes: int = 4 << 20, max_model_len: int = 2048,
               max_num_batched_tokens: int = 256, max_num_seqs: int = 8,
@@ -155,6 +156,9 @@ def _run(model_dir, turns, connector, max_tokens, multiprocess, engine_kw) -> En
     try:
         t1 = time.perf_counter()
         for turn in turns:
+            if callable(turn):  # a test's action between batches (kill a store, say)
+                turn()
+                continue
             if isinstance(turn, str):
                 if turn not in ("reset_gpu", "reset_all"):
                     raise ValueError(f"turn {turn!r}: expected a batch, 'reset_gpu' or "
@@ -176,7 +180,7 @@ def _run(model_dir, turns, connector, max_tokens, multiprocess, engine_kw) -> En
                                                                  strict=True)]
                                  for o in outs])
             if conn is not None:
-                run.stats_by_turn.append(dict(conn.scheduler_side.planner.stats.as_dict()))
+                run.stats_by_turn.append(conn.scheduler_side.counters())
         run.wall_s = time.perf_counter() - t1
         if core is not None:
             run.drain_steps = _drain(core)
@@ -188,12 +192,12 @@ def _run(model_dir, turns, connector, max_tokens, multiprocess, engine_kw) -> En
                             "loads_in_flight": len(side.planner.loads_in_flight()),
                             "gpu_free": pool.get_num_free_blocks()}
                 side.planner.check_invariants(idle=True)
-                run.connector_stats = conn.scheduler_side.planner.stats.as_dict()
+                run.connector_stats = conn.scheduler_side.counters()
                 run.layout = conn.scheduler_side.layout.describe()
                 from vllm.distributed.kv_transfer import get_kv_transfer_group
 
                 worker = get_kv_transfer_group().worker_side
-                run.worker_stats = dict(worker.stats)
+                run.worker_stats = worker.counters()
                 run.transfers = worker.transfer_totals()
     finally:
         shutdown_engine(llm)

@@ -29,6 +29,7 @@ from typing import Any
 
 from kvtriton.eviction import EVICTION_QUEUES
 from kvtriton.planner import PlannerConfig
+from kvtriton.second_tier.config import SecondTierConfig, parse_second_tier
 from kvtriton.setups import (
     DEFAULT_SETUP,
     ORACLE_EVICTIONS,
@@ -64,6 +65,8 @@ class ConnectorConfig:
       (default null: two steps' worth of ``max_num_batched_tokens``).
     - ``scan``: ``"fused"`` (default) or ``"loop"`` (the per-block reference; same selection).
     - ``scan_idle``: also scan running requests with no tokens this step (default false).
+    - ``second_tier``: a Mooncake Store under the CPU tier, shared by every replica
+      (``kvtriton.second_tier.config``; default null: none).
     """
 
     setup: str = DEFAULT_SETUP
@@ -73,6 +76,7 @@ class ConnectorConfig:
     lazy_target_blocks: int | None = None
     scan: str = "fused"
     scan_idle: bool = False
+    second_tier: SecondTierConfig | None = None
 
     @property
     def tier(self) -> TierSetup:
@@ -133,7 +137,8 @@ class ConnectorConfig:
                 + (f" + LFU sketch {sketch / 2**20:.1f} MiB" if sketch else "")
                 + f", scan {self.scan}"
                 + (" (idle too)" if self.scan_idle else "")
-                + (f", {', '.join(extra)}" if extra else ""))
+                + (f", {', '.join(extra)}" if extra else "")
+                + (f"; {self.second_tier.describe()}" if self.second_tier else ""))
 
 
 def extra_config_for(tier: TierSetup) -> dict[str, Any]:
@@ -326,6 +331,7 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:
                                  "bounds re-stores; add 'restore' to the setup or drop the key")
     values = {k: v for k, v in extra.items() if k in _KEYS}
     values["setup"] = tier.composition
+    values["second_tier"] = parse_second_tier(extra.get("second_tier"))
     return ConnectorConfig(**values)
 
 

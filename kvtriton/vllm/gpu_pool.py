@@ -275,6 +275,11 @@ class VllmGpuPool:
         h = self._blocks[block_id].block_hash
         return None if h is None else int.from_bytes(h[-4:], "big")
 
+    def block_hash_bytes(self, block_ids: list[int]) -> list[bytes]:
+        """vLLM's ``BlockHashWithGroupId`` of each of ``block_ids`` (all hashed)."""
+        blocks = self._blocks
+        return [blocks[b].block_hash for b in block_ids]
+
     def block_keys(self, block_id: int) -> tuple[int, ...]:
         """Every key id ``block_id`` is cached under: primary first, then the others vLLM
         registered on it (partial-block entries)."""

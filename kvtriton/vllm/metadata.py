@@ -31,6 +31,10 @@ class KVTritonMetadata(KVConnectorMetadata):
     load: Transfer = field(default_factory=Transfer)
     load_event_to_reqs: dict[int, list[str]] = field(default_factory=dict)
     need_flush: bool = False
+    # The second tier: the vLLM hash of each stored pair (written through once stored), and
+    # the fetches from the store, (event, CPU blocks, groups, vLLM hashes) each.
+    store_hashes: list[bytes] = field(default_factory=list)
+    fetches: list[tuple[int, list[int], list[int], list[bytes]]] = field(default_factory=list)
 
     @classmethod
     def from_planner(cls, meta: PlannerMeta) -> KVTritonMetadata:
@@ -45,6 +49,10 @@ class KVTritonWorkerMetadata(KVConnectorWorkerMetadata):
 
     completed_store_events: dict[int, int] = field(default_factory=dict)
     failed_store_events: dict[int, int] = field(default_factory=dict)
+    # The second tier's fetches: event -> how many workers reported it, and event -> the
+    # indices of its blocks any worker failed to read or verify.
+    fetch_reports: dict[int, int] = field(default_factory=dict)
+    fetch_failed: dict[int, list[int]] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVTritonWorkerMetadata:
         if not isinstance(other, KVTritonWorkerMetadata):
@@ -56,4 +64,10 @@ class KVTritonWorkerMetadata(KVConnectorWorkerMetadata):
         failed = dict(self.failed_store_events)
         for ev, n in other.failed_store_events.items():
             failed[ev] = failed.get(ev, 0) + n
-        return KVTritonWorkerMetadata(done, failed)
+        reports = dict(self.fetch_reports)
+        for ev, n in other.fetch_reports.items():
+            reports[ev] = reports.get(ev, 0) + n
+        bad = {ev: list(ix) for ev, ix in self.fetch_failed.items()}
+        for ev, ix in other.fetch_failed.items():
+            bad[ev] = sorted(set(bad.get(ev, ())) | set(ix))
+        return KVTritonWorkerMetadata(done, failed, reports, bad)

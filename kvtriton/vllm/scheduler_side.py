@@ -73,6 +73,12 @@ class SchedulerSide:
             self._events = KVEventTranslator(self.keys, kv_cache_config.kv_cache_groups)
         self.gpu_pool: VllmGpuPool | None = None
         self.planner: OffloadPlanner | None = None
+        self.store = None  # the second tier's fetches (kvtriton.second_tier.fetches)
+        if config.second_tier is not None:
+            from kvtriton.vllm.store_tier import scheduler_fetches
+
+            self.store = scheduler_fetches(config.second_tier, vllm_config, self.layout,
+                                           self.cpu_pool, self.keys.hash_of)
         self._mirrors: dict[str, RequestMirror] = {}
         self._preemptions: dict[str, int] = {}  # rid -> vLLM's num_preemptions at its mirror
         self._retired: list[RequestMirror] = []  # rows released by the next build_meta
@@ -127,7 +133,7 @@ class SchedulerSide:
     # ---- 1. lookup -----------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, vreq: Any, num_computed_tokens: int
-                                   ) -> tuple[int, bool]:
+                                   ) -> tuple[int | None, bool]:
         planner = self._planner()
         if getattr(vreq, "skip_reading_prefix_cache", False):
             return 0, False
@@ -145,7 +151,10 @@ class SchedulerSide:
             req = lookup_request(vreq, self.keys, self._suffixes)
             self._lookups[rid] = (n, req)
         self._known.add(rid)
-        return planner.get_num_new_matched_tokens(req, num_computed_tokens)
+        hit, is_async = planner.get_num_new_matched_tokens(req, num_computed_tokens)
+        if self.store is not None and self.store.extend(req, num_computed_tokens, hit):
+            return None, False  # vLLM asks again next step, once the fetch has landed
+        return hit, is_async
 
     # ---- 2. after allocation -------------------------------------------------------------------
 
@@ -233,7 +242,11 @@ class SchedulerSide:
             self._remember_payloads(meta.store.gpu_blocks, self._mirrors.values())
         if self.auto_recycle and self.keys.num_bound >= self._sweep_at:
             self.recycle_keys()
-        return KVTritonMetadata.from_planner(meta)
+        out = KVTritonMetadata.from_planner(meta)
+        if self.store is not None:
+            out.store_hashes = self.gpu_pool.block_hash_bytes(meta.store.gpu_blocks)
+            out.fetches = [(f.event, f.cpu, f.groups, f.hashes) for f in self.store.issue()]
+        return out
 
     def recycle_keys(self) -> int:
         """Recycle the bound key ids nothing refers to; returns how many. Runs by itself when
@@ -251,6 +264,8 @@ class SchedulerSide:
             live[req.keys.ravel()] = True
         for held in self.signals.referenced_keys():
             live[held] = True
+        if self.store is not None:
+            live[np.asarray(self.store.referenced_keys(), dtype=np.int64)] = True
         bound = keys.bound_ids()
         dead = bound[~live[bound]]
         if len(dead):
@@ -302,6 +317,8 @@ class SchedulerSide:
         if isinstance(wm, KVTritonWorkerMetadata):
             done_stores = dict(wm.completed_store_events)
             failed_stores = list(wm.failed_store_events)
+            if self.store is not None and wm.fetch_reports:
+                self.store.apply(wm.fetch_reports, wm.fetch_failed, self.world_size)
         elif wm is not None:
             raise TypeError(f"KVTritonConnector: worker metadata of type {type(wm).__name__}")
         for rid in finished:
@@ -320,6 +337,8 @@ class SchedulerSide:
         referenced until their transfer completes)."""
         planner = self._planner()
         rid = vreq.request_id
+        if self.store is not None:
+            self.store.forget(rid)
         m = self._mirrors.pop(rid, None)
         lookup = self._lookups.pop(rid, None)
         self._preemptions.pop(rid, None)
@@ -347,6 +366,8 @@ class SchedulerSide:
 
     def reset(self) -> bool:
         """Abandon transfers, forget requests; True if the CPU cache was cleared."""
+        if self.store is not None:
+            self.store.reset()
         ok = self._planner().reset()
         for m in [*self._mirrors.values(), *self._retired]:
             m.release()
@@ -366,7 +387,9 @@ class SchedulerSide:
         return self._events.translate(events)
 
     def has_pending_stores(self) -> bool:
-        return self.planner is not None and self.planner.has_pending_stores()
+        return self.planner is not None and (
+            self.planner.has_pending_stores()
+            or (self.store is not None and self.store.has_pending()))
 
     def get_stats(self) -> KVTritonStats | None:
         """The counters since the last call (non-zero ones) and the gauges now."""
@@ -385,6 +408,10 @@ class SchedulerSide:
         now["key_ids_recycled"] = self.keys.recycled
         now.update(self.signals.counters)
         now["protect_overflow"] = self.signals.protect_overflow
+        if self.store is not None:
+            now.update(self.store.stats)
+            now.update({f"store_faults_{k}": v
+                        for k, v in self.store.client.faults.counts.items()})
         return now
 
     def gauges(self) -> dict[str, int]:

@@ -20,6 +20,8 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+from kvtriton.second_tier.faults import FAULT_KINDS
+
 __all__ = ["GAUGES", "STATS", "KVTritonStats", "Stat", "counter_deltas"]
 
 
@@ -145,6 +147,37 @@ STATS: dict[str, Stat] = {
         "seconds", "copy time of this rank's completed stores (device time on a GPU; measured)"),
     "worker_load_s": _counter(
         "seconds", "copy time of this rank's completed loads (device time on a GPU; measured)"),
+    # ---- the second tier (scheduler role; second_tier set) ----
+    "store_queries": _counter("queries", "batched existence queries (one per request whose "
+                              "CPU hit ended short)"),
+    "store_query_blocks": _counter("blocks", "blocks past a CPU hit asked of the store"),
+    "store_found_blocks": _counter("blocks", "blocks the store held for a run and a fetch "
+                                   "read (every rank's object present)"),
+    "store_fetches": _counter("fetch events", "fetches from the store issued to the workers"),
+    "store_blocks_fetched": _counter(
+        "CPU blocks", "blocks every worker read and verified, cached in the CPU tier"),
+    "store_blocks_failed": _counter(
+        "CPU blocks", "blocks a worker failed to read or verify (recomputed, never cached)"),
+    **{f"store_faults_{kind}": _counter("faults", f"scheduler: {what}")
+       for kind, what in FAULT_KINDS.items()},
+    # ---- the second tier (worker role) ----
+    "worker_store_puts": _counter("puts", "batched write-through puts this rank sent"),
+    "worker_store_put_blocks": _counter("blocks", "blocks this rank put in the store"),
+    "worker_store_put_bytes": _counter("bytes", "payload bytes this rank put"),
+    "worker_store_put_s": _counter(
+        "seconds", "time in write-through puts, existence check included (background thread; "
+        "measured)"),
+    "worker_store_put_skipped": _counter(
+        "blocks", "blocks not put: the store held them already (another replica's, say)"),
+    "worker_store_fetches": _counter("fetch events", "fetches this rank ran"),
+    "worker_store_fetch_blocks": _counter("blocks", "blocks this rank read and verified"),
+    "worker_store_fetch_failed": _counter(
+        "blocks", "blocks this rank failed to read or verify"),
+    "worker_store_fetch_bytes": _counter("bytes", "payload bytes this rank fetched"),
+    "worker_store_fetch_s": _counter(
+        "seconds", "time in fetches, verification included (background thread; measured)"),
+    **{f"worker_store_faults_{kind}": _counter("faults", f"this rank: {what}")
+       for kind, what in FAULT_KINDS.items()},
 }
 
 GAUGES = tuple(name for name, stat in STATS.items() if stat.kind == "gauge")

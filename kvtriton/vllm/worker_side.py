@@ -107,6 +107,9 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._num_groups = 0
         self._stats_before: dict[str, int | float] = {}
+        self.store_io = None  # the second tier's traffic (kvtriton.second_tier.worker_io)
+        self._puts: dict[int, tuple[list[int], list[int], list[bytes]]] = {}  # store event ->
+        self._fetch_reports: dict[int, list[int]] = {}  # fetch event -> failed indices
         self.stats = {"stores_issued": 0, "loads_issued": 0, "blocks_stored": 0,
                       "blocks_loaded": 0, "failed_stores": 0, "failed_loads": 0}
 
@@ -129,6 +132,11 @@ class WorkerSide:
         self.engine = TransferEngine(layout, by_group, num_cpu_blocks, backend=backend,
                                      attn_layout=attn_layout)
         self._num_groups = layout.num_groups
+        if self.config.second_tier is not None:
+            from kvtriton.vllm.store_tier import worker_io
+
+            self.store_io = worker_io(self.config.second_tier, self._vllm_config, layout,
+                                      self.engine.cpu_pool)
         logger.info("KVTritonConnector worker: %d CPU blocks (%.2f GiB %s host memory), "
                     "%d groups, %s KV tensors on %s, backend %s", num_cpu_blocks - 1,
                     num_cpu_blocks * layout.cpu_block_bytes / 2**30,
@@ -159,6 +167,9 @@ class WorkerSide:
 
     def start_load_kv(self) -> None:
         meta = self._meta
+        if meta is not None and meta.fetches and self.store_io is not None:
+            for event, cpu, groups, hashes in meta.fetches:
+                self.store_io.fetch(event, cpu, groups, hashes)
         if meta is None or meta.load.event < 0 or not len(meta.load):
             return
         t = meta.load
@@ -174,6 +185,11 @@ class WorkerSide:
         if meta is None or meta.store.event < 0 or not len(meta.store):
             return
         t = meta.store
+        if self.store_io is not None:
+            # A put queued earlier may still read a CPU block this store overwrites.
+            self.store_io.wait_unread(t.cpu_blocks)
+            if meta.store_hashes:
+                self._puts[t.event] = (t.cpu_blocks, t.groups, meta.store_hashes)
         self._engine().store(t.event, t.gpu_blocks, t.cpu_blocks, t.groups)
         self.stats["stores_issued"] += 1
         self.stats["blocks_stored"] += len(t)
@@ -188,9 +204,14 @@ class WorkerSide:
         bad_stores, bad_loads = self.engine.poll_failures()
         for ev in stores:
             self._done_stores[ev] = 1
+            if (put := self._puts.pop(ev, None)) is not None:
+                self.store_io.put(*put)  # write-through, off this step's path
         for ev in bad_stores:
             self._failed_stores[ev] = 1
+            self._puts.pop(ev, None)
             self.stats["failed_stores"] += 1
+        if self.store_io is not None:
+            self._fetch_reports.update(self.store_io.take_results())
         for rid in bad_loads:
             self._load_errors.update(self._load_blocks.get(rid, ()))
             self.stats["failed_loads"] += 1
@@ -202,10 +223,12 @@ class WorkerSide:
         return done, failed
 
     def build_connector_worker_meta(self) -> KVTritonWorkerMetadata | None:
-        if not self._done_stores and not self._failed_stores:
+        if not self._done_stores and not self._failed_stores and not self._fetch_reports:
             return None
-        meta = KVTritonWorkerMetadata(self._done_stores, self._failed_stores)
-        self._done_stores, self._failed_stores = {}, {}
+        meta = KVTritonWorkerMetadata(self._done_stores, self._failed_stores,
+                                      dict.fromkeys(self._fetch_reports, 1),
+                                      {ev: bad for ev, bad in self._fetch_reports.items() if bad})
+        self._done_stores, self._failed_stores, self._fetch_reports = {}, {}, {}
         return meta
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -221,7 +244,7 @@ class WorkerSide:
         failures, and per direction the bytes moved and the seconds spent copying."""
         from kvtriton.vllm.stats import counter_deltas
 
-        now = {f"worker_{k}": v for k, v in self.stats.items()}
+        now = {f"worker_{k}": v for k, v in self.counters().items()}
         if self.engine is not None:
             for kind, (_, nbytes, seconds) in self.engine.totals.items():
                 now[f"worker_{kind}_bytes"] = int(nbytes)
@@ -229,6 +252,15 @@ class WorkerSide:
         data = counter_deltas(now, self._stats_before)
         self._stats_before = now
         return data
+
+    def counters(self) -> dict[str, int | float]:
+        """This rank's counters so far (``STATS`` names without ``worker_``), the second
+        tier's with them when it is on."""
+        now = dict(self.stats)
+        if self.store_io is not None:
+            now.update(self.store_io.stats)
+            now.update({f"store_faults_{k}": v for k, v in self.store_io.faults.counts.items()})
+        return now
 
     def transfer_totals(self) -> dict[str, dict[str, float]]:
         """Per direction: completed transfers, bytes moved, seconds copying and GB/s."""
@@ -241,6 +273,9 @@ class WorkerSide:
         return out
 
     def shutdown(self) -> None:
+        if self.store_io is not None:
+            self.store_io.close()  # the puts queued so far go out first
+            self.store_io = None
         if self.engine is not None:
             self.engine.close()
             self.engine = None

@@ -10,7 +10,6 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 
 def _free_port() -> int:
@@ -27,14 +26,15 @@ def _listening(port: int) -> bool:
         return False
 
 
-@dataclass(frozen=True)
 class Master:
-    """Where a running master listens: ``master_server_address`` and ``metadata_server`` in
-    Mooncake's own names."""
+    """A ``mooncake_master`` on two loopback ports: where it listens, in Mooncake's own names
+    (``master_server_address``, ``metadata_server``), and ``kill``/``start`` to take it down
+    and bring it back on the same ports (what a restarted master looks like to its clients)."""
 
-    port: int
-    metadata_port: int
-    process: subprocess.Popen
+    def __init__(self, timeout_s: float = 20.0) -> None:
+        self.port, self.metadata_port = _free_port(), _free_port()
+        self.timeout_s = timeout_s
+        self.process: subprocess.Popen | None = None
 
     @property
     def master_server_address(self) -> str:
@@ -44,34 +44,51 @@ class Master:
     def metadata_server(self) -> str:
         return f"http://127.0.0.1:{self.metadata_port}/metadata"
 
+    def start(self) -> None:
+        """Start it and return once both ports accept connections."""
+        exe = os.path.join(os.path.dirname(sys.executable), "mooncake_master")
+        self.process = subprocess.Popen(
+            [exe, f"--port={self.port}", "--enable_http_metadata_server=true",
+             "--http_metadata_server_host=127.0.0.1",
+             f"--http_metadata_server_port={self.metadata_port}"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + self.timeout_s
+        while not (_listening(self.port) and _listening(self.metadata_port)):
+            if self.process.poll() is not None:
+                raise RuntimeError(f"mooncake_master exited with {self.process.returncode} "
+                                   "at start")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"mooncake_master did not listen on {self.port}/"
+                                   f"{self.metadata_port} in {self.timeout_s:g} s")
+            time.sleep(0.05)
+
+    def kill(self) -> None:
+        """Stop it at once (SIGKILL), as a crash would."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
 
 @contextmanager
 def mooncake_master(timeout_s: float = 20.0) -> Iterator[Master]:
     """Start ``mooncake_master`` (the venv's, beside this interpreter) on two free loopback
-    ports; yield it once both accept connections; terminate it on exit."""
-    exe = os.path.join(os.path.dirname(sys.executable), "mooncake_master")
-    port, meta = _free_port(), _free_port()
-    proc = subprocess.Popen([exe, f"--port={port}", "--enable_http_metadata_server=true",
-                             "--http_metadata_server_host=127.0.0.1",
-                             f"--http_metadata_server_port={meta}"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ports; yield it once both accept connections; stop it on exit."""
+    master = Master(timeout_s)
     try:
-        deadline = time.monotonic() + timeout_s
-        while not (_listening(port) and _listening(meta)):
-            if proc.poll() is not None:
-                raise RuntimeError(f"mooncake_master exited with {proc.returncode} at start")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"mooncake_master did not listen on {port}/{meta} in "
-                                   f"{timeout_s:g} s")
-            time.sleep(0.05)
-        yield Master(port, meta, proc)
+        master.start()
+        yield master
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        master.stop()
 
 
 def join(master: Master, segment_bytes: int, buffer_bytes: int):

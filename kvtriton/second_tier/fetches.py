@@ -1,0 +1,248 @@
+"""The scheduler's part of the second tier: where a request's CPU hit ends, ask the store for
+the rest of its prefix once, fetch what it holds into the CPU tier, and let the request wait
+for it.
+
+``extend`` runs after the planner's CPU lookup. The first time a request's hit is cut short it
+asks the store, in one batched existence query over every rank's object names, which blocks past
+the hit it holds; the longest run of scheduler blocks the CPU tier or the store holds is then
+completed from the store: fresh CPU blocks are allocated for the missing ones (the blocks of the
+run already in the CPU tier are pinned meanwhile) and a *fetch* goes to every worker. The request
+waits (vLLM's "not yet known" answer) until all workers reported the fetch, at most
+``fetch_timeout_s``; the blocks every worker read and verified are then cached in the CPU tier
+under their keys, and the request's next lookup hits them there, loading through the CPU tier's
+own load path. A block any worker failed to read is freed uncached: its tokens are recomputed.
+A request asks the store once in its life: its next lookups find what the fetch brought.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvtriton.pool import BlockPool
+from kvtriton.records import Request
+from kvtriton.second_tier.client import StoreClient
+from kvtriton.second_tier.naming import object_names
+from kvtriton.specs import KVLayout
+
+__all__ = ["Fetch", "StoreFetches", "fetch_run", "fetch_run_loop"]
+
+
+@dataclass(slots=True)
+class Fetch:
+    """Blocks read from the store into fresh CPU blocks ``cpu`` (group ``groups[i]``, key id
+    ``keys[i]``, vLLM hash ``hashes[i]``); ``held``: CPU blocks of the run already cached,
+    pinned until the fetch completes."""
+
+    rid: str
+    cpu: list[int]
+    groups: list[int]
+    keys: list[int]
+    hashes: list[bytes]
+    held: list[int]
+    deadline: float
+    event: int = -1
+    reports: int = 0
+    bad: set[int] = field(default_factory=set)
+    abandoned: bool = False
+
+
+def fetch_run(in_cpu: np.ndarray, in_store: np.ndarray) -> tuple[int, np.ndarray]:
+    """The run a fetch completes: ``in_cpu[j, i]`` says whether block ``i`` of scheduler block
+    ``j`` past the CPU hit is in the CPU tier, ``in_store[n]`` whether the store holds the
+    ``n``-th block not in it (row-major order). Returns the run's length in scheduler blocks
+    (each wholly in one tier or the other) and the flat indices of the blocks to fetch."""
+    avail = in_cpu.ravel().copy()
+    need = np.flatnonzero(~avail)
+    avail[need] = in_store
+    rows = avail.reshape(in_cpu.shape).all(axis=1)
+    run = len(rows) if rows.all() else int(np.argmin(rows))
+    return run, need[need < run * in_cpu.shape[1]]
+
+
+def fetch_run_loop(in_cpu: np.ndarray, in_store: np.ndarray) -> tuple[int, np.ndarray]:
+    """``fetch_run`` block by block: the reference its tests compare against."""
+    n_sched, k = in_cpu.shape
+    store = iter(in_store.tolist())
+    found = [[True if in_cpu[j, i] else next(store) for i in range(k)] for j in range(n_sched)]
+    run, take = 0, []
+    for j in range(n_sched):
+        if not all(found[j]):
+            break
+        run += 1
+        take += [j * k + i for i in range(k) if not in_cpu[j, i]]
+    return run, np.asarray(take, dtype=np.int64)
+
+
+def check_layout(layout: KVLayout) -> None:
+    """``ValueError`` for a layout the second tier does not serve (a sliding-window or Mamba
+    group: a hit there needs other blocks than its prefix's)."""
+    other = [(g, s.kind) for g, s in enumerate(layout.groups) if s.kind != "full"]
+    if other:
+        g, kind = other[0]
+        raise ValueError(f"KVTritonConnector: kv_connector_extra_config['second_tier'] serves "
+                         f"full-attention groups only; group {g} is {kind!r}. Run this model "
+                         "with the CPU tier alone (drop 'second_tier')")
+
+
+class StoreFetches:
+    """Existence queries and fetches of one scheduler; ``fingerprints``: every rank's
+    (``naming.rank_fingerprints``)."""
+
+    def __init__(self, layout: KVLayout, cpu_pool: BlockPool, hash_of, client: StoreClient,
+                 fingerprints: Sequence[str], timeout_s: float) -> None:
+        check_layout(layout)
+        self._layout = layout
+        self._pool = cpu_pool
+        self._hash_of = hash_of
+        self.client = client
+        self._fps = list(fingerprints)
+        self._timeout_s = timeout_s
+        self._asked: set[str] = set()
+        self._waiting: dict[str, Fetch] = {}
+        self._queued: list[Fetch] = []
+        self._events: dict[int, Fetch] = {}
+        self._next_event = 0
+        self.stats = {"store_queries": 0, "store_query_blocks": 0, "store_found_blocks": 0,
+                      "store_fetches": 0, "store_blocks_fetched": 0,
+                      "store_blocks_failed": 0}
+
+    # ---- lookup ------------------------------------------------------------------------------
+
+    def extend(self, req: Request, num_computed_tokens: int, cpu_hit_tokens: int) -> bool:
+        """After the CPU lookup of ``req`` (``cpu_hit_tokens`` past ``num_computed_tokens``):
+        True if the request must wait for a fetch (one just queued or in flight)."""
+        rid = req.request_id
+        f = self._waiting.get(rid)
+        if f is not None:
+            if time.monotonic() < f.deadline:
+                return True
+            del self._waiting[rid]  # it runs without; the fetch still lands in the tier
+            self.client.faults.fault("timeout", detail=f"request {rid!r}")
+            return False
+        if rid in self._asked:
+            return False
+        self._asked.add(rid)
+        f = self._plan(req, num_computed_tokens + cpu_hit_tokens)
+        if f is None:
+            return False
+        self._queued.append(f)
+        self._waiting[rid] = f
+        return True
+
+    def _plan(self, req: Request, start: int) -> Fetch | None:
+        layout, pool = self._layout, self._pool
+        sbs, hbs = layout.scheduler_block_size, layout.hash_block_size
+        n_keys = min(req.keys.shape[1], req.num_tokens // hbs)
+        end = min(n_keys * hbs, req.num_tokens - 1) // sbs * sbs
+        if start % sbs or end <= start:
+            return None
+        first, n_sched = start // sbs, (end - start) // sbs
+        # Per scheduler block j of the run and group g: the primary key of each group block.
+        per_group = []
+        for g, spec in enumerate(layout.groups):
+            r, k = spec.block_size // hbs, sbs // spec.block_size
+            idx = np.arange(first * k, (first + n_sched) * k)
+            per_group.append(req.keys[g, (idx + 1) * r - 1].reshape(n_sched, k))
+        keys = np.concatenate(per_group, axis=1)  # [n_sched, blocks per scheduler block]
+        groups = np.concatenate([np.full(p.shape[1], g) for g, p in enumerate(per_group)])
+        flat = keys.ravel().tolist()
+        in_cpu = np.fromiter((k in pool for k in flat), dtype=bool, count=len(flat))
+        need = np.flatnonzero(~in_cpu)
+        hashes = [self._hash_of(flat[i]) for i in need.tolist()]
+        names = [n for fp in self._fps for n in object_names(fp, hashes)]
+        self.stats["store_queries"] += 1
+        self.stats["store_query_blocks"] += len(need)
+        present = self.client.exists(names)
+        if present is None:
+            return None
+        run, take = fetch_run(in_cpu.reshape(keys.shape),
+                              present.reshape(len(self._fps), len(need)).all(axis=0))
+        held = [pool.get_cached_block(flat[i]) for i in
+                np.flatnonzero(in_cpu[:run * keys.shape[1]]).tolist()]
+        held = list(dict.fromkeys(b for b in held if b is not None))
+        if held:
+            pool.touch(held)
+        take = take[:pool.num_free_blocks]
+        if not len(take):
+            if held:
+                pool.free_blocks(held)
+            return None
+        self.stats["store_found_blocks"] += len(take)
+        pos = {i: j for j, i in enumerate(need.tolist())}
+        cpu = pool.get_new_blocks(len(take))
+        return Fetch(req.request_id, cpu, groups[take % keys.shape[1]].tolist(),
+                     [flat[i] for i in take.tolist()], [hashes[pos[i]] for i in take.tolist()],
+                     held, time.monotonic() + self._timeout_s)
+
+    # ---- per step and reports ----------------------------------------------------------------
+
+    def issue(self) -> list[Fetch]:
+        """The fetches queued since the last step, each under a new event."""
+        out, self._queued = self._queued, []
+        for f in out:
+            f.event = self._next_event
+            self._next_event += 1
+            self._events[f.event] = f
+            self.stats["store_fetches"] += 1
+        return out
+
+    def apply(self, reports: dict[int, int], bad: dict[int, list[int]], world_size: int) -> None:
+        """Workers' fetch reports (event -> how many reported; event -> failed indices): a fetch
+        reported by all ``world_size`` completes."""
+        for ev, n in reports.items():
+            f = self._events.get(ev)
+            if f is None:
+                continue
+            f.reports += n
+            f.bad.update(bad.get(ev, ()))
+            if f.reports >= world_size:
+                del self._events[ev]
+                self._complete(f)
+
+    def _complete(self, f: Fetch) -> None:
+        pool = self._pool
+        if not f.abandoned:
+            good = [i for i in range(len(f.cpu)) if i not in f.bad and f.keys[i] not in pool]
+            if good:
+                pool.cache_blocks([f.cpu[i] for i in good], [[f.keys[i]] for i in good],
+                                  [f.groups[i] for i in good])
+            self.stats["store_blocks_fetched"] += len(good)
+            self.stats["store_blocks_failed"] += len(f.bad)
+        pool.free_blocks(f.cpu[::-1])  # tail first: a chain's head outlives its tail
+        if f.held:
+            pool.free_blocks(f.held)
+        if self._waiting.get(f.rid) is f:
+            del self._waiting[f.rid]
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    def forget(self, rid: str) -> None:
+        """``rid`` finished: it may ask again if it comes back; a fetch in flight completes."""
+        self._asked.discard(rid)
+        f = self._waiting.pop(rid, None)
+        if f is not None and f.event < 0:
+            self._queued.remove(f)
+            f.abandoned = True
+            self._complete(f)
+
+    def reset(self) -> None:
+        """Release queued fetches; those in flight are freed uncached when reported."""
+        for f in self._queued:
+            f.abandoned = True
+            self._complete(f)
+        self._queued.clear()
+        for f in self._events.values():
+            f.abandoned = True
+        self._waiting.clear()
+        self._asked.clear()
+
+    def has_pending(self) -> bool:
+        return bool(self._queued or self._events)
+
+    def referenced_keys(self) -> list[int]:
+        """Key ids of fetches queued or in flight (the keys they will be cached under)."""
+        return [k for f in (*self._queued, *self._events.values()) for k in f.keys]

@@ -1,0 +1,49 @@
+"""One stored block: a 64-byte header, then the block's bytes as the CPU tier holds them.
+
+The header carries a magic, the format version, the payload's length, its CRC32 and the first
+32 bytes of SHA-256 of the object's name. A read is served only when all of them agree with what
+the reader asked for and got: a wrong name (an object written under another key), a short or
+long read, and flipped bytes each fail ``check``, and the block is recomputed instead.
+Header and payload travel as one object, gathered from and scattered into separate buffers
+(Mooncake's multi-buffer put and get), so the payload moves straight between the CPU tier's pool
+and the store with no staging copy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import zlib
+
+import numpy as np
+
+__all__ = ["HEADER_BYTES", "check", "name_digest", "write_header"]
+
+HEADER_BYTES = 64
+_MAGIC = b"KVT\x01"
+_VERSION = 1
+# magic, version, reserved, payload bytes, CRC32, reserved, name digest; padded to 64.
+_LAYOUT = struct.Struct("<4sHHQII32s")
+
+
+def name_digest(name: str) -> bytes:
+    return hashlib.sha256(name.encode()).digest()
+
+
+def write_header(out: np.ndarray, name: str, payload: np.ndarray) -> None:
+    """Fill ``out`` (``HEADER_BYTES`` uint8) with the header of ``payload`` stored as ``name``."""
+    out[:] = 0
+    _LAYOUT.pack_into(out, 0, _MAGIC, _VERSION, 0, payload.nbytes, zlib.crc32(payload), 0,
+                      name_digest(name))
+
+
+def check(header: np.ndarray, name: str, payload: np.ndarray, nread: int) -> str | None:
+    """Why the object read as ``name`` (``nread`` bytes, header and payload) must not be used,
+    or None if it may: ``"short_read"`` (not exactly header plus payload) or ``"corrupt"`` (a
+    header other than the one ``payload`` stored as ``name`` has, to the last reserved byte:
+    not ours, another name's, another length, or a payload whose CRC32 differs)."""
+    if nread != HEADER_BYTES + payload.nbytes:
+        return "short_read"
+    expected = np.empty(HEADER_BYTES, dtype=np.uint8)
+    write_header(expected, name, payload)
+    return None if np.array_equal(header, expected) else "corrupt"
