@@ -38,7 +38,7 @@ class FaultLog:
             self._warned.add(kind)
             logger.warning("KVTritonConnector %s: second tier fault %r (%s)%s; those blocks "
                            "are recomputed, the engine goes on (warned once per kind, counted "
-                           "in store_faults_%s)", self.where, kind, FAULT_KINDS[kind],
+                           "in second_tier_faults_%s)", self.where, kind, FAULT_KINDS[kind],
                            f": {detail}" if detail else "", kind)
 
     def ok(self) -> None:

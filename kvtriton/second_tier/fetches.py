@@ -106,9 +106,10 @@ class StoreFetches:
         self._queued: list[Fetch] = []
         self._events: dict[int, Fetch] = {}
         self._next_event = 0
-        self.stats = {"store_queries": 0, "store_query_blocks": 0, "store_found_blocks": 0,
-                      "store_fetches": 0, "store_blocks_fetched": 0,
-                      "store_blocks_failed": 0}
+        self.stats = dict.fromkeys(
+            ("second_tier_queries", "second_tier_query_blocks", "second_tier_found_blocks",
+             "second_tier_fetches", "second_tier_blocks_fetched", "second_tier_blocks_failed"),
+            0)
 
     # ---- lookup ------------------------------------------------------------------------------
 
@@ -154,8 +155,8 @@ class StoreFetches:
         need = np.flatnonzero(~in_cpu)
         hashes = [self._hash_of(flat[i]) for i in need.tolist()]
         names = [n for fp in self._fps for n in object_names(fp, hashes)]
-        self.stats["store_queries"] += 1
-        self.stats["store_query_blocks"] += len(need)
+        self.stats["second_tier_queries"] += 1
+        self.stats["second_tier_query_blocks"] += len(need)
         present = self.client.exists(names)
         if present is None:
             return None
@@ -171,7 +172,7 @@ class StoreFetches:
             if held:
                 pool.free_blocks(held)
             return None
-        self.stats["store_found_blocks"] += len(take)
+        self.stats["second_tier_found_blocks"] += len(take)
         pos = {i: j for j, i in enumerate(need.tolist())}
         cpu = pool.get_new_blocks(len(take))
         return Fetch(req.request_id, cpu, groups[take % keys.shape[1]].tolist(),
@@ -187,7 +188,7 @@ class StoreFetches:
             f.event = self._next_event
             self._next_event += 1
             self._events[f.event] = f
-            self.stats["store_fetches"] += 1
+            self.stats["second_tier_fetches"] += 1
         return out
 
     def apply(self, reports: dict[int, int], bad: dict[int, list[int]], world_size: int) -> None:
@@ -210,8 +211,8 @@ class StoreFetches:
             if good:
                 pool.cache_blocks([f.cpu[i] for i in good], [[f.keys[i]] for i in good],
                                   [f.groups[i] for i in good])
-            self.stats["store_blocks_fetched"] += len(good)
-            self.stats["store_blocks_failed"] += len(f.bad)
+            self.stats["second_tier_blocks_fetched"] += len(good)
+            self.stats["second_tier_blocks_failed"] += len(f.bad)
         pool.free_blocks(f.cpu[::-1])  # tail first: a chain's head outlives its tail
         if f.held:
             pool.free_blocks(f.held)

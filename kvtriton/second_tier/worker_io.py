@@ -62,10 +62,11 @@ class StoreIO:
         self._cond = threading.Condition()
         self._reading: Counter[int] = Counter()
         self._results: dict[int, list[int]] = {}
-        self.stats = {"store_puts": 0, "store_put_blocks": 0, "store_put_bytes": 0,
-                      "store_put_s": 0.0, "store_put_skipped": 0, "store_fetches": 0,
-                      "store_fetch_blocks": 0, "store_fetch_bytes": 0, "store_fetch_s": 0.0,
-                      "store_fetch_failed": 0}
+        self.stats: dict[str, int | float] = {
+            f"second_tier_{k}": 0 for k in ("puts", "put_blocks", "put_bytes", "put_skipped",
+                                            "fetches", "fetch_blocks", "fetch_bytes",
+                                            "fetch_failed")}
+        self.stats.update(second_tier_put_s=0.0, second_tier_fetch_s=0.0)
         self._thread = None
         if background:
             self._thread = threading.Thread(target=self._run, name="kvtriton-store-io",
@@ -163,7 +164,7 @@ class StoreIO:
         if present is None:  # the store is down: nothing to put into (counted)
             return
         todo = np.flatnonzero(~present)
-        self.stats["store_put_skipped"] += len(names) - len(todo)
+        self.stats["second_tier_put_skipped"] += len(names) - len(todo)
         if not len(todo):
             return
         cpu, groups = job.cpu[todo], job.groups[todo]
@@ -172,10 +173,10 @@ class StoreIO:
             write_header(self._headers[b], name, self._pool[b, :self._group_bytes[g]])
         ptrs, sizes = self._buffers(cpu, groups)
         ok = self.client.put(names, ptrs, sizes)
-        self.stats["store_puts"] += 1
-        self.stats["store_put_blocks"] += int(ok.sum())
-        self.stats["store_put_bytes"] += int(self._group_bytes[groups][ok].sum())
-        self.stats["store_put_s"] += time.perf_counter() - t0
+        self.stats["second_tier_puts"] += 1
+        self.stats["second_tier_put_blocks"] += int(ok.sum())
+        self.stats["second_tier_put_bytes"] += int(self._group_bytes[groups][ok].sum())
+        self.stats["second_tier_put_s"] += time.perf_counter() - t0
 
     def _fetch(self, job: _Job) -> None:
         t0 = time.perf_counter()
@@ -193,12 +194,12 @@ class StoreIO:
             if why is not None:
                 self.faults.fault(why, detail=f"object {name}")
                 bad.append(i)
-        self.stats["store_fetches"] += 1
+        self.stats["second_tier_fetches"] += 1
         good = len(job.cpu) - len(bad)
-        self.stats["store_fetch_blocks"] += good
-        self.stats["store_fetch_failed"] += len(bad)
-        self.stats["store_fetch_bytes"] += int(np.delete(self._group_bytes[job.groups],
+        self.stats["second_tier_fetch_blocks"] += good
+        self.stats["second_tier_fetch_failed"] += len(bad)
+        self.stats["second_tier_fetch_bytes"] += int(np.delete(self._group_bytes[job.groups],
                                                          bad).sum())
-        self.stats["store_fetch_s"] += time.perf_counter() - t0
+        self.stats["second_tier_fetch_s"] += time.perf_counter() - t0
         with self._cond:
             self._results[job.event] = bad

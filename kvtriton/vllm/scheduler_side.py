@@ -410,7 +410,7 @@ class SchedulerSide:
         now["protect_overflow"] = self.signals.protect_overflow
         if self.store is not None:
             now.update(self.store.stats)
-            now.update({f"store_faults_{k}": v
+            now.update({f"second_tier_faults_{k}": v
                         for k, v in self.store.client.faults.counts.items()})
         return now
 

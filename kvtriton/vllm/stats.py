@@ -148,17 +148,17 @@ STATS: dict[str, Stat] = {
     "worker_load_s": _counter(
         "seconds", "copy time of this rank's completed loads (device time on a GPU; measured)"),
     # ---- the second tier (scheduler role; second_tier set) ----
-    "store_queries": _counter("queries", "batched existence queries (one per request whose "
+    "second_tier_queries": _counter("queries", "batched existence queries (one per request whose "
                               "CPU hit ended short)"),
-    "store_query_blocks": _counter("blocks", "blocks past a CPU hit asked of the store"),
-    "store_found_blocks": _counter("blocks", "blocks the store held for a run and a fetch "
+    "second_tier_query_blocks": _counter("blocks", "blocks past a CPU hit asked of the store"),
+    "second_tier_found_blocks": _counter("blocks", "blocks the store held for a run and a fetch "
                                    "read (every rank's object present)"),
-    "store_fetches": _counter("fetch events", "fetches from the store issued to the workers"),
-    "store_blocks_fetched": _counter(
+    "second_tier_fetches": _counter("fetch events", "fetches from the store issued to the workers"),
+    "second_tier_blocks_fetched": _counter(
         "CPU blocks", "blocks every worker read and verified, cached in the CPU tier"),
-    "store_blocks_failed": _counter(
+    "second_tier_blocks_failed": _counter(
         "CPU blocks", "blocks a worker failed to read or verify (recomputed, never cached)"),
-    **{f"store_faults_{kind}": _counter("faults", f"scheduler: {what}")
+    **{f"second_tier_faults_{kind}": _counter("faults", f"scheduler: {what}")
        for kind, what in FAULT_KINDS.items()},
     # ---- the second tier (worker role) ----
     "worker_store_puts": _counter("puts", "batched write-through puts this rank sent"),
@@ -176,7 +176,7 @@ STATS: dict[str, Stat] = {
     "worker_store_fetch_bytes": _counter("bytes", "payload bytes this rank fetched"),
     "worker_store_fetch_s": _counter(
         "seconds", "time in fetches, verification included (background thread; measured)"),
-    **{f"worker_store_faults_{kind}": _counter("faults", f"this rank: {what}")
+    **{f"worker_second_tier_faults_{kind}": _counter("faults", f"this rank: {what}")
        for kind, what in FAULT_KINDS.items()},
 }
 

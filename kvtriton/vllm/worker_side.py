@@ -259,7 +259,8 @@ class WorkerSide:
         now = dict(self.stats)
         if self.store_io is not None:
             now.update(self.store_io.stats)
-            now.update({f"store_faults_{k}": v for k, v in self.store_io.faults.counts.items()})
+            now.update({f"second_tier_faults_{k}": v
+                        for k, v in self.store_io.faults.counts.items()})
         return now
 
     def transfer_totals(self) -> dict[str, dict[str, float]]:

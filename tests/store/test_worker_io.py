@@ -50,7 +50,7 @@ def test_blocks_come_back_bit_exact_into_another_replicas_pool(master):
     try:
         cpu, groups, hashes = [3, 5, 7, 9], [0, 1, 0, 1], _hashes(4)
         a.put(cpu, groups, hashes)
-        assert a.drain() and a.stats["store_put_blocks"] == 4
+        assert a.drain() and a.stats["second_tier_put_blocks"] == 4
         before = b._pool.copy()
         b.fetch(0, [1, 2, 4, 6], groups, hashes)
         assert b.drain() and b.take_results() == {0: []}
@@ -64,7 +64,8 @@ def test_blocks_come_back_bit_exact_into_another_replicas_pool(master):
         assert not np.array_equal(b._pool, expect)
         # Stored already (by a): not sent again.
         b.put([1, 2], [0, 1], hashes[:2])
-        assert b.drain() and b.stats["store_put_skipped"] == 2 and b.stats["store_puts"] == 0
+        assert b.drain() and b.stats["second_tier_put_skipped"] == 2
+        assert b.stats["second_tier_puts"] == 0
     finally:
         a.close()
         b.close()
@@ -88,7 +89,7 @@ def test_a_corrupted_object_under_a_real_name_is_caught(master):
             raw.close()
         b.fetch(7, [5, 6], [0, 0], _hashes(2, salt=9))
         assert b.drain() and b.take_results() == {7: [1]}
-        assert b.faults.counts["corrupt"] == 1 and b.stats["store_fetch_blocks"] == 1
+        assert b.faults.counts["corrupt"] == 1 and b.stats["second_tier_fetch_blocks"] == 1
         assert np.array_equal(b._pool[5], a._pool[1])  # the good one came through
     finally:
         a.close()
@@ -104,15 +105,15 @@ def test_missing_objects_and_a_dead_master_are_faults_then_the_store_is_back(mas
         a.put([2, 3], [0, 0], _hashes(2, salt=8))  # no exception: counted
         a.fetch(2, [4], [0], _hashes(1, salt=8))
         assert a.take_results() == {2: [0]}
-        assert a.faults.counts["unreachable"] >= 2 and a.stats["store_put_blocks"] == 0
+        assert a.faults.counts["unreachable"] >= 2 and a.stats["second_tier_put_blocks"] == 0
         master.start()  # same ports: the clients find it again by themselves, and the store
         # host mounts its memory again after its pings fail (a few seconds): until then a put
         # has nowhere to go, and fails as a counted fault.
         deadline = time.monotonic() + 60
-        while a.stats["store_put_blocks"] < 2 and time.monotonic() < deadline:
+        while a.stats["second_tier_put_blocks"] < 2 and time.monotonic() < deadline:
             a.put([2, 3], [0, 0], _hashes(2, salt=8))
             time.sleep(0.5)
-        assert a.stats["store_put_blocks"] == 2
+        assert a.stats["second_tier_put_blocks"] == 2
         a.fetch(3, [4, 5], [0, 0], _hashes(2, salt=8))
         assert a.take_results() == {3: []}
         assert np.array_equal(a._pool[4:6], a._pool[2:4])
@@ -126,7 +127,7 @@ def test_a_store_copy_waits_for_the_puts_that_read_its_blocks(master):
         a.put(list(range(1, 16)), [0] * 15, _hashes(15, salt=1))
         a.wait_unread([3])
         assert not a._reading.get(3)  # its put ran: the block may be overwritten now
-        assert a.drain() and a.stats["store_put_blocks"] == 15
+        assert a.drain() and a.stats["second_tier_put_blocks"] == 15
     finally:
         a.close()
 

@@ -76,7 +76,7 @@ def test_every_stat_the_scheduler_role_reports_is_documented_and_nothing_more(mo
     _, side, _ = build(model_dir, extra_config={"setup": "eager+hints"})
     reported = set(side.counters()) | set(side.gauges())
     # The second tier's stats come with it (tests/store/test_engine_second_tier.py).
-    documented = {name for name in STATS if not name.startswith(("worker_", "store_"))}
+    documented = {name for name in STATS if not name.startswith(("worker_", "second_tier_"))}
     assert reported == documented
     assert set(side.gauges()) == set(GAUGES)
     for name, stat in STATS.items():
