@@ -46,12 +46,15 @@ def test_readme_connector_settings_match_the_code():
     code = {f.name: json.dumps(f.default) for f in fields(ConnectorConfig)}
     assert rows == code
     text = README.read_text()
-    serve = re.search(r"--kv-transfer-config \\\n\s+'(\{.*\})'", text)
-    assert serve, "README.md has no vllm serve line"
-    cfg = json.loads(serve.group(1))
-    assert cfg["kv_connector"] == "KVTritonConnector"
-    assert cfg["kv_connector_module_path"] == "kvtriton.vllm"
-    parse_extra_config(cfg["kv_connector_extra_config"])
+    serves = re.findall(r"--kv-transfer-config \\\n\s+'(\{.*\})'", text)
+    assert serves, "README.md has no vllm serve line"
+    for serve in serves:
+        cfg = json.loads(serve)
+        assert cfg["kv_connector"] == "KVTritonConnector"
+        assert cfg["kv_connector_module_path"] == "kvtriton.vllm"
+        parse_extra_config(cfg["kv_connector_extra_config"])
+    # The second tier's line names a store.
+    assert any("second_tier" in json.loads(s)["kv_connector_extra_config"] for s in serves)
 
 
 def test_the_integrity_example_passes():

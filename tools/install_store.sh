@@ -34,8 +34,8 @@ if (( ${#missing[@]} )); then
   fi
 fi
 
-if ! "$py" -c 'import mooncake.store' >/dev/null 2>&1; then
-  "$py" -m pip install -q --disable-pip-version-check "$spec"
+if ! "$py" -c 'import mooncake.store, xxhash' >/dev/null 2>&1; then
+  "$py" -m pip install -q --disable-pip-version-check "$spec" "xxhash>=3"
 fi
 "$py" -c 'import mooncake.store' || {
   echo "install_store: $spec is installed but mooncake.store does not import (above: why)" >&2

@@ -8,7 +8,7 @@ by the CPU tier's load path. Modules:
 - ``config``: the ``"second_tier"`` object of ``kv_connector_extra_config`` (Mooncake's names);
 - ``naming``: content-addressed object names (a block's chained hash and a fingerprint of all
   that makes its bytes differ);
-- ``objects``: an object's 64-byte header (its name's digest, length, CRC32) and its check;
+- ``objects``: an object's 64-byte header (its name's digest, length, checksum) and its check;
 - ``client``: Mooncake's client, with every failure mapped to a ``Fault`` kind;
 - ``faults``: counting faults, warning once per kind and saying when the store is back;
 - ``fetches``: the scheduler's part (existence queries, fetches into the CPU tier);

@@ -14,7 +14,7 @@ FAULT_KINDS: dict[str, str] = {
     "unreachable": "the master or the transfer engine did not answer (down, restarting)",
     "missing": "a block named by the existence query was gone at its read (evicted, lease)",
     "short_read": "a read returned another length than the block's",
-    "corrupt": "a block's header or CRC32 did not match what was asked for",
+    "corrupt": "a block's header or checksum did not match what was asked for",
     "timeout": "a fetch took longer than fetch_timeout_s; the request ran without it",
     "error": "any other error code from Mooncake's client",
 }

@@ -1,9 +1,12 @@
 """One stored block: a 64-byte header, then the block's bytes as the CPU tier holds them.
 
-The header carries a magic, the format version, the payload's length, its CRC32 and the first
-32 bytes of SHA-256 of the object's name. A read is served only when all of them agree with what
-the reader asked for and got: a wrong name (an object written under another key), a short or
-long read, and flipped bytes each fail ``check``, and the block is recomputed instead.
+The header carries a magic, the format version, the payload's length, its XXH3-64 checksum and
+SHA-256 of the object's name. XXH3 rather than CRC32: on this project's 2-core machine zlib's
+CRC32 ran at 1 to 3.6 GB/s, a sixth to a half of the time of the loopback transfer it guards,
+and XXH3 an order of magnitude faster; a corrupted payload passes it with a chance of about
+2^-64. A read is served only when all of them agree with what the reader asked for and got:
+a wrong name (an object written under another key), a short or long read, and flipped bytes
+each fail ``check``, and the block is recomputed instead.
 Header and payload travel as one object, gathered from and scattered into separate buffers
 (Mooncake's multi-buffer put and get), so the payload moves straight between the CPU tier's pool
 and the store with no staging copy.
@@ -13,17 +16,17 @@ from __future__ import annotations
 
 import hashlib
 import struct
-import zlib
 
 import numpy as np
+import xxhash
 
 __all__ = ["HEADER_BYTES", "check", "name_digest", "write_header"]
 
 HEADER_BYTES = 64
 _MAGIC = b"KVT\x01"
 _VERSION = 1
-# magic, version, reserved, payload bytes, CRC32, reserved, name digest; padded to 64.
-_LAYOUT = struct.Struct("<4sHHQII32s")
+# magic, version, reserved, payload bytes, XXH3-64, name digest; padded to 64.
+_LAYOUT = struct.Struct("<4sHHQQ32s")
 
 
 def name_digest(name: str) -> bytes:
@@ -33,15 +36,15 @@ def name_digest(name: str) -> bytes:
 def write_header(out: np.ndarray, name: str, payload: np.ndarray) -> None:
     """Fill ``out`` (``HEADER_BYTES`` uint8) with the header of ``payload`` stored as ``name``."""
     out[:] = 0
-    _LAYOUT.pack_into(out, 0, _MAGIC, _VERSION, 0, payload.nbytes, zlib.crc32(payload), 0,
-                      name_digest(name))
+    _LAYOUT.pack_into(out, 0, _MAGIC, _VERSION, 0, payload.nbytes,
+                      xxhash.xxh3_64_intdigest(payload), name_digest(name))
 
 
 def check(header: np.ndarray, name: str, payload: np.ndarray, nread: int) -> str | None:
     """Why the object read as ``name`` (``nread`` bytes, header and payload) must not be used,
     or None if it may: ``"short_read"`` (not exactly header plus payload) or ``"corrupt"`` (a
     header other than the one ``payload`` stored as ``name`` has, to the last reserved byte:
-    not ours, another name's, another length, or a payload whose CRC32 differs)."""
+    not ours, another name's, another length, or a payload whose checksum differs)."""
     if nread != HEADER_BYTES + payload.nbytes:
         return "short_read"
     expected = np.empty(HEADER_BYTES, dtype=np.uint8)

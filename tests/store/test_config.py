@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from helpers.mooncake_master import _free_port
 from kvtriton.second_tier.config import check_master_reachable, parse_second_tier
+from kvtriton.second_tier.local_master import free_port
 from kvtriton.vllm.config import parse_extra_config
 
 GOOD = {"kind": "mooncake", "master_server_address": "127.0.0.1:50051",
@@ -59,7 +59,7 @@ def test_not_an_object_and_rdma_without_a_device():
 
 
 def test_an_unreachable_master_is_named_at_start():
-    port = _free_port()  # nothing listens there
+    port = free_port()  # nothing listens there
     c = parse_second_tier({**GOOD, "master_server_address": f"127.0.0.1:{port}"})
     with pytest.raises(ValueError, match=f"'master_server_address'\\] = '127.0.0.1:{port}'"):
         check_master_reachable(c, timeout_s=1.0)

@@ -22,7 +22,7 @@ pytest.importorskip("mooncake.store")
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 from bench.vllm.engine_run import EngineRun, run_turns, tiny_llama
-from helpers.mooncake_master import join, mooncake_master
+from kvtriton.second_tier.local_master import join, mooncake_master
 from kvtriton.vllm.stats import STATS
 
 BS = 32

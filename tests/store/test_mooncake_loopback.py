@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from helpers.mooncake_master import join, mooncake_master
+from kvtriton.second_tier.local_master import join, mooncake_master
 
 BLOCK = 2 << 20  # Llama-3-8B's KV block of 16 tokens, bytes
 

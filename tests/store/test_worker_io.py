@@ -11,10 +11,10 @@ import time
 import numpy as np
 import pytest
 
-from helpers.mooncake_master import join, mooncake_master
 from kvtriton.second_tier.client import StoreClient
 from kvtriton.second_tier.config import parse_second_tier
 from kvtriton.second_tier.faults import FaultLog
+from kvtriton.second_tier.local_master import join, mooncake_master
 from kvtriton.second_tier.naming import object_names
 from kvtriton.second_tier.objects import HEADER_BYTES
 from kvtriton.second_tier.worker_io import StoreIO

@@ -1,5 +1,6 @@
-"""A real ``mooncake_master`` on loopback for tests: started on free ports with its built-in HTTP
-metadata server (no etcd), waited for, and stopped; and a client joined to it over TCP."""
+"""A ``mooncake_master`` on this machine's loopback, for tests, benchmarks and experiments:
+started on free ports with its built-in HTTP metadata server (no etcd), waited for, stopped;
+and a client joined to it over TCP (a store host, when it contributes memory)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -32,7 +33,9 @@ class Master:
     and bring it back on the same ports (what a restarted master looks like to its clients)."""
 
     def __init__(self, timeout_s: float = 20.0) -> None:
-        self.port, self.metadata_port = _free_port(), _free_port()
+        # The metrics port too: its default (9003) is one per machine, and a second master
+        # there (a test beside a benchmark, two test workers) exits at start.
+        self.port, self.metadata_port, self.metrics_port = free_port(), free_port(), free_port()
         self.timeout_s = timeout_s
         self.process: subprocess.Popen | None = None
 
@@ -50,7 +53,8 @@ class Master:
         self.process = subprocess.Popen(
             [exe, f"--port={self.port}", "--enable_http_metadata_server=true",
              "--http_metadata_server_host=127.0.0.1",
-             f"--http_metadata_server_port={self.metadata_port}"],
+             f"--http_metadata_server_port={self.metadata_port}",
+             f"--metrics_port={self.metrics_port}"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + self.timeout_s
         while not (_listening(self.port) and _listening(self.metadata_port)):
