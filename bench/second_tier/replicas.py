@@ -3,12 +3,16 @@
 The workload is the cc_agentic sample as ``bench.vllm.engine`` replays it (its sessions' turns,
 64-token blocks, prompt tokens drawn from the trace's block hashes). A *router* sends each
 session's first half of turns to replica A and the rest to replica B, so B's prompts extend
-prefixes only A computed. Three ways to serve B's half:
+prefixes only A computed. Four ways to serve B's half:
 
-- ``one_replica``: one engine serves A's half, then B's half (every prefix its own);
+- ``one_replica``: one engine with the store serves A's half, then B's half (every prefix its
+  own): the reference of the target, the same tiers without a second replica;
 - ``shared_store``: A's engine, then a fresh engine as B, both with the second tier on one
   master (B's own caches start empty; the store holds what A wrote through);
-- ``no_store``: A's engine, then a fresh B with the CPU tier alone (the fleet without a store).
+- ``one_replica_cpu`` and ``no_store``: the same two without a store (the CPU tier alone),
+  what a fleet has without one.
+
+The store is emptied before each way, so each starts from nothing.
 
 Each half is served turn by turn (turn t of every session in one batch, one output token: the
 batch's wall time is its time to first tokens). The hit rate of B's half is vLLM's own count of
@@ -21,6 +25,8 @@ from __future__ import annotations
 
 import time
 from typing import Any
+
+import numpy as np
 
 from bench.vllm.engine_replay import StepRecorder
 from bench.vllm.engine_run import _drain, _llm_kwargs, shutdown_engine
@@ -119,35 +125,41 @@ class Replica:
 
 
 def step_cost(model: str, dtype: str, max_len: int, per_block: int, master,
-              batches: list[list[str]], tokens: dict[str, list[int]]) -> dict:
+              batches: list[list[str]], tokens: dict[str, list[int]], repeats: int = 3) -> dict:
     """vLLM's scheduler seconds per step with the second tier on and off, on the same work: the
     whole workload on one replica whose CPU tier holds all of it, the store emptied first (so
     the tier finds nothing to fetch: it adds its existence queries, its hash lists and its
-    bookkeeping, and on this CPU platform the worker's puts, timed apart)."""
-    _empty(master)
+    bookkeeping; on this CPU platform the worker's puts run in the model's step, timed apart).
+    Off and on alternate ``repeats`` times; the ratio is of the medians (a step is about 2 ms
+    here, and one run's ratio moved by 10 to 30% with the machine's noise)."""
     cpu = {"cpu_bytes_per_rank": 8 * QUICK.gpu_blocks * per_block + per_block}
-    rows = {}
-    for name, cfg in (("off", cpu), ("on", {**cpu, "second_tier": _second_tier(master)})):
-        r = Replica(model, cfg, dtype, max_len)
-        served = r.serve(batches, tokens)
-        rows[name] = {"steps": r.timer.steps, "scheduler_s": r.timer.seconds["scheduler"],
-                      "connector_s": r.timer.seconds["connector"],
-                      "hit_tokens": served["hit_tokens"], "seconds": served["seconds"]}
-        if name == "on":
-            from vllm.distributed.kv_transfer import get_kv_transfer_group
+    runs: dict[str, list[dict]] = {"off": [], "on": []}
+    for _ in range(repeats):
+        for name, cfg in (("off", cpu), ("on", {**cpu, "second_tier": _second_tier(master)})):
+            _empty(master)
+            r = Replica(model, cfg, dtype, max_len)
+            served = r.serve(batches, tokens)
+            row = {"steps": r.timer.steps, "scheduler_s": r.timer.seconds["scheduler"],
+                   "connector_s": r.timer.seconds["connector"],
+                   "hit_tokens": served["hit_tokens"]}
+            if name == "on":
+                from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-            w = get_kv_transfer_group().worker_side.counters()
-            rows[name]["worker_put_s"] = w["second_tier_put_s"]
-            rows[name]["fetched"] = r.side.counters()["second_tier_blocks_fetched"]
-        r.close()
-    for row in rows.values():
-        row["scheduler_s_per_step"] = row["scheduler_s"] / row["steps"]
-        row["connector_s_per_step"] = row["connector_s"] / row["steps"]
+                w = get_kv_transfer_group().worker_side.counters()
+                row["worker_put_s"] = w["second_tier_put_s"]
+                row["fetched"] = r.side.counters()["second_tier_blocks_fetched"]
+            r.close()
+            row["scheduler_s_per_step"] = row["scheduler_s"] / row["steps"]
+            row["connector_s_per_step"] = row["connector_s"] / row["steps"]
+            runs[name].append(row)
     _empty(master)  # what the runs wrote through must not serve the replicas below
-    rows["ratio"] = rows["on"]["scheduler_s_per_step"] / rows["off"]["scheduler_s_per_step"]
-    rows["connector_ratio"] = (rows["on"]["connector_s_per_step"]
-                               / rows["off"]["connector_s_per_step"])
-    return rows
+    med = {k: {m: float(np.median([r[m] for r in v]))
+               for m in ("scheduler_s_per_step", "connector_s_per_step")}
+           for k, v in runs.items()}
+    return {"runs": runs, "median": med,
+            "ratio": med["on"]["scheduler_s_per_step"] / med["off"]["scheduler_s_per_step"],
+            "connector_ratio": (med["on"]["connector_s_per_step"]
+                                / med["off"]["connector_s_per_step"])}
 
 
 def _empty(master) -> None:
@@ -181,9 +193,11 @@ def run(model: str, vocab: int, per_block: int, dtype: str, master) -> dict:
                            "b_batches": len(b_half)}
     out["step_cost"] = step_cost(model, dtype, max_len, per_block, master, a_half + b_half,
                                  tokens)
-    for name, a_cfg, b_cfg, same in (("one_replica", cpu, None, True),
+    for name, a_cfg, b_cfg, same in (("one_replica", store, None, True),
                                      ("shared_store", store, store, False),
+                                     ("one_replica_cpu", cpu, None, True),
                                      ("no_store", cpu, cpu, False)):
+        _empty(master)
         a = Replica(model, a_cfg, dtype, max_len)
         a_res = a.serve(a_half, tokens)
         if same:

@@ -32,11 +32,22 @@ class StepRecorder:
         # vLLM advanced num_computed_tokens when it scheduled them.
         self.chunks += [(n, reqs[rid].num_computed_tokens - n, reqs[rid].num_prompt_tokens)
                         for rid, n in out.num_scheduled_tokens.items()]
-        for rid, req in reqs.items():
-            if rid not in self.hits and req.prefill_stats is not None:
+        # A request's stats are set when vLLM admits it (its load, if any, then pending) and
+        # hold zeros before: one the connector asked vLLM to skip (a lookup not known yet) is
+        # read once it was admitted, not while it waits.
+        for rid in (*out.num_scheduled_tokens, *self._loading()):
+            req = reqs.get(rid)
+            if rid not in self.hits and req is not None and req.prefill_stats is not None:
                 st = req.prefill_stats
                 self.hits[rid] = (st.num_local_cached_tokens, st.num_external_cached_tokens)
         return out
+
+    def _loading(self) -> list[str]:
+        """Requests admitted with an asynchronous load (vLLM's WAITING_FOR_REMOTE_KVS)."""
+        from vllm.v1.request import RequestStatus
+
+        return [rid for rid, r in self.sched.requests.items()
+                if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS]
 
     def take(self) -> list[tuple[int, int, int]]:
         chunks, self.chunks = self.chunks, []

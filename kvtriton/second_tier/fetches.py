@@ -28,7 +28,11 @@ from kvtriton.second_tier.client import StoreClient
 from kvtriton.second_tier.naming import object_names
 from kvtriton.specs import KVLayout
 
-__all__ = ["Fetch", "StoreFetches", "fetch_run", "fetch_run_loop"]
+__all__ = ["MAX_ROUNDS", "Fetch", "StoreFetches", "fetch_run", "fetch_run_loop"]
+
+#: Fetches one request may take: rounds of a run longer than the CPU tier's free blocks, and runs
+#: asked again from earlier after its GPU prefix was evicted while it waited.
+MAX_ROUNDS = 4
 
 
 @dataclass(slots=True)
@@ -101,7 +105,14 @@ class StoreFetches:
         self.client = client
         self._fps = list(fingerprints)
         self._timeout_s = timeout_s
-        self._asked: set[str] = set()
+        # Requests done asking (until they finish) -> the token their last run started at.
+        self._asked: dict[str, int] = {}
+        self._rounds: dict[str, int] = {}
+        self._room_until: dict[str, float] = {}  # rid -> until when it waits for free blocks
+        # Blocks a fetch cached for a request still waiting, pinned until its next lookup has
+        # pinned its hit: another request's fetch, allocated first in that step, would evict
+        # them otherwise.
+        self._landed: dict[str, list[int]] = {}
         self._waiting: dict[str, Fetch] = {}
         self._queued: list[Fetch] = []
         self._events: dict[int, Fetch] = {}
@@ -117,6 +128,8 @@ class StoreFetches:
         """After the CPU lookup of ``req`` (``cpu_hit_tokens`` past ``num_computed_tokens``):
         True if the request must wait for a fetch (one just queued or in flight)."""
         rid = req.request_id
+        if (landed := self._landed.pop(rid, None)) is not None:
+            self._pool.free_blocks(landed)  # the lookup just now pinned what it hits
         f = self._waiting.get(rid)
         if f is not None:
             if time.monotonic() < f.deadline:
@@ -124,23 +137,40 @@ class StoreFetches:
             del self._waiting[rid]  # it runs without; the fetch still lands in the tier
             self.client.faults.fault("timeout", detail=f"request {rid!r}")
             return False
-        if rid in self._asked:
+        start = num_computed_tokens + cpu_hit_tokens
+        if start >= self._asked.get(rid, start + 1) or self._rounds.get(rid, 0) >= MAX_ROUNDS:
             return False
-        self._asked.add(rid)
-        f = self._plan(req, num_computed_tokens + cpu_hit_tokens)
+        # Asked before, from further on: its GPU prefix left the GPU while it waited (vLLM may
+        # evict a waiting request's cached blocks), so the run now starts earlier.
+        self._rounds[rid] = self._rounds.get(rid, 0) + 1
+        f, whole = self._plan(req, start)
+        if f is None and not whole:
+            # The store holds more, but other requests' hits and fetches pin every CPU block:
+            # their loads release them within a few steps. Wait for room, at most
+            # fetch_timeout_s from the first wait.
+            self._rounds[rid] -= 1
+            until = self._room_until.setdefault(rid, time.monotonic() + self._timeout_s)
+            if time.monotonic() < until:
+                return True
+        self._room_until.pop(rid, None)
+        if f is None or whole:
+            self._asked[rid] = start
         if f is None:
             return False
         self._queued.append(f)
         self._waiting[rid] = f
         return True
 
-    def _plan(self, req: Request, start: int) -> Fetch | None:
+    def _plan(self, req: Request, start: int) -> tuple[Fetch | None, bool]:
+        """The fetch completing ``req``'s run from token ``start`` (None: nothing to fetch) and
+        whether it is the whole run: a run longer than the CPU tier's free blocks is fetched in
+        rounds, the next asked for once this one landed and was looked up."""
         layout, pool = self._layout, self._pool
         sbs, hbs = layout.scheduler_block_size, layout.hash_block_size
         n_keys = min(req.keys.shape[1], req.num_tokens // hbs)
         end = min(n_keys * hbs, req.num_tokens - 1) // sbs * sbs
         if start % sbs or end <= start:
-            return None
+            return None, True
         first, n_sched = start // sbs, (end - start) // sbs
         # Per scheduler block j of the run and group g: the primary key of each group block.
         per_group = []
@@ -159,7 +189,7 @@ class StoreFetches:
         self.stats["second_tier_query_blocks"] += len(need)
         present = self.client.exists(names)
         if present is None:
-            return None
+            return None, True
         run, take = fetch_run(in_cpu.reshape(keys.shape),
                               present.reshape(len(self._fps), len(need)).all(axis=0))
         held = [pool.get_cached_block(flat[i]) for i in
@@ -167,17 +197,18 @@ class StoreFetches:
         held = list(dict.fromkeys(b for b in held if b is not None))
         if held:
             pool.touch(held)
+        whole = len(take) <= pool.num_free_blocks
         take = take[:pool.num_free_blocks]
         if not len(take):
             if held:
                 pool.free_blocks(held)
-            return None
+            return None, whole
         self.stats["second_tier_found_blocks"] += len(take)
         pos = {i: j for j, i in enumerate(need.tolist())}
         cpu = pool.get_new_blocks(len(take))
         return Fetch(req.request_id, cpu, groups[take % keys.shape[1]].tolist(),
                      [flat[i] for i in take.tolist()], [hashes[pos[i]] for i in take.tolist()],
-                     held, time.monotonic() + self._timeout_s)
+                     held, time.monotonic() + self._timeout_s), whole
 
     # ---- per step and reports ----------------------------------------------------------------
 
@@ -206,6 +237,7 @@ class StoreFetches:
 
     def _complete(self, f: Fetch) -> None:
         pool = self._pool
+        good: list[int] = []
         if not f.abandoned:
             good = [i for i in range(len(f.cpu)) if i not in f.bad and f.keys[i] not in pool]
             if good:
@@ -213,17 +245,28 @@ class StoreFetches:
                                   [f.groups[i] for i in good])
             self.stats["second_tier_blocks_fetched"] += len(good)
             self.stats["second_tier_blocks_failed"] += len(f.bad)
-        pool.free_blocks(f.cpu[::-1])  # tail first: a chain's head outlives its tail
-        if f.held:
-            pool.free_blocks(f.held)
-        if self._waiting.get(f.rid) is f:
+        waits = self._waiting.get(f.rid) is f
+        if waits:
             del self._waiting[f.rid]
+        kept = set(good) if waits else set()
+        rest = [b for i, b in enumerate(f.cpu) if i not in kept]
+        if rest:
+            pool.free_blocks(rest[::-1])  # tail first: a chain's head outlives its tail
+        if waits:
+            # Tail first here too, when the request's lookup lets them go.
+            self._landed[f.rid] = [f.cpu[i] for i in sorted(kept, reverse=True)] + f.held
+        elif f.held:
+            pool.free_blocks(f.held)
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
     def forget(self, rid: str) -> None:
         """``rid`` finished: it may ask again if it comes back; a fetch in flight completes."""
-        self._asked.discard(rid)
+        self._asked.pop(rid, None)
+        self._rounds.pop(rid, None)
+        self._room_until.pop(rid, None)
+        if (landed := self._landed.pop(rid, None)) is not None:
+            self._pool.free_blocks(landed)
         f = self._waiting.pop(rid, None)
         if f is not None and f.event < 0:
             self._queued.remove(f)
@@ -238,8 +281,13 @@ class StoreFetches:
         self._queued.clear()
         for f in self._events.values():
             f.abandoned = True
+        for landed in self._landed.values():
+            self._pool.free_blocks(landed)
+        self._landed.clear()
         self._waiting.clear()
         self._asked.clear()
+        self._rounds.clear()
+        self._room_until.clear()
 
     def has_pending(self) -> bool:
         return bool(self._queued or self._events)
