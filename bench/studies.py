@@ -6,9 +6,10 @@ machine without CUDA; the run's time on 2 cores is in the commit that regenerate
 or *full* (a GPU box: the whole traces, the long runs). ``run_in`` names the runs that include
 it: ``quick`` and ``full``, only ``full``, or none (a longer run made by name, ``--only``); a
 study named by ``--only`` runs at the chosen size whatever its ``run_in``. ``needs`` is what the
-machine must have beyond a CPU: ``cuda`` (a CUDA device) or ``vllm`` (vLLM importable: ``make
-test`` and ``make bench`` install it into ``.venv``); a study whose need is missing is skipped
-with one line saying so.
+machine must have beyond a CPU: ``cuda`` (a CUDA device), ``vllm`` (vLLM importable: ``make
+test`` and ``make bench`` install it into ``.venv``) or ``store`` (vLLM and Mooncake Store's
+client and master, which both also install); a study whose need is missing is skipped with one
+line saying so.
 ``writes`` are the files (JSON and figures) of the quick size, ``writes_full`` those of the full
 size where they differ. ``paper/build.py`` reads this table to tell a results file the quick run
 always writes (required) from one it may lack.
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-NEEDS = ("cpu", "cuda", "vllm")
+NEEDS = ("cpu", "cuda", "vllm", "store")
 BOTH = ("quick", "full")
 
 
@@ -93,6 +94,9 @@ STUDIES: tuple[Study, ...] = (
     Study("default_setup", "bench.tier_study.default_setup",
           "the connector's default, chosen from the setup study's results by its rule", (), (),
           "cpu", ("default_setup.json",)),
+    Study("second_tier", "bench.second_tier.study",
+          "the second tier on Mooncake Store: transfers beside memcpy, step cost, two replicas",
+          (), (), "store", ("second_tier.json",)),
     Study("soak", "bench.planner.soak", "soak: 100,000 steps, memory and pool counts", (), (),
           "cpu", ("soak.json",), run_in=("full",)),
     Study("soak_fresh", "bench.planner.soak", "soak with fresh content: distinct blocks unbounded",

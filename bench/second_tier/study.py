@@ -52,10 +52,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from types import SimpleNamespace
-
     from bench.second_tier import replicas, throughput
-    from bench.vllm.engine import _model_dir
+    from bench.vllm.engine_workloads import bench_model
     from kvtriton.second_tier.local_master import join, mooncake_master
 
     with mooncake_master() as master:
@@ -66,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("second_tier: the tier's transfers beside the raw client", file=sys.stderr)
             tier = throughput.tier_rows(master, 32, 2 << 20, args.repeats)
             print("second_tier: two replicas and a shared store in vLLM", file=sys.stderr)
-            model, vocab, per_block, dtype = _model_dir(SimpleNamespace(model=None))
+            model, vocab, per_block, dtype = bench_model()
             reps = replicas.run(model, vocab, per_block, dtype, master)
         finally:
             host.close()

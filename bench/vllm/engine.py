@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -66,6 +65,7 @@ from bench.vllm.engine_workloads import (
     THINK_CAP_S,
     WORKLOADS,
     Size,
+    bench_model,
     engine_workload,
     prompt_tokens,
 )
@@ -83,14 +83,7 @@ def _model_dir(args: Any) -> tuple[str, int, int, str]:
         head = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         per_block = 2 * cfg.num_hidden_layers * kv_heads * head * 2 * BLOCK_TOKENS  # bf16
         return args.model, cfg.vocab_size, per_block, "bfloat16"
-    from bench.vllm.engine_run import tiny_llama
-
-    m = MODEL
-    name = "kvtriton-bench-llama-" + "-".join(f"{k}{v}" for k, v in m.items())
-    path = tiny_llama(Path(tempfile.gettempdir()) / name, max_model_len=8192, **m)
-    head = m["hidden_size"] // m["num_heads"]
-    per_block = 2 * m["num_layers"] * m["num_kv_heads"] * head * 4 * BLOCK_TOKENS  # fp32
-    return str(path), m["vocab_size"], per_block, "float32"
+    return bench_model()
 
 
 def _default_setup() -> str:

@@ -104,3 +104,19 @@ def prompt_tokens(wl, vocab: int) -> dict[str, list[int]]:
             ids += np.random.default_rng(seed).integers(1, vocab, tail).tolist()
         out[r.request_id] = ids
     return out
+
+
+def bench_model() -> tuple[str, int, int, str]:
+    """The random model of the CPU runs (``MODEL``), written once into the temp folder: its
+    folder, vocabulary, KV bytes per block (fp32) and dtype."""
+    import tempfile
+    from pathlib import Path
+
+    from bench.vllm.engine_run import tiny_llama
+
+    m = MODEL
+    name = "kvtriton-bench-llama-" + "-".join(f"{k}{v}" for k, v in m.items())
+    path = tiny_llama(Path(tempfile.gettempdir()) / name, max_model_len=8192, **m)
+    head = m["hidden_size"] // m["num_heads"]
+    per_block = 2 * m["num_layers"] * m["num_kv_heads"] * head * 4 * BLOCK_TOKENS  # fp32
+    return str(path), m["vocab_size"], per_block, "float32"
