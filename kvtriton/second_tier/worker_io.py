@@ -16,7 +16,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,10 +24,7 @@ from kvtriton.second_tier.client import StoreClient
 from kvtriton.second_tier.naming import object_names
 from kvtriton.second_tier.objects import HEADER_BYTES, check, write_header
 
-__all__ = ["PIPELINE_BYTES", "StoreIO"]
-
-#: Bytes per slice of a put or fetch (the checksums of one slice overlap the next's transfer).
-PIPELINE_BYTES = 8 << 20
+__all__ = ["StoreIO"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,8 +67,6 @@ class StoreIO:
                                             "fetches", "fetch_blocks", "fetch_bytes",
                                             "fetch_failed")}
         self.stats.update(second_tier_put_s=0.0, second_tier_fetch_s=0.0)
-        # The transfers' own thread: a job checksums one slice while the previous one moves.
-        self._mover = ThreadPoolExecutor(1, thread_name_prefix="kvtriton-store-move")
         self._thread = None
         if background:
             self._thread = threading.Thread(target=self._run, name="kvtriton-store-io",
@@ -129,7 +123,6 @@ class StoreIO:
         if self._thread is not None:
             self._jobs.put(None)
             self._thread.join(timeout=30)
-        self._mover.shutdown()
         self.client.close()
 
     # ---- the thread --------------------------------------------------------------------------
@@ -164,12 +157,6 @@ class StoreIO:
         ptrs = [[hbase + b * HEADER_BYTES, base + b * self._row] for b in cpu.tolist()]
         return ptrs, [[HEADER_BYTES, s] for s in sizes]
 
-    def _chunks(self, groups: np.ndarray) -> list[slice]:
-        """Slices of a job of ``groups`` blocks, about ``PIPELINE_BYTES`` each: while one
-        slice moves, the next is checksummed (Mooncake's calls release the GIL)."""
-        n, k = len(groups), max(1, PIPELINE_BYTES // int(self._group_bytes.max()))
-        return [slice(i, min(i + k, n)) for i in range(0, n, k)]
-
     def _put(self, job: _Job) -> None:
         t0 = time.perf_counter()
         names = object_names(self.fp, job.hashes)
@@ -182,22 +169,10 @@ class StoreIO:
             return
         cpu, groups = job.cpu[todo], job.groups[todo]
         names = [names[i] for i in todo.tolist()]
+        for b, g, name in zip(cpu.tolist(), groups.tolist(), names, strict=True):
+            write_header(self._headers[b], name, self._pool[b, :self._group_bytes[g]])
         ptrs, sizes = self._buffers(cpu, groups)
-
-        def headers(part: slice) -> None:
-            for b, g, name in zip(cpu[part].tolist(), groups[part].tolist(), names[part],
-                                  strict=True):
-                write_header(self._headers[b], name, self._pool[b, :self._group_bytes[g]])
-
-        parts = self._chunks(groups)
-        headers(parts[0])
-        ok = []
-        for i, part in enumerate(parts):
-            moving = self._mover.submit(self.client.put, names[part], ptrs[part], sizes[part])
-            if i + 1 < len(parts):
-                headers(parts[i + 1])
-            ok.append(moving.result())
-        ok = np.concatenate(ok)
+        ok = self.client.put(names, ptrs, sizes)
         self.stats["second_tier_puts"] += 1
         self.stats["second_tier_put_blocks"] += int(ok.sum())
         self.stats["second_tier_put_bytes"] += int(self._group_bytes[groups][ok].sum())
@@ -207,32 +182,24 @@ class StoreIO:
         t0 = time.perf_counter()
         names = object_names(self.fp, job.hashes)
         ptrs, sizes = self._buffers(job.cpu, job.groups)
-        cpu, groups = job.cpu.tolist(), job.groups.tolist()
-        parts = self._chunks(job.groups)
+        nread = self.client.get(names, ptrs, sizes)
         bad = []
-        moving = self._mover.submit(self.client.get, names[parts[0]], ptrs[parts[0]],
-                                    sizes[parts[0]])
-        for k, part in enumerate(parts):
-            nread = moving.result()
-            if k + 1 < len(parts):
-                nxt = parts[k + 1]
-                moving = self._mover.submit(self.client.get, names[nxt], ptrs[nxt], sizes[nxt])
-            for i, n in zip(range(part.start, part.stop), nread.tolist(), strict=True):
-                if n < 0:
-                    bad.append(i)  # the client counted its fault
-                    continue
-                b, name = cpu[i], names[i]
-                why = check(self._headers[b], name, self._pool[b, :self._group_bytes[groups[i]]],
-                            n)
-                if why is not None:
-                    self.faults.fault(why, detail=f"object {name}")
-                    bad.append(i)
+        for i, (b, g, name) in enumerate(zip(job.cpu.tolist(), job.groups.tolist(), names,
+                                             strict=True)):
+            if nread[i] < 0:
+                bad.append(i)  # the client counted its fault
+                continue
+            why = check(self._headers[b], name, self._pool[b, :self._group_bytes[g]],
+                        int(nread[i]))
+            if why is not None:
+                self.faults.fault(why, detail=f"object {name}")
+                bad.append(i)
         self.stats["second_tier_fetches"] += 1
         good = len(job.cpu) - len(bad)
         self.stats["second_tier_fetch_blocks"] += good
         self.stats["second_tier_fetch_failed"] += len(bad)
         self.stats["second_tier_fetch_bytes"] += int(np.delete(self._group_bytes[job.groups],
-                                                               bad).sum())
+                                                         bad).sum())
         self.stats["second_tier_fetch_s"] += time.perf_counter() - t0
         with self._cond:
             self._results[job.event] = bad
