@@ -48,7 +48,7 @@ def findings(name: str, doc: dict) -> dict:
 def main(argv: Sequence[str] | None = None) -> int:
     p = OneLineParser(prog="python -m bench.second_tier.study", description=__doc__)
     p.add_argument("--results", type=Path, default=RESULTS_DIR)
-    p.add_argument("--repeats", type=int, default=5, help="timed repeats, the best kept")
+    p.add_argument("--repeats", type=int, default=9, help="timed repeats, the best kept")
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
