@@ -125,13 +125,13 @@ class Replica:
 
 
 def step_cost(model: str, dtype: str, max_len: int, per_block: int, master,
-              batches: list[list[str]], tokens: dict[str, list[int]], repeats: int = 3) -> dict:
+              batches: list[list[str]], tokens: dict[str, list[int]], repeats: int = 5) -> dict:
     """vLLM's scheduler seconds per step with the second tier on and off, on the same work: the
     whole workload on one replica whose CPU tier holds all of it, the store emptied first (so
     the tier finds nothing to fetch: it adds its existence queries, its hash lists and its
     bookkeeping; on this CPU platform the worker's puts run in the model's step, timed apart).
-    Off and on alternate ``repeats`` times; the ratio is of the medians (a step is about 2 ms
-    here, and one run's ratio moved by 10 to 30% with the machine's noise)."""
+    Off and on alternate ``repeats`` times; the ratio is the median of the pairs' ratios (a step
+    is about 2 ms here, and one pair's ratio moved by 10 to 60% with the machine's noise)."""
     cpu = {"cpu_bytes_per_rank": 8 * QUICK.gpu_blocks * per_block + per_block}
     runs: dict[str, list[dict]] = {"off": [], "on": []}
     for _ in range(repeats):
@@ -156,10 +156,13 @@ def step_cost(model: str, dtype: str, max_len: int, per_block: int, master,
     med = {k: {m: float(np.median([r[m] for r in v]))
                for m in ("scheduler_s_per_step", "connector_s_per_step")}
            for k, v in runs.items()}
-    return {"runs": runs, "median": med,
-            "ratio": med["on"]["scheduler_s_per_step"] / med["off"]["scheduler_s_per_step"],
-            "connector_ratio": (med["on"]["connector_s_per_step"]
-                                / med["off"]["connector_s_per_step"])}
+    def paired(metric: str) -> list[float]:
+        return [on[metric] / off[metric] for off, on in zip(runs["off"], runs["on"],
+                                                            strict=True)]
+
+    return {"runs": runs, "median": med, "pair_ratios": paired("scheduler_s_per_step"),
+            "ratio": float(np.median(paired("scheduler_s_per_step"))),
+            "connector_ratio": float(np.median(paired("connector_s_per_step")))}
 
 
 def _empty(master) -> None:
