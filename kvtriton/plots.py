@@ -236,6 +236,35 @@ def plot_kernels(doc: dict, path: str | Path) -> Path:
     return _save(fig, path, dpi=140)
 
 
+def plot_second_tier(doc: dict, path: str | Path) -> Path:
+    """Mooncake Store's GB/s by object size beside memcpy, and replica B's hit rate and batch
+    seconds by way of serving (``bench/results/second_tier.json``)."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
+    raw = doc["raw"]
+    x = [r["object_bytes"] / 1024 for r in raw]
+    for key, label in (("put_batched_gb_s", "put, batched"), ("get_batched_gb_s", "get, batched"),
+                       ("put_single_gb_s", "put, one per call"),
+                       ("get_single_gb_s", "get, one per call"), ("memcpy_gb_s", "memcpy")):
+        axes[0].plot(x, [r[key] for r in raw], marker="o", label=label,
+                     ls=":" if key == "memcpy_gb_s" else "-")
+    axes[0].set_xscale("log", base=2)
+    axes[0].set_yscale("log")
+    axes[0].set_xlabel("object size (KiB)")
+    axes[0].set_ylabel("GB/s")
+    axes[0].legend(fontsize=7)
+    rep = doc["replicas"]
+    ways = [w for w in ("one_replica", "shared_store", "one_replica_cpu", "no_store") if w in rep]
+    labels = [w.replace("_", " ") for w in ways]
+    axes[1].bar(labels, [100 * rep[w]["b"]["hit_rate"] for w in ways], color="tab:blue")
+    axes[1].set_ylabel("replica B's hit rate (%)")
+    axes[2].bar(labels, [rep[w]["b"]["seconds"] for w in ways], color="tab:orange")
+    axes[2].set_ylabel("B's batches to first token (s)")
+    for ax in axes[1:]:
+        ax.tick_params(axis="x", labelrotation=20, labelsize=7)
+    return _save(fig, path, dpi=140)
+
+
 def plot_connector_soak(doc: dict, path: str | Path) -> Path:
     """Key ids bound, planner key slots and RSS versus distinct blocks seen, recycling on and
     off (``bench/results/vllm_soak.json``)."""

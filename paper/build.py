@@ -34,6 +34,7 @@ from paper.sections.lfu_recency import lfu_recency_section
 from paper.sections.planner import planner_section
 from paper.sections.provenance import inputs_section
 from paper.sections.restore_map import restore_map_section
+from paper.sections.second_tier import second_tier_section
 from paper.sections.setups import setups_section
 from paper.sections.shares import shares_section
 from paper.sections.traces import glm5_section, replay_section
@@ -43,7 +44,7 @@ from paper.sections.vs_vllm import vs_vllm_section
 SECTIONS = (inputs_section, hole_section, planner_section, vs_vllm_section, setups_section,
             decision_map_section, shares_section, conversational_gap_section,
             lfu_recency_section, restore_map_section, replay_section, glm5_section,
-            kernel_section, hybrid_waste, default_section, engine_section)
+            kernel_section, hybrid_waste, default_section, engine_section, second_tier_section)
 
 
 def section_numbers(template: str) -> dict[str, str]:
