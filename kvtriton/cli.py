@@ -225,7 +225,7 @@ def _cmd_simulate(args) -> int:
                        token_budget=args.token_budget, max_running=args.max_running,
                        integrity=args.integrity, integrity_backend=args.integrity_backend,
                        bound=not args.no_bound, progress=not args.quiet, engine=args.engine,
-                       **kw)
+                       store_blocks=args.store_blocks, **kw)
     except (ValueError, ImportError) as e:
         if os.environ.get("KVTRITON_DEBUG"):
             raise
@@ -338,6 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"{tier.upper()} capacity in GiB of KV")
         s.add_argument(f"--{tier}-blocks", type=_positive_int, default=None,
                        help=f"{tier.upper()} capacity in blocks")
+    s.add_argument("--store-blocks", type=_positive_int, default=None,
+                   help="capacity of the shared second tier of setups with 'shared', blocks "
+                        "(its link: Mooncake Store over loopback TCP as measured here)")
     s.add_argument("--setups", type=_setups, default=list(DEFAULT_SETUPS),
                    help="comma-separated tier setups, e.g. eager+restore:0.5+tail, lazy+hints: "
                         + grammar_help().replace("%", "%%"))

@@ -30,6 +30,8 @@ lookahead   ``waiting`` (protect the keys of requests in the waiting    off
             queue, up to half the tier, until they are admitted),
             ``waiting:F`` (up to F of the tier)
 capacity    ``inf``: a CPU tier that holds every distinct block        sized
+second tier ``shared``: a store under the CPU tier, shared by every   off
+            replica (Mooncake Store in vLLM, ``second_tier``)
 ========== ========================================================= ==========
 
 ``none`` alone is the GPU prefix cache without a CPU tier. ``eager+restore+tail+arc`` is the
@@ -106,6 +108,9 @@ AXES = (
     Axis("lookahead", ("waiting", "waiting:F"), None,
          "protect waiting requests' keys in up to F of the tier (0.5) until admitted"),
     Axis("capacity", ("inf",), None, "a CPU tier that holds every distinct block (a bound)"),
+    Axis("second tier", ("shared",), None,
+         "a store under the CPU tier shared by every replica: written through, fetched from "
+         "where the CPU hit ends (vLLM: the second_tier setting, Mooncake Store)"),
 )
 
 _TOKENS = {v.split(":")[0]: axis for axis in AXES for v in axis.values}
@@ -172,6 +177,8 @@ class TierSetup:
     infinite_cpu: bool = False
     #: The composition this setup is, in canonical axis order.
     composition: str = ""
+    #: A second tier under the CPU tier, shared by every replica (``kvtriton.second_tier``).
+    second_tier: bool = False
 
     @property
     def oracle(self) -> bool:
@@ -223,7 +230,7 @@ def _window(token: str, value: str) -> float:
 
 def _canonical(store: str, restore: bool, share: float | None, free: str, eviction: str,
                admission: str, protect: float | None, infinite: bool, refresh: bool,
-               waiting: float | None) -> str:
+               waiting: float | None, shared: bool = False) -> str:
     parts = [store]
     if restore:
         parts.append("restore" if share is None else f"restore:{canonical_number(share)}")
@@ -243,12 +250,14 @@ def _canonical(store: str, restore: bool, share: float | None, free: str, evicti
                      else f"waiting:{canonical_number(waiting)}")
     if infinite:
         parts.append("inf")
+    if shared:
+        parts.append("shared")
     return "+".join(parts)
 
 
 def _describe(store: str, restore: bool, share: float | None, free: str, eviction: str,
               admission: str, protect: float | None, infinite: bool, refresh: bool,
-              waiting: float | None) -> str:
+              waiting: float | None, shared: bool = False) -> str:
     words = ["lazy (store on GPU eviction)" if store == "lazy" else "eager stores"]
     if restore:
         words.append("re-store" if share is None
@@ -272,6 +281,8 @@ def _describe(store: str, restore: bool, share: float | None, free: str, evictio
         words.append(f"waiting-queue lookahead (protect <= {waiting:.0%})")
     if infinite:
         words.append("unbounded CPU tier")
+    if shared:
+        words.append("shared second tier")
     return ", ".join(words)
 
 
@@ -328,14 +339,16 @@ def parse_setup(spec: str, name: str | None = None) -> TierSetup:
                if resolved["lookahead"] is not None else None)
     infinite = resolved["capacity"] is not None
     refresh = resolved["recency"] is not None
-    args = (store, restore, share, free, eviction, admission, protect, infinite, refresh, waiting)
+    shared = resolved["second tier"] is not None
+    args = (store, restore, share, free, eviction, admission, protect, infinite, refresh, waiting,
+            shared)
     canonical = _canonical(*args)
     planner = PlannerConfig(restore=restore, cpu_free_order=free, restore_share=share,
                             lazy=store == "lazy", admission=admission,
                             refresh_on_gpu_hit=refresh)
     return TierSetup(name or canonical, planner, eviction, _describe(*args),
                       hint_protect_share=protect, waiting_protect_share=waiting,
-                      infinite_cpu=infinite, composition=canonical)
+                      infinite_cpu=infinite, composition=canonical, second_tier=shared)
 
 
 #: The preset names of earlier versions, refused with the composition to write instead: a setup

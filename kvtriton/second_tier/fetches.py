@@ -17,15 +17,14 @@ A request asks the store once in its life: its next lookups find what the fetch 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from kvtriton.pool import BlockPool
 from kvtriton.records import Request
-from kvtriton.second_tier.client import StoreClient
-from kvtriton.second_tier.naming import object_names
+from kvtriton.second_tier.faults import FaultLog
 from kvtriton.specs import KVLayout
 
 __all__ = ["MAX_ROUNDS", "Fetch", "StoreFetches", "fetch_run", "fetch_run_loop"]
@@ -38,14 +37,13 @@ MAX_ROUNDS = 4
 @dataclass(slots=True)
 class Fetch:
     """Blocks read from the store into fresh CPU blocks ``cpu`` (group ``groups[i]``, key id
-    ``keys[i]``, vLLM hash ``hashes[i]``); ``held``: CPU blocks of the run already cached,
-    pinned until the fetch completes."""
+    ``keys[i]``); ``held``: CPU blocks of the run already cached, pinned until the fetch
+    completes."""
 
     rid: str
     cpu: list[int]
     groups: list[int]
     keys: list[int]
-    hashes: list[bytes]
     held: list[int]
     deadline: float
     event: int = -1
@@ -92,18 +90,27 @@ def check_layout(layout: KVLayout) -> None:
                          "with the CPU tier alone (drop 'second_tier')")
 
 
-class StoreFetches:
-    """Existence queries and fetches of one scheduler; ``fingerprints``: every rank's
-    (``naming.rank_fingerprints``)."""
+#: Which of a list of key ids the store holds for every rank (a bool array), or None when it
+#: could not say (a fault, counted where it happened).
+StoreQuery = Callable[[list[int]], "np.ndarray | None"]
 
-    def __init__(self, layout: KVLayout, cpu_pool: BlockPool, hash_of, client: StoreClient,
-                 fingerprints: Sequence[str], timeout_s: float) -> None:
+
+class StoreFetches:
+    """Existence queries and fetches of one scheduler, over ``query`` (the store: Mooncake's in
+    vLLM, ``kvtriton.sim.second_tier.SimStore`` in the simulator); ``clock``: seconds now (the
+    simulator's clock there)."""
+
+    def __init__(self, layout: KVLayout, cpu_pool: BlockPool, query: StoreQuery,
+                 faults: FaultLog, timeout_s: float,
+                 clock: Callable[[], float] = time.monotonic,
+                 close: Callable[[], object] | None = None) -> None:
         check_layout(layout)
         self._layout = layout
         self._pool = cpu_pool
-        self._hash_of = hash_of
-        self.client = client
-        self._fps = list(fingerprints)
+        self._query = query
+        self.faults = faults
+        self._clock = clock
+        self._close = close
         self._timeout_s = timeout_s
         # Requests done asking (until they finish) -> the token their last run started at.
         self._asked: dict[str, int] = {}
@@ -132,10 +139,10 @@ class StoreFetches:
             self._pool.free_blocks(landed)  # the lookup just now pinned what it hits
         f = self._waiting.get(rid)
         if f is not None:
-            if time.monotonic() < f.deadline:
+            if self._clock() < f.deadline:
                 return True
             del self._waiting[rid]  # it runs without; the fetch still lands in the tier
-            self.client.faults.fault("timeout", detail=f"request {rid!r}")
+            self.faults.fault("timeout", detail=f"request {rid!r}")
             return False
         start = num_computed_tokens + cpu_hit_tokens
         if start >= self._asked.get(rid, start + 1) or self._rounds.get(rid, 0) >= MAX_ROUNDS:
@@ -149,8 +156,8 @@ class StoreFetches:
             # their loads release them within a few steps. Wait for room, at most
             # fetch_timeout_s from the first wait.
             self._rounds[rid] -= 1
-            until = self._room_until.setdefault(rid, time.monotonic() + self._timeout_s)
-            if time.monotonic() < until:
+            until = self._room_until.setdefault(rid, self._clock() + self._timeout_s)
+            if self._clock() < until:
                 return True
         self._room_until.pop(rid, None)
         if f is None or whole:
@@ -183,15 +190,12 @@ class StoreFetches:
         flat = keys.ravel().tolist()
         in_cpu = np.fromiter((k in pool for k in flat), dtype=bool, count=len(flat))
         need = np.flatnonzero(~in_cpu)
-        hashes = [self._hash_of(flat[i]) for i in need.tolist()]
-        names = [n for fp in self._fps for n in object_names(fp, hashes)]
         self.stats["second_tier_queries"] += 1
         self.stats["second_tier_query_blocks"] += len(need)
-        present = self.client.exists(names)
+        present = self._query([flat[i] for i in need.tolist()])
         if present is None:
             return None, True
-        run, take = fetch_run(in_cpu.reshape(keys.shape),
-                              present.reshape(len(self._fps), len(need)).all(axis=0))
+        run, take = fetch_run(in_cpu.reshape(keys.shape), present)
         held = [pool.get_cached_block(flat[i]) for i in
                 np.flatnonzero(in_cpu[:run * keys.shape[1]]).tolist()]
         held = list(dict.fromkeys(b for b in held if b is not None))
@@ -204,11 +208,10 @@ class StoreFetches:
                 pool.free_blocks(held)
             return None, whole
         self.stats["second_tier_found_blocks"] += len(take)
-        pos = {i: j for j, i in enumerate(need.tolist())}
         cpu = pool.get_new_blocks(len(take))
         return Fetch(req.request_id, cpu, groups[take % keys.shape[1]].tolist(),
-                     [flat[i] for i in take.tolist()], [hashes[pos[i]] for i in take.tolist()],
-                     held, time.monotonic() + self._timeout_s), whole
+                     [flat[i] for i in take.tolist()], held,
+                     self._clock() + self._timeout_s), whole
 
     # ---- per step and reports ----------------------------------------------------------------
 
@@ -288,6 +291,12 @@ class StoreFetches:
         self._asked.clear()
         self._rounds.clear()
         self._room_until.clear()
+
+    def close(self) -> None:
+        """Let the store go (the scheduler's client leaves the master)."""
+        if self._close is not None:
+            self._close()
+            self._close = None
 
     def has_pending(self) -> bool:
         return bool(self._queued or self._events)

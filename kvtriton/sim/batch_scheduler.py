@@ -31,6 +31,10 @@ from kvtriton.specs import KVLayout
 __all__ = ["BatchScheduler"]
 
 
+#: ``_admit``'s answer for a request vLLM skips this step (its lookup is not known yet).
+SKIP = -1
+
+
 class BatchScheduler(KVScheduler):
     """``KVScheduler`` with waiting, running and loading queues and vLLM's step policy.
 
@@ -175,8 +179,9 @@ class BatchScheduler(KVScheduler):
         return Hit(hit.num_tokens, tuple(blocks), hit.iterations)
 
     def _admit(self, seq: SeqBlocks, budget: int, scheduled: Mapping[str, int]) -> int | None:
-        """Schedule a waiting request; the tokens scheduled (0 while its load runs), or None if
-        it does not fit. ``scheduled``: the step's tokens so far."""
+        """Schedule a waiting request; the tokens scheduled (0 while its load runs), None if it
+        does not fit, or ``SKIP`` while it waits for a fetch from the second tier.
+        ``scheduled``: the step's tokens so far."""
         req = seq.req
         hit = self.gpu_hit(req)
         local = hit.num_tokens
@@ -185,6 +190,8 @@ class BatchScheduler(KVScheduler):
         # and touches the CPU blocks it matches (their eviction order changes) even when the
         # request then waits.
         ext = self.cpu_hit(req, local)
+        if ext is None:
+            return SKIP  # vLLM skips it this step: its blocks from the store are on their way
         computed = local + ext
         if ext:
             hit = self._past_window(hit, computed)
@@ -288,15 +295,20 @@ class BatchScheduler(KVScheduler):
             self.running.append(seq)
             scheduled[rid] = n
             budget -= n
+        skipped: list[SeqBlocks] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             seq = self.waiting[0]
             n = self._admit(seq, budget, scheduled)
             if n is None:
-                return
+                break
             self.waiting.popleft()
+            if n == SKIP:
+                skipped.append(seq)  # vLLM's skip_request: back at the front, in order
+                continue
             if n:
                 scheduled[seq.req.request_id] = n
                 budget -= n
+        self.waiting.extendleft(reversed(skipped))
 
     def schedule_step(self) -> tuple[dict[str, int], PlannerMeta | None]:
         """Tokens scheduled per request id this step, and the planner's transfers for it (None

@@ -71,6 +71,7 @@ class ServingClock(ABC):
         self._completions: list[tuple[float, int, str, int, list[str]]] = []
         self._seq_no = 0
         self._d2h, self._h2d = Link(), Link()
+        self.fetches_done: list[int] = []  # second-tier fetch events completed, not yet applied
         self.now = 0.0
 
     # ---- arrivals ------------------------------------------------------------------------------
@@ -120,6 +121,8 @@ class ServingClock(ABC):
             _, _, kind, event, reqs = heapq.heappop(self._completions)
             if kind == "store":
                 stores[event] = self.world_size
+            elif kind == "fetch":
+                self.fetches_done.append(event)
             else:
                 loads += reqs
         return loads, stores

@@ -35,15 +35,18 @@ from kvtriton.eviction import EvictionQueue
 from kvtriton.planner import OffloadPlanner
 from kvtriton.pool import BlockPool
 from kvtriton.records import Request
+from kvtriton.second_tier.faults import FaultLog
+from kvtriton.second_tier.fetches import StoreFetches
 from kvtriton.setups import TierSetup
 from kvtriton.sim.batch_scheduler import BatchScheduler
-from kvtriton.sim.clock import ServingClock, gpu_blocks_for
+from kvtriton.sim.clock import Link, ServingClock, gpu_blocks_for
 from kvtriton.sim.cost import ServingCost
 from kvtriton.sim.errors import UncleanEndError
 from kvtriton.sim.hooks import IntegrityHook
 from kvtriton.sim.metrics import RunMetrics
 from kvtriton.sim.next_use import NextUse, NextUseQueue
 from kvtriton.sim.scheduler import SeqBlocks
+from kvtriton.sim.second_tier import LOOPBACK_TCP, SimStore, StoreCost
 from kvtriton.sim.workload import Workload, WorkloadRequest
 from kvtriton.specs import KVLayout
 from kvtriton.tier_signals import SignalBook, cpu_queue
@@ -83,7 +86,8 @@ class ServingLoop(ServingClock):
                  token_budget: int = 8192, max_running: int = 256,
                  integrity: IntegrityHook | None = None,
                  progress: Callable[[int, int], None] | None = None,
-                 reserve_full_isl: bool = True) -> None:
+                 reserve_full_isl: bool = True, store_blocks: int | None = None,
+                 store_cost: StoreCost = LOOPBACK_TCP, fetch_timeout_s: float = 5.0) -> None:
         super().__init__(workload, layout, cost, RunMetrics(setup=setup.name),
                          gpu_blocks=gpu_blocks, progress=progress)
         self.setup = setup
@@ -110,6 +114,24 @@ class ServingLoop(ServingClock):
         self.sched.on_first_admit = self._first_admit
         self._keys = keys
         self.step_no = 0
+        self.store: SimStore | None = None
+        if setup.second_tier:
+            self._add_second_tier(store_blocks, store_cost, fetch_timeout_s)
+
+    def _add_second_tier(self, store_blocks: int | None, cost: StoreCost,
+                         timeout_s: float) -> None:
+        """The shared store under the CPU tier (``kvtriton.sim.second_tier``): written through
+        as the CPU tier caches, fetched from by the connector's own ``StoreFetches``."""
+        if self.cpu is None or store_blocks is None:
+            raise ValueError(f"setup {self.setup.name!r} has a shared second tier: give its "
+                             "capacity (store_blocks)")
+        self.store = SimStore(store_blocks)
+        self.store_cost = cost
+        self._store_link = Link()
+        self.cpu.add_batch_listener(on_insert_many=lambda keys, _: self.store.write(keys))
+        self.sched.second_tier = StoreFetches(self.layout, self.cpu, self.store.query,
+                                              FaultLog("simulator"), timeout_s,
+                                              clock=lambda: self.now)
 
     def _cpu_queue(self, setup: TierSetup, keys: list[np.ndarray]) -> EvictionQueue:
         """The CPU pool's eviction as the setup builds it (``kvtriton.tier_signals``), with the
@@ -188,6 +210,8 @@ class ServingLoop(ServingClock):
         if meta is not None:
             self.metrics.build_meta_ms.append(sched.last_build_meta_s * 1e3)
             self._submit_transfers(meta)
+        if sched.second_tier is not None:
+            self._submit_fetches()
         if scheduled:
             self.now += self._step_seconds(self._chunks(scheduled))
             for seq in sched.advance(scheduled, self._sampled):
@@ -206,10 +230,24 @@ class ServingLoop(ServingClock):
         if self.planner is not None:
             loads, stores = self._due_reports()
             sched.deliver(loads, stores, self.step_no)
+            if self.fetches_done:
+                world = self.world_size
+                sched.second_tier.apply(dict.fromkeys(self.fetches_done, world), {}, world)
+                self.fetches_done.clear()
         self.step_no += 1
         # A finish flush is issued by the next build_meta, even when nothing else is in flight.
         return bool(self._pending() or sched.busy
-                    or (self.planner is not None and self.planner.has_pending_work()))
+                    or (self.planner is not None and self.planner.has_pending_work())
+                    or (sched.second_tier is not None and sched.second_tier.has_pending()))
+
+    def _submit_fetches(self) -> None:
+        """The step's fetches from the store: each completes after its modeled time on the store
+        link, behind the fetches before it."""
+        per = self.layout.group_block_bytes
+        for f in self.sched.second_tier.issue():
+            nbytes = sum(per[g] for g in f.groups)
+            done = self._store_link.submit(self.now, nbytes, self.store_cost.fetch_s(nbytes))
+            self._push_completion(done, "fetch", f.event, [])
 
     def _check_clean_end(self) -> None:
         """``UncleanEndError`` unless every request left, the planner has nothing pending and

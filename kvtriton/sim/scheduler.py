@@ -76,6 +76,7 @@ class KVScheduler:
         self.layout = layout
         self.gpu = gpu
         self.planner = planner
+        self.second_tier = None  # kvtriton.second_tier.fetches.StoreFetches, when on
         self.null_out_of_window = null_out_of_window
         self.integrity = integrity
         self.planner_s = 0.0
@@ -101,14 +102,17 @@ class KVScheduler:
         keys = req.keys[:, :min(req.keys.shape[1], req.num_tokens // hbs)].tolist()
         return find_longest_hit(self.layout, self.gpu, keys, req.num_tokens - 1)
 
-    def cpu_hit(self, req: Request, local: int) -> int:
-        """Tokens past the ``local`` GPU-hit tokens the CPU tier offers (0 without a planner)."""
+    def cpu_hit(self, req: Request, local: int) -> int | None:
+        """Tokens past the ``local`` GPU-hit tokens the CPU tier offers (0 without a planner);
+        None while the request waits for a fetch from the second tier (``second_tier``:
+        ``kvtriton.second_tier.fetches.StoreFetches``, as the connector runs it)."""
         if self.planner is None:
             return 0
         t0 = time.perf_counter()
         ext, _ = self.planner.get_num_new_matched_tokens(req, local)
+        wait = self.second_tier is not None and self.second_tier.extend(req, local, ext)
         self.planner_s += time.perf_counter() - t0
-        return ext
+        return None if wait else ext
 
     # ---- allocation ---------------------------------------------------------------------------
 
@@ -286,6 +290,8 @@ class KVScheduler:
         freed."""
         if self.planner is not None:
             t0 = time.perf_counter()
+            if self.second_tier is not None:
+                self.second_tier.forget(seq.req.request_id)
             self.planner.request_finished(seq.req, hint=seq.hint)
             self.planner_s += time.perf_counter() - t0
         self.free_seq_blocks(seq)

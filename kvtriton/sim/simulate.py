@@ -23,6 +23,7 @@ from kvtriton.sim.loop import ServingLoop, gpu_blocks_for, num_keys
 from kvtriton.sim.metrics import SetupRow, format_table
 from kvtriton.sim.progress import Progress
 from kvtriton.sim.replay import BELADY, replay
+from kvtriton.sim.second_tier import LOOPBACK_TCP, StoreCost
 from kvtriton.sim.workload import Workload
 from kvtriton.specs import KVLayout, preset
 from kvtriton.validation import is_int
@@ -300,6 +301,8 @@ def simulate(
     check_only: bool = False,
     cost: ServingCost | None = None,
     parts: Mapping[str, str] | None = None,
+    store_blocks: int | None = None,
+    store_cost: StoreCost | None = None,
 ) -> SimulationResult:
     """Replay ``workload`` through the serving loop once per setup.
 
@@ -341,6 +344,10 @@ def simulate(
     ``parts``: request id -> part name (a train/test split, ``kvtriton.sim.splits``): every row
     then also has ``parts``, each part's hit rate, TTFTs and ``gap_closed`` over its own
     requests, from the same run (the other part's requests still share the server and tier).
+
+    ``store_blocks``: the capacity of the second tier of setups with ``shared``
+    (``kvtriton.sim.second_tier``), blocks; ``store_cost`` its link (default ``LOOPBACK_TCP``,
+    measured here). A setup with ``shared`` and no ``store_blocks`` is a ``ValueError``.
     """
     if not is_int(token_budget) or token_budget < 1:
         raise ValueError(f"token_budget must be a positive int, got {token_budget!r}")
@@ -382,6 +389,16 @@ def simulate(
         "requests": len(workload), "rejected": len(rejected),
         "reserve_full_isl": reserve_full_isl, "cost_model": cost.conditions(),
     }
+    shared = [p.name for p in chosen if p.second_tier]
+    if shared:
+        if store_blocks is None or not is_int(store_blocks) or store_blocks <= 0:
+            raise ValueError(f"setups {shared} have a shared second tier: give store_blocks, "
+                             f"a positive int (got {store_blocks!r})")
+        if vllm_engine:
+            raise ValueError(f"setups {shared}: engine='vllm' does not run the second tier; "
+                             "its tests run it in vLLM's engine against a real store")
+        conditions["store_blocks"] = int(store_blocks)
+        conditions["store_cost"] = vars(store_cost or LOOPBACK_TCP)
     if vllm_engine:
         _check_scheduler_overrides(scheduler_overrides, token_budget, max_running,
                                    _max_model_len(workload, layout))
@@ -412,9 +429,14 @@ def simulate(
         loop = ServingLoop(workload, keys, layout, pol, cost, gpu_blocks=n_gpu, cpu_blocks=n_cpu,
                            token_budget=token_budget, max_running=max_running,
                            integrity=checker, reserve_full_isl=reserve_full_isl,
+                           store_blocks=store_blocks, store_cost=store_cost or LOOPBACK_TCP,
                            progress=Progress(f"{pol.name:>20s}", enabled=progress))
         metrics = loop.run()
         row = metrics.summary()
+        if loop.store is not None:
+            row["second_tier_blocks_written"] = loop.store.blocks_written
+            row["second_tier_blocks_fetched"] = \
+                loop.sched.second_tier.stats["second_tier_blocks_fetched"]
         if parts is not None:
             row["parts"] = metrics.part_rows(parts)
         row["composition"] = pol.composition

@@ -217,7 +217,7 @@ def _composition(tier: TierSetup, axes: Mapping[str, Any]) -> str:
     parts.append(axes.get("cpu_eviction", tier.cpu_eviction))
     rest = tier.composition.split("+")
     parts += [t for t in rest if t.split(":")[0] in ("second", "hinted", "refresh", "hints",
-                                                     "waiting")]
+                                                     "waiting", "shared")]
     return "+".join(parts)
 
 
@@ -330,8 +330,15 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:
                                  f"{tier.composition!r}, which never re-stores: the cap "
                                  "bounds re-stores; add 'restore' to the setup or drop the key")
     values = {k: v for k, v in extra.items() if k in _KEYS}
-    values["setup"] = tier.composition
     values["second_tier"] = parse_second_tier(extra.get("second_tier"))
+    if tier.second_tier and values["second_tier"] is None:
+        raise ValueError(f"{_PREFIX}['setup'] = {tier.composition!r} names a shared second "
+                         "tier but 'second_tier' is not set: give the store's address there "
+                         "(kvtriton.second_tier.config) or drop 'shared'")
+    # The store's settings turn the setup's shared second tier on: the setup then names what
+    # runs, as the simulator names it.
+    values["setup"] = (tier.composition if tier.second_tier or values["second_tier"] is None
+                       else f"{tier.composition}+shared")
     return ConnectorConfig(**values)
 
 

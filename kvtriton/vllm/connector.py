@@ -184,6 +184,8 @@ class KVTritonConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self.worker_side is not None:
             self.worker_side.shutdown()
+        if self.scheduler_side is not None:
+            self.scheduler_side.shutdown()
 
     # ---- scheduler role -------------------------------------------------------------------------
 

@@ -245,7 +245,9 @@ class SchedulerSide:
         out = KVTritonMetadata.from_planner(meta)
         if self.store is not None:
             out.store_hashes = self.gpu_pool.block_hash_bytes(meta.store.gpu_blocks)
-            out.fetches = [(f.event, f.cpu, f.groups, f.hashes) for f in self.store.issue()]
+            hash_of = self.keys.hash_of
+            out.fetches = [(f.event, f.cpu, f.groups, [hash_of(k) for k in f.keys])
+                           for f in self.store.issue()]
         return out
 
     def recycle_keys(self) -> int:
@@ -386,6 +388,11 @@ class SchedulerSide:
             return []
         return self._events.translate(events)
 
+    def shutdown(self) -> None:
+        """The engine stops: the second tier's client leaves its master."""
+        if self.store is not None:
+            self.store.close()
+
     def has_pending_stores(self) -> bool:
         return self.planner is not None and (
             self.planner.has_pending_stores()
@@ -411,7 +418,7 @@ class SchedulerSide:
         if self.store is not None:
             now.update(self.store.stats)
             now.update({f"second_tier_faults_{k}": v
-                        for k, v in self.store.client.faults.counts.items()})
+                        for k, v in self.store.faults.counts.items()})
         return now
 
     def gauges(self) -> dict[str, int]:

@@ -15,11 +15,13 @@ import logging
 import os
 from typing import Any
 
+import numpy as np
+
 from kvtriton.second_tier.client import StoreClient
 from kvtriton.second_tier.config import SecondTierConfig, check_master_reachable
 from kvtriton.second_tier.faults import FaultLog
 from kvtriton.second_tier.fetches import StoreFetches
-from kvtriton.second_tier.naming import rank_fingerprint, rank_fingerprints
+from kvtriton.second_tier.naming import object_names, rank_fingerprint, rank_fingerprints
 from kvtriton.second_tier.worker_io import StoreIO
 from kvtriton.specs import KVLayout
 
@@ -70,9 +72,18 @@ def scheduler_fetches(config: SecondTierConfig, vllm_config: Any, layout: KVLayo
                        "objects will not be found by any other replica; use sha256 or set "
                        "PYTHONHASHSEED alike on every replica", fields["hash_algo"])
     tp, pp = _parallel(vllm_config)
-    client = StoreClient(config, 0, FaultLog("scheduler"))
-    fetches = StoreFetches(layout, cpu_pool, hash_of, client,
-                           rank_fingerprints(fields, tp, pp), config.fetch_timeout_s)
+    faults = FaultLog("scheduler")
+    client = StoreClient(config, 0, faults)
+    fps = rank_fingerprints(fields, tp, pp)
+
+    def query(keys: list[int]) -> np.ndarray | None:
+        """Whether every rank's object of each key is in the store: one batched query."""
+        hashes = [hash_of(k) for k in keys]
+        present = client.exists([n for fp in fps for n in object_names(fp, hashes)])
+        return None if present is None else present.reshape(len(fps), len(keys)).all(axis=0)
+
+    fetches = StoreFetches(layout, cpu_pool, query, faults, config.fetch_timeout_s,
+                           close=client.close)
     logger.info("KVTritonConnector: %s, %d ranks' objects per block, fetch timeout %.1f s",
                 config.describe(), tp * pp, config.fetch_timeout_s)
     return fetches
