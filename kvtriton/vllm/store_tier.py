@@ -91,7 +91,9 @@ def scheduler_fetches(config: SecondTierConfig, vllm_config: Any, layout: KVLayo
 
 def worker_io(config: SecondTierConfig, vllm_config: Any, layout: KVLayout, pool
               ) -> StoreIO:
-    """This worker's part, its objects named for its rank."""
+    """This worker's part, its objects named for its rank; ``ValueError`` naming the key when
+    the master is unreachable (the workers start before the scheduler)."""
+    check_master_reachable(config)
     tp, pp = _parallel(vllm_config)
     tp_rank = pp_rank = 0
     try:

@@ -67,3 +67,18 @@ def test_shared_means_the_same_setup_in_the_connector():
         "lazy+hints+shared"
     with pytest.raises(ValueError, match="'second_tier' is not set"):
         parse_extra_config({"setup": "eager+shared"})
+
+
+def test_the_loopback_profile_is_what_the_benchmark_measures():
+    """``LOOPBACK_TCP`` carries what ``bench/results/second_tier.json`` measured (two digits, at
+    the commit its source names); a rerun moves the figures with the machine's noise, so this
+    holds it to within a factor of two of the file there now."""
+    import json
+    from pathlib import Path
+
+    doc = json.loads((Path(__file__).resolve().parents[2] / "bench" / "results"
+                      / "second_tier.json").read_text())
+    measured = StoreCost.from_results(doc, "")
+    for got, want in ((LOOPBACK_TCP.bandwidth_bytes_per_s, measured.bandwidth_bytes_per_s),
+                      (LOOPBACK_TCP.latency_s, measured.latency_s)):
+        assert want / 2 <= got <= want * 2

@@ -191,3 +191,15 @@ def test_a_corrupted_object_is_caught_and_recomputed(model_dir, store, monkeypat
     else:
         assert b.connector_stats["cpu_hit_tokens"] == PROMPT_BLOCKS * BS
         assert not same_outputs(plain, b)
+
+
+def test_an_unreachable_master_stops_the_engine_at_start(model_dir):
+    """One error at engine start, naming the key, before any request."""
+    from kvtriton.second_tier.local_master import free_port
+
+    port = free_port()  # nothing listens there
+    bad = {"cpu_bytes_per_rank": 65 * BLOCK_BYTES,
+           "second_tier": {"kind": "mooncake", "master_server_address": f"127.0.0.1:{port}",
+                           "metadata_server": "http://127.0.0.1:1/metadata"}}
+    with pytest.raises(Exception, match=f"'master_server_address'\\] = '127.0.0.1:{port}'"):
+        run_turns(model_dir, [prompts(6, n=1)], connector=bad)

@@ -1,0 +1,76 @@
+"""The scheduler's part of the second tier (``StoreFetches``) over a store model, no engine: a
+request waits for its fetch at most ``fetch_timeout_s`` (then runs without it, the fault
+counted), a fetch lands in the CPU tier pinned until the request's next lookup, and a request
+that finishes while waiting leaves nothing pinned."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvtriton.planner import OffloadPlanner
+from kvtriton.pool import BlockPool
+from kvtriton.records import Request
+from kvtriton.second_tier.faults import FaultLog
+from kvtriton.second_tier.fetches import StoreFetches
+from kvtriton.sim.second_tier import SimStore
+from kvtriton.specs import FullAttentionSpec, KVLayout
+
+LAYOUT = KVLayout([FullAttentionSpec(16, 1, 8, 1)])
+
+
+class _Clock:
+    now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _setup(n_keys: int = 8):
+    cpu = BlockPool(33)
+    OffloadPlanner(LAYOUT, BlockPool(33), cpu)  # as in a server: the planner owns the pools
+    store = SimStore(100)
+    store.write(list(range(n_keys)))
+    clock = _Clock()
+    faults = FaultLog("test")
+    return cpu, StoreFetches(LAYOUT, cpu, store.query, faults, 5.0, clock=clock), clock, faults
+
+
+def _req(rid: str, n_keys: int = 8) -> Request:
+    keys = np.arange(n_keys, dtype=np.int64)[None, :]
+    return Request(rid, keys, num_prompt_tokens=16 * n_keys + 1, num_tokens=16 * n_keys + 1)
+
+
+def test_a_request_waits_for_its_fetch_at_most_the_timeout():
+    cpu, fetches, clock, faults = _setup()
+    req = _req("a")
+    assert fetches.extend(req, 0, 0)  # the store holds the prefix: a fetch, the request waits
+    (f,) = fetches.issue()
+    assert len(f.cpu) == 8 and cpu.num_used_blocks == 8
+    clock.now = 4.9
+    assert fetches.extend(req, 0, 0)
+    clock.now = 5.1
+    assert not fetches.extend(req, 0, 0) and faults.counts["timeout"] == 1
+    fetches.apply({f.event: 1}, {}, world_size=1)  # it lands later: cached, pinned by nobody
+    assert cpu.num_used_blocks == 0 and all(k in cpu for k in range(8))
+
+
+def test_landed_blocks_stay_pinned_until_the_next_lookup():
+    cpu, fetches, _, _ = _setup()
+    req = _req("a")
+    assert fetches.extend(req, 0, 0)
+    (f,) = fetches.issue()
+    fetches.apply({f.event: 1}, {}, world_size=1)
+    assert cpu.num_used_blocks == 8  # cached, and still pinned for "a"
+    assert not fetches.extend(req, 0, 8 * 16)  # its lookup now hits them: our pins go
+    assert cpu.num_used_blocks == 0
+
+
+def test_a_failed_block_is_not_cached_and_a_finished_request_leaves_nothing():
+    cpu, fetches, _, _ = _setup()
+    req = _req("a")
+    assert fetches.extend(req, 0, 0)
+    (f,) = fetches.issue()
+    fetches.apply({f.event: 1}, {f.event: [2]}, world_size=1)
+    assert [k in cpu for k in range(4)] == [True, True, False, True]
+    fetches.forget("a")  # finished before its next lookup
+    assert cpu.num_used_blocks == 0 and not fetches.has_pending()
