@@ -17,7 +17,8 @@ A request asks the store once in its life: its next lookups find what the fetch 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -103,7 +104,8 @@ class StoreFetches:
     def __init__(self, layout: KVLayout, cpu_pool: BlockPool, query: StoreQuery,
                  faults: FaultLog, timeout_s: float,
                  clock: Callable[[], float] = time.monotonic,
-                 close: Callable[[], object] | None = None) -> None:
+                 close: Callable[[], object] | None = None,
+                 executor: Executor | None = None) -> None:
         check_layout(layout)
         self._layout = layout
         self._pool = cpu_pool
@@ -111,6 +113,9 @@ class StoreFetches:
         self.faults = faults
         self._clock = clock
         self._close = close
+        # Queries asked when a request arrived, answered off the scheduler's step (``prefetch``).
+        self._executor = executor
+        self._ahead: dict[str, tuple[list[int], Future]] = {}
         self._timeout_s = timeout_s
         # Requests done asking (until they finish) -> the token their last run started at.
         self._asked: dict[str, int] = {}
@@ -128,6 +133,7 @@ class StoreFetches:
             ("second_tier_queries", "second_tier_query_blocks", "second_tier_found_blocks",
              "second_tier_fetches", "second_tier_blocks_fetched", "second_tier_blocks_failed"),
             0)
+        self.stats["second_tier_queries_ahead"] = 0
 
     # ---- lookup ------------------------------------------------------------------------------
 
@@ -192,7 +198,7 @@ class StoreFetches:
         need = np.flatnonzero(~in_cpu)
         self.stats["second_tier_queries"] += 1
         self.stats["second_tier_query_blocks"] += len(need)
-        present = self._query([flat[i] for i in need.tolist()])
+        present = self._presence(req.request_id, [flat[i] for i in need.tolist()])
         if present is None:
             return None, True
         run, take = fetch_run(in_cpu.reshape(keys.shape), present)
@@ -212,6 +218,29 @@ class StoreFetches:
         return Fetch(req.request_id, cpu, groups[take % keys.shape[1]].tolist(),
                      [flat[i] for i in take.tolist()], held,
                      self._clock() + self._timeout_s), whole
+
+    def prefetch(self, rid: str, keys: Iterable[int]) -> None:
+        """Ask the store about ``keys`` (a request that just arrived: its prefix's) on the
+        executor, so that its lookup finds the answer instead of a round trip to the master
+        inside the scheduler's step. Without an executor (the simulator) this does nothing."""
+        if self._executor is None or rid in self._ahead:
+            return
+        ks = list(dict.fromkeys(int(k) for k in keys))
+        self._ahead[rid] = (ks, self._executor.submit(self._query, ks))
+
+    def _presence(self, rid: str, keys: list[int]) -> np.ndarray | None:
+        """Whether the store holds each of ``keys``: the answer asked ahead when it is back and
+        covers them (it may be a little old: a block written since reads as absent, one
+        evicted since fails its fetch and is recomputed), else a query now."""
+        ahead = self._ahead.get(rid)
+        if ahead is not None and ahead[1].done():
+            asked, answer = ahead[0], ahead[1].result()
+            if answer is not None:
+                table = dict(zip(asked, answer.tolist(), strict=True))
+                if all(k in table for k in keys):
+                    self.stats["second_tier_queries_ahead"] += 1
+                    return np.fromiter((table[k] for k in keys), dtype=bool, count=len(keys))
+        return self._query(keys)
 
     # ---- per step and reports ----------------------------------------------------------------
 
@@ -266,6 +295,7 @@ class StoreFetches:
     def forget(self, rid: str) -> None:
         """``rid`` finished: it may ask again if it comes back; a fetch in flight completes."""
         self._asked.pop(rid, None)
+        self._ahead.pop(rid, None)
         self._rounds.pop(rid, None)
         self._room_until.pop(rid, None)
         if (landed := self._landed.pop(rid, None)) is not None:
@@ -289,11 +319,15 @@ class StoreFetches:
         self._landed.clear()
         self._waiting.clear()
         self._asked.clear()
+        self._ahead.clear()
         self._rounds.clear()
         self._room_until.clear()
 
     def close(self) -> None:
         """Let the store go (the scheduler's client leaves the master)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
         if self._close is not None:
             self._close()
             self._close = None
@@ -302,5 +336,7 @@ class StoreFetches:
         return bool(self._queued or self._events)
 
     def referenced_keys(self) -> list[int]:
-        """Key ids of fetches queued or in flight (the keys they will be cached under)."""
-        return [k for f in (*self._queued, *self._events.values()) for k in f.keys]
+        """Key ids of fetches queued or in flight (the keys they will be cached under) and of
+        queries asked ahead (their answers are looked up by key id)."""
+        return [*(k for f in (*self._queued, *self._events.values()) for k in f.keys),
+                *(k for asked, _ in self._ahead.values() for k in asked)]

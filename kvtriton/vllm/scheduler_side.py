@@ -127,8 +127,13 @@ class SchedulerSide:
     # ---- 0. arrival ----------------------------------------------------------------------------
 
     def on_new_request(self, vreq: Any) -> None:
-        """``vreq`` joined the waiting queue (the lookahead protects its keys)."""
+        """``vreq`` joined the waiting queue (the lookahead protects its keys; the second tier
+        asks the store about its prefix now, off the step that will look it up)."""
         self.signals.arrived(vreq)
+        if self.store is not None and not getattr(vreq, "skip_reading_prefix_cache", False):
+            req = lookup_request(vreq, self.keys, self._suffixes)
+            self._lookups[vreq.request_id] = (len(vreq.block_hashes), req)
+            self.store.prefetch(vreq.request_id, req.keys.ravel().tolist())
 
     # ---- 1. lookup -----------------------------------------------------------------------------
 

@@ -151,6 +151,9 @@ STATS: dict[str, Stat] = {
     "second_tier_queries": _counter("queries", "batched existence queries (one per request whose "
                               "CPU hit ended short)"),
     "second_tier_query_blocks": _counter("blocks", "blocks past a CPU hit asked of the store"),
+    "second_tier_queries_ahead": _counter(
+        "queries", "existence queries answered from the one asked when the request arrived "
+        "(off the scheduler's step)"),
     "second_tier_found_blocks": _counter("blocks", "blocks the store held for a run and a fetch "
                                    "read (every rank's object present)"),
     "second_tier_fetches": _counter("fetch events", "fetches from the store issued to the workers"),

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -76,14 +78,18 @@ def scheduler_fetches(config: SecondTierConfig, vllm_config: Any, layout: KVLayo
     client = StoreClient(config, 0, faults)
     fps = rank_fingerprints(fields, tp, pp)
 
+    lock = threading.Lock()  # queries asked ahead run on a helper thread: one at a time
+
     def query(keys: list[int]) -> np.ndarray | None:
         """Whether every rank's object of each key is in the store: one batched query."""
         hashes = [hash_of(k) for k in keys]
-        present = client.exists([n for fp in fps for n in object_names(fp, hashes)])
+        with lock:
+            present = client.exists([n for fp in fps for n in object_names(fp, hashes)])
         return None if present is None else present.reshape(len(fps), len(keys)).all(axis=0)
 
     fetches = StoreFetches(layout, cpu_pool, query, faults, config.fetch_timeout_s,
-                           close=client.close)
+                           close=client.close,
+                           executor=ThreadPoolExecutor(1, thread_name_prefix="kvtriton-query"))
     logger.info("KVTritonConnector: %s, %d ranks' objects per block, fetch timeout %.1f s",
                 config.describe(), tp * pp, config.fetch_timeout_s)
     return fetches

@@ -74,3 +74,31 @@ def test_a_failed_block_is_not_cached_and_a_finished_request_leaves_nothing():
     assert [k in cpu for k in range(4)] == [True, True, False, True]
     fetches.forget("a")  # finished before its next lookup
     assert cpu.num_used_blocks == 0 and not fetches.has_pending()
+
+
+def test_a_query_asked_ahead_answers_the_lookup():
+    """With an executor, the query runs when the request arrives; its lookup reads the answer
+    (counted) instead of asking again, and a lookup of keys it did not cover asks now."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    cpu = BlockPool(33)
+    OffloadPlanner(LAYOUT, BlockPool(33), cpu)
+    store = SimStore(100)
+    store.write(list(range(8)))
+    asked = []
+
+    def query(keys):
+        asked.append(list(keys))
+        return store.query(keys)
+
+    with ThreadPoolExecutor(1) as pool:
+        fetches = StoreFetches(LAYOUT, cpu, query, FaultLog("test"), 5.0, executor=pool)
+        fetches.prefetch("a", range(8))
+        fetches._ahead["a"][1].result()
+        assert fetches.extend(_req("a"), 0, 0)
+        assert fetches.stats["second_tier_queries_ahead"] == 1 and len(asked) == 1
+        assert fetches.extend(_req("b"), 0, 0)  # nothing asked ahead: asked now
+        assert len(asked) == 2 and fetches.stats["second_tier_queries_ahead"] == 1
+        assert set(fetches.referenced_keys()) == set(range(8))
+        fetches.forget("a")
+        fetches.forget("b")
