@@ -147,7 +147,10 @@ def step_cost(model: str, dtype: str, max_len: int, per_block: int, master,
 
                 w = get_kv_transfer_group().worker_side.counters()
                 row["worker_put_s"] = w["second_tier_put_s"]
-                row["fetched"] = r.side.counters()["second_tier_blocks_fetched"]
+                c = r.side.counters()
+                row["fetched"] = c["second_tier_blocks_fetched"]
+                row["queries"] = c["second_tier_queries"]
+                row["queries_ahead"] = c["second_tier_queries_ahead"]
             r.close()
             row["scheduler_s_per_step"] = row["scheduler_s"] / row["steps"]
             row["connector_s_per_step"] = row["connector_s"] / row["steps"]
