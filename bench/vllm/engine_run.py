@@ -149,7 +149,15 @@ def _run(model_dir, turns, connector, max_tokens, multiprocess, engine_kw) -> En
     from vllm.inputs import TokensPrompt
 
     t0 = time.perf_counter()
-    llm = LLM(**_llm_kwargs(model_dir, connector, **engine_kw))
+    try:
+        llm = LLM(**_llm_kwargs(model_dir, connector, **engine_kw))
+    except BaseException:
+        # vLLM keeps the KV connector of a worker it built in a process global: an engine that
+        # failed at start would hand it to the next engine of this process.
+        from vllm.distributed.kv_transfer import ensure_kv_transfer_shutdown
+
+        ensure_kv_transfer_shutdown()
+        raise
     run = EngineRun(startup_s=time.perf_counter() - t0)
     core = None if multiprocess else llm.llm_engine.engine_core.engine_core
     conn = None if core is None else core.scheduler.connector

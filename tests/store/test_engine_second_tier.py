@@ -203,3 +203,5 @@ def test_an_unreachable_master_stops_the_engine_at_start(model_dir):
                            "metadata_server": "http://127.0.0.1:1/metadata"}}
     with pytest.raises(Exception, match=f"'master_server_address'\\] = '127.0.0.1:{port}'"):
         run_turns(model_dir, [prompts(6, n=1)], connector=bad)
+    # The failed start left nothing behind: the next engine of this process starts clean.
+    run_turns(model_dir, [prompts(6, n=1)], connector={"cpu_bytes_per_rank": 65 * BLOCK_BYTES})
