@@ -12,7 +12,8 @@ by the CPU tier's load path. Modules:
 - ``client``: Mooncake's client, with every failure mapped to a ``Fault`` kind;
 - ``faults``: counting faults, warning once per kind and saying when the store is back;
 - ``fetches``: the scheduler's part (existence queries, fetches into the CPU tier);
-- ``worker_io``: a worker's part (write-through puts and fetches, on a background thread).
+- ``worker_io``: a worker's part (write-through puts and fetches, on a background thread);
+- ``local_master``: a master (and a store host) on loopback, for tests and benchmarks.
 
 Nothing here imports vLLM; ``client`` imports Mooncake only when a client is made.
 """

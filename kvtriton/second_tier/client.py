@@ -117,8 +117,5 @@ class StoreClient:
             self.faults.ok()
         return good
 
-    def remove(self, name: str) -> None:
-        self._store.remove(name)
-
     def close(self) -> None:
         self._store.close()

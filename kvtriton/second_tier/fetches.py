@@ -11,7 +11,9 @@ waits (vLLM's "not yet known" answer) until all workers reported the fetch, at m
 ``fetch_timeout_s``; the blocks every worker read and verified are then cached in the CPU tier
 under their keys, and the request's next lookup hits them there, loading through the CPU tier's
 own load path. A block any worker failed to read is freed uncached: its tokens are recomputed.
-A request asks the store once in its life: its next lookups find what the fetch brought.
+A request asks again only for what its last answer did not cover: the rest of a run longer
+than the CPU tier's free blocks (fetched in rounds), or a run that now starts earlier because
+its GPU prefix was evicted while it waited; at most ``MAX_ROUNDS`` fetches per request.
 """
 
 from __future__ import annotations
@@ -130,10 +132,9 @@ class StoreFetches:
         self._events: dict[int, Fetch] = {}
         self._next_event = 0
         self.stats = dict.fromkeys(
-            ("second_tier_queries", "second_tier_query_blocks", "second_tier_found_blocks",
-             "second_tier_fetches", "second_tier_blocks_fetched", "second_tier_blocks_failed"),
-            0)
-        self.stats["second_tier_queries_ahead"] = 0
+            ("second_tier_queries", "second_tier_queries_ahead", "second_tier_query_blocks",
+             "second_tier_found_blocks", "second_tier_fetches", "second_tier_blocks_fetched",
+             "second_tier_blocks_failed"), 0)
 
     # ---- lookup ------------------------------------------------------------------------------
 
