@@ -41,6 +41,10 @@ class FaultLog:
                            "in second_tier_faults_%s)", self.where, kind, FAULT_KINDS[kind],
                            f": {detail}" if detail else "", kind)
 
+    def as_stats(self) -> dict[str, int]:
+        """The counts under their ``STATS`` names (``second_tier_faults_<kind>``)."""
+        return {f"second_tier_faults_{k}": v for k, v in self.counts.items()}
+
     def ok(self) -> None:
         if self._down:
             self._down = False

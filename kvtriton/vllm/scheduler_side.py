@@ -422,8 +422,7 @@ class SchedulerSide:
         now["protect_overflow"] = self.signals.protect_overflow
         if self.store is not None:
             now.update(self.store.stats)
-            now.update({f"second_tier_faults_{k}": v
-                        for k, v in self.store.faults.counts.items()})
+            now.update(self.store.faults.as_stats())
         return now
 
     def gauges(self) -> dict[str, int]:

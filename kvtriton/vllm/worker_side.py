@@ -259,8 +259,7 @@ class WorkerSide:
         now = dict(self.stats)
         if self.store_io is not None:
             now.update(self.store_io.stats)
-            now.update({f"second_tier_faults_{k}": v
-                        for k, v in self.store_io.faults.counts.items()})
+            now.update(self.store_io.faults.as_stats())
         return now
 
     def transfer_totals(self) -> dict[str, dict[str, float]]:
