@@ -3,11 +3,15 @@ the rest of its prefix once, fetch what it holds into the CPU tier, and let the 
 for it.
 
 ``extend`` runs after the planner's CPU lookup. The first time a request's hit is cut short it
-asks the store, in one batched existence query over every rank's object names, which blocks past
-the hit it holds; the longest run of scheduler blocks the CPU tier or the store holds is then
-completed from the store: fresh CPU blocks are allocated for the missing ones (the blocks of the
-run already in the CPU tier are pinned meanwhile) and a *fetch* goes to every worker. The request
-waits (vLLM's "not yet known" answer) until all workers reported the fetch, at most
+reads which blocks past the hit the store holds: one batched existence query over every rank's
+object names, asked when the request arrived (``prefetch``) on a helper thread, so no round trip
+to the master runs inside the scheduler's step. A lookup that finds the answer not back yet
+waits, as for a fetch, and reads it at a later step; the answer may be a little old (a block
+written since reads as absent, one evicted since fails its fetch and is recomputed). The
+longest run of scheduler blocks the CPU tier or the store holds is then completed from the
+store: fresh CPU blocks are allocated for the missing ones (the blocks of the run already in
+the CPU tier are pinned meanwhile) and a *fetch* goes to every worker. The request waits
+(vLLM's "not yet known" answer) until all workers reported the fetch, at most
 ``fetch_timeout_s``; the blocks every worker read and verified are then cached in the CPU tier
 under their keys, and the request's next lookup hits them there, loading through the CPU tier's
 own load path. A block any worker failed to read is freed uncached: its tokens are recomputed.
@@ -35,6 +39,21 @@ __all__ = ["MAX_ROUNDS", "Fetch", "StoreFetches", "fetch_run", "fetch_run_loop"]
 #: Fetches one request may take: rounds of a run longer than the CPU tier's free blocks, and runs
 #: asked again from earlier after its GPU prefix was evicted while it waited.
 MAX_ROUNDS = 4
+
+
+@dataclass(slots=True)
+class _Query:
+    """An existence query on the executor: ``keys`` asked at ``asked_at`` (the clock's
+    seconds); ``on_arrival``: asked when the request arrived, not by its lookup."""
+
+    keys: list[int]
+    answer: Future
+    asked_at: float
+    on_arrival: bool
+
+
+#: ``_presence``'s answer while the query is still out: the request waits.
+_NOT_BACK = object()
 
 
 @dataclass(slots=True)
@@ -101,13 +120,16 @@ StoreQuery = Callable[[list[int]], "np.ndarray | None"]
 class StoreFetches:
     """Existence queries and fetches of one scheduler, over ``query`` (the store: Mooncake's in
     vLLM, ``kvtriton.sim.second_tier.SimStore`` in the simulator); ``clock``: seconds now (the
-    simulator's clock there)."""
+    simulator's clock there). With an ``executor`` the queries run on it, asked ahead; without
+    one each runs in the lookup. ``query_latency_s``: in the simulator (whose executor answers at
+    once), the seconds after which an answer counts as back."""
 
     def __init__(self, layout: KVLayout, cpu_pool: BlockPool, query: StoreQuery,
                  faults: FaultLog, timeout_s: float,
                  clock: Callable[[], float] = time.monotonic,
                  close: Callable[[], object] | None = None,
-                 executor: Executor | None = None) -> None:
+                 executor: Executor | None = None,
+                 query_latency_s: float | None = None) -> None:
         check_layout(layout)
         self._layout = layout
         self._pool = cpu_pool
@@ -117,7 +139,8 @@ class StoreFetches:
         self._close = close
         # Queries asked when a request arrived, answered off the scheduler's step (``prefetch``).
         self._executor = executor
-        self._ahead: dict[str, tuple[list[int], Future]] = {}
+        self._query_latency_s = query_latency_s
+        self._ahead: dict[str, _Query] = {}
         self._timeout_s = timeout_s
         # Requests done asking (until they finish) -> the token their last run started at.
         self._asked: dict[str, int] = {}
@@ -134,7 +157,7 @@ class StoreFetches:
         self.stats = dict.fromkeys(
             ("second_tier_queries", "second_tier_queries_ahead", "second_tier_query_blocks",
              "second_tier_found_blocks", "second_tier_fetches", "second_tier_blocks_fetched",
-             "second_tier_blocks_failed"), 0)
+             "second_tier_blocks_failed", "second_tier_query_waits"), 0)
 
     # ---- lookup ------------------------------------------------------------------------------
 
@@ -158,6 +181,9 @@ class StoreFetches:
         # evict a waiting request's cached blocks), so the run now starts earlier.
         self._rounds[rid] = self._rounds.get(rid, 0) + 1
         f, whole = self._plan(req, start)
+        if f is _NOT_BACK:
+            self._rounds[rid] -= 1
+            return True
         if f is None and not whole:
             # The store holds more, but other requests' hits and fetches pin every CPU block:
             # their loads release them within a few steps. Wait for room, at most
@@ -175,10 +201,11 @@ class StoreFetches:
         self._waiting[rid] = f
         return True
 
-    def _plan(self, req: Request, start: int) -> tuple[Fetch | None, bool]:
-        """The fetch completing ``req``'s run from token ``start`` (None: nothing to fetch) and
-        whether it is the whole run: a run longer than the CPU tier's free blocks is fetched in
-        rounds, the next asked for once this one landed and was looked up."""
+    def _plan(self, req: Request, start: int) -> tuple[Fetch | object | None, bool]:
+        """The fetch completing ``req``'s run from token ``start`` (None: nothing to fetch;
+        ``_NOT_BACK``: the store's answer is not back yet) and whether it is the whole run: a
+        run longer than the CPU tier's free blocks is fetched in rounds, the next asked for
+        once this one landed and was looked up."""
         layout, pool = self._layout, self._pool
         sbs, hbs = layout.scheduler_block_size, layout.hash_block_size
         n_keys = min(req.keys.shape[1], req.num_tokens // hbs)
@@ -197,9 +224,11 @@ class StoreFetches:
         flat = keys.ravel().tolist()
         in_cpu = np.fromiter((k in pool for k in flat), dtype=bool, count=len(flat))
         need = np.flatnonzero(~in_cpu)
+        present = self._presence(req.request_id, [flat[i] for i in need.tolist()])
+        if present is _NOT_BACK:
+            return _NOT_BACK, False
         self.stats["second_tier_queries"] += 1
         self.stats["second_tier_query_blocks"] += len(need)
-        present = self._presence(req.request_id, [flat[i] for i in need.tolist()])
         if present is None:
             return None, True
         run, take = fetch_run(in_cpu.reshape(keys.shape), present)
@@ -220,28 +249,49 @@ class StoreFetches:
                      [flat[i] for i in take.tolist()], held,
                      self._clock() + self._timeout_s), whole
 
-    def prefetch(self, rid: str, keys: Iterable[int]) -> None:
+    def prefetch(self, rid: str, keys: Iterable[int], asked_at: float | None = None) -> None:
         """Ask the store about ``keys`` (a request that just arrived: its prefix's) on the
-        executor, so that its lookup finds the answer instead of a round trip to the master
-        inside the scheduler's step. Without an executor (the simulator) this does nothing."""
+        executor, so that its lookup reads the answer instead of a round trip to the master
+        inside the scheduler's step. ``asked_at``: when (the clock's seconds; default now).
+        Without an executor this does nothing: lookups ask themselves."""
         if self._executor is None or rid in self._ahead:
             return
         ks = list(dict.fromkeys(int(k) for k in keys))
-        self._ahead[rid] = (ks, self._executor.submit(self._query, ks))
+        self._ahead[rid] = _Query(ks, self._executor.submit(self._query, ks),
+                                  self._clock() if asked_at is None else asked_at, True)
 
-    def _presence(self, rid: str, keys: list[int]) -> np.ndarray | None:
-        """Whether the store holds each of ``keys``: the answer asked ahead when it is back and
-        covers them (it may be a little old: a block written since reads as absent, one
-        evicted since fails its fetch and is recomputed), else a query now."""
-        ahead = self._ahead.get(rid)
-        if ahead is not None and ahead[1].done():
-            asked, answer = ahead[0], ahead[1].result()
-            if answer is not None:
-                table = dict(zip(asked, answer.tolist(), strict=True))
-                if all(k in table for k in keys):
-                    self.stats["second_tier_queries_ahead"] += 1
-                    return np.fromiter((table[k] for k in keys), dtype=bool, count=len(keys))
-        return self._query(keys)
+    def _back(self, q: _Query) -> bool:
+        if self._query_latency_s is not None:
+            return self._clock() >= q.asked_at + self._query_latency_s
+        return q.answer.done()
+
+    def pending_queries(self) -> list[float]:
+        """When each query not back yet was asked (the simulator wakes for them)."""
+        return [q.asked_at for q in self._ahead.values() if not self._back(q)]
+
+    def _presence(self, rid: str, keys: list[int]) -> np.ndarray | object | None:
+        """Whether the store holds each of ``keys``; None when it could not say (a fault,
+        counted), ``_NOT_BACK`` while the query asked ahead is out (asked now when none covers
+        ``keys``: a request that grew since it arrived). Without an executor: a query now."""
+        if self._executor is None:
+            return self._query(keys)
+        q = self._ahead.get(rid)
+        if q is None or not set(keys).issubset(q.keys):
+            q = self._ahead[rid] = _Query(keys, self._executor.submit(self._query, keys),
+                                          self._clock(), False)
+        if not self._back(q):
+            if self._clock() < q.asked_at + self._timeout_s:
+                self.stats["second_tier_query_waits"] += 1
+                return _NOT_BACK
+            del self._ahead[rid]  # the request runs without the store's answer
+            self.faults.fault("timeout", detail=f"existence query of request {rid!r}")
+            return None
+        answer = q.answer.result()
+        if answer is None:
+            return None
+        self.stats["second_tier_queries_ahead"] += q.on_arrival
+        table = dict(zip(q.keys, answer.tolist(), strict=True))
+        return np.fromiter((table[k] for k in keys), dtype=bool, count=len(keys))
 
     # ---- per step and reports ----------------------------------------------------------------
 
@@ -340,4 +390,4 @@ class StoreFetches:
         """Key ids of fetches queued or in flight (the keys they will be cached under) and of
         queries asked ahead (their answers are looked up by key id)."""
         return [*(k for f in (*self._queued, *self._events.values()) for k in f.keys),
-                *(k for asked, _ in self._ahead.values() for k in asked)]
+                *(k for q in self._ahead.values() for k in q.keys)]

@@ -22,7 +22,7 @@ import numpy as np
 
 from kvtriton.second_tier.client import StoreClient
 from kvtriton.second_tier.naming import object_names
-from kvtriton.second_tier.objects import HEADER_BYTES, check, write_header
+from kvtriton.second_tier.objects import HEADER_BYTES, check, checksums, write_header
 
 __all__ = ["StoreIO"]
 
@@ -169,8 +169,11 @@ class StoreIO:
             return
         cpu, groups = job.cpu[todo], job.groups[todo]
         names = [names[i] for i in todo.tolist()]
-        for b, g, name in zip(cpu.tolist(), groups.tolist(), names, strict=True):
-            write_header(self._headers[b], name, self._pool[b, :self._group_bytes[g]])
+        payloads = [self._pool[b, :self._group_bytes[g]]
+                    for b, g in zip(cpu.tolist(), groups.tolist(), strict=True)]
+        for b, name, p, x in zip(cpu.tolist(), names, payloads, checksums(payloads),
+                                 strict=True):
+            write_header(self._headers[b], name, p, x)
         ptrs, sizes = self._buffers(cpu, groups)
         ok = self.client.put(names, ptrs, sizes)
         self.stats["second_tier_puts"] += 1
@@ -183,17 +186,17 @@ class StoreIO:
         names = object_names(self.fp, job.hashes)
         ptrs, sizes = self._buffers(job.cpu, job.groups)
         nread = self.client.get(names, ptrs, sizes)
-        bad = []
-        for i, (b, g, name) in enumerate(zip(job.cpu.tolist(), job.groups.tolist(), names,
-                                             strict=True)):
-            if nread[i] < 0:
-                bad.append(i)  # the client counted its fault
-                continue
-            why = check(self._headers[b], name, self._pool[b, :self._group_bytes[g]],
-                        int(nread[i]))
+        bad = np.flatnonzero(nread < 0).tolist()  # the client counted their faults
+        read = np.flatnonzero(nread >= 0).tolist()
+        cpu, groups = job.cpu.tolist(), job.groups.tolist()
+        payloads = [self._pool[cpu[i], :self._group_bytes[groups[i]]] for i in read]
+        for i, p, x in zip(read, payloads, checksums(payloads), strict=True):
+            name = names[i]
+            why = check(self._headers[cpu[i]], name, p, int(nread[i]), x)
             if why is not None:
                 self.faults.fault(why, detail=f"object {name}")
                 bad.append(i)
+        bad.sort()
         self.stats["second_tier_fetches"] += 1
         good = len(job.cpu) - len(bad)
         self.stats["second_tier_fetch_blocks"] += good

@@ -123,6 +123,8 @@ class ServingClock(ABC):
                 stores[event] = self.world_size
             elif kind == "fetch":
                 self.fetches_done.append(event)
+            elif kind == "query":
+                pass  # a second-tier existence query is back: the loop only had to wake
             else:
                 loads += reqs
         return loads, stores

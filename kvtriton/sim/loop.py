@@ -46,7 +46,7 @@ from kvtriton.sim.hooks import IntegrityHook
 from kvtriton.sim.metrics import RunMetrics
 from kvtriton.sim.next_use import NextUse, NextUseQueue
 from kvtriton.sim.scheduler import SeqBlocks
-from kvtriton.sim.second_tier import LOOPBACK_TCP, SimStore, StoreCost
+from kvtriton.sim.second_tier import LOOPBACK_TCP, AnsweredAtOnce, SimStore, StoreCost
 from kvtriton.sim.workload import Workload, WorkloadRequest
 from kvtriton.specs import KVLayout
 from kvtriton.tier_signals import SignalBook, cpu_queue
@@ -131,7 +131,8 @@ class ServingLoop(ServingClock):
         self.cpu.add_batch_listener(on_insert_many=lambda keys, _: self.store.write(keys))
         self.sched.second_tier = StoreFetches(self.layout, self.cpu, self.store.query,
                                               FaultLog("simulator"), timeout_s,
-                                              clock=lambda: self.now)
+                                              clock=lambda: self.now, executor=AnsweredAtOnce(),
+                                              query_latency_s=cost.latency_s)
 
     def _cpu_queue(self, setup: TierSetup, keys: list[np.ndarray]) -> EvictionQueue:
         """The CPU pool's eviction as the setup builds it (``kvtriton.tier_signals``), with the
@@ -179,6 +180,8 @@ class ServingLoop(ServingClock):
             req = Request(wr.request_id, self._keys[i], num_prompt_tokens=wr.prompt_len,
                           num_tokens=wr.prompt_len)
             self.sched.add(_Seq(req, wr=wr, arrival_s=at, hint=wr.hint))
+            if self.sched.second_tier is not None:  # the connector asks as the request arrives
+                self.sched.second_tier.prefetch(wr.request_id, self._keys[i].ravel(), at)
             if self._signals is not None:
                 self._signals.arrived(i, self._keys[i])
 
@@ -225,8 +228,12 @@ class ServingLoop(ServingClock):
             # waiting phase, as vLLM does: the next step schedules into that room. No time
             # passes, and it is not a deadlock for want of an event to wait for.
             pass
-        elif not self._wait_for_next_event(sched.busy, len(sched.seqs)):
-            return False
+        else:
+            if sched.second_tier is not None:  # requests waiting for the store's answer
+                for t in sched.second_tier.pending_queries():
+                    self._push_completion(t + self.store_cost.latency_s, "query", -1, [])
+            if not self._wait_for_next_event(sched.busy, len(sched.seqs)):
+                return False
         if self.planner is not None:
             loads, stores = self._due_reports()
             sched.deliver(loads, stores, self.step_no)

@@ -7,7 +7,9 @@ them) over ``SimStore``, a store of ``capacity_blocks`` blocks that forgets its 
 used block when full (Mooncake evicts approximately so at its watermark). Every block the CPU
 tier caches is written through (its bytes count on the store link; the write is off the
 request's path, as the connector's is). A fetch completes after ``StoreCost.fetch_s``: the
-store link's per-call latency and bytes over its bandwidth, queued behind earlier fetches.
+store link's per-call latency and bytes over its bandwidth, queued behind earlier fetches. An
+existence query, asked when a request arrives as the connector asks it, is back one call's
+latency later (``AnsweredAtOnce`` answers it; ``StoreFetches`` waits out the latency).
 
 ``LOOPBACK_TCP`` is what this project measured: Mooncake Store over loopback TCP on its 2-core
 CI machine (``bench/results/second_tier.json``: batched get of 2 MiB blocks, and the latency
@@ -18,11 +20,12 @@ carry no figure to label one with.
 from __future__ import annotations
 
 from collections import OrderedDict
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["LOOPBACK_TCP", "SimStore", "StoreCost"]
+__all__ = ["LOOPBACK_TCP", "AnsweredAtOnce", "SimStore", "StoreCost"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,16 @@ class StoreCost:
 #: blocks; a one-object get of 4 KiB for the per-call latency).
 LOOPBACK_TCP = StoreCost(2.0e9, 1.7e-4, "measured: Mooncake Store, loopback TCP, 2-core machine "
                                        "(bench/results/second_tier.json, commit b7f386f)")
+
+
+class AnsweredAtOnce(Executor):
+    """Runs each call as it is submitted: the simulator's existence queries, whose modeled
+    delay ``StoreFetches`` applies (its ``query_latency_s``) on the serving loop's clock."""
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        out: Future = Future()
+        out.set_result(fn(*args, **kwargs))
+        return out
 
 
 class SimStore:

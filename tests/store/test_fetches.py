@@ -76,29 +76,66 @@ def test_a_failed_block_is_not_cached_and_a_finished_request_leaves_nothing():
     assert cpu.num_used_blocks == 0 and not fetches.has_pending()
 
 
-def test_a_query_asked_ahead_answers_the_lookup():
-    """With an executor, the query runs when the request arrives; its lookup reads the answer
-    (counted) instead of asking again, and a lookup of keys it did not cover asks now."""
+def _gated(store: SimStore):
+    """A query that answers only once its gate opens, and the record of what it was asked."""
+    import threading
+
+    gate, asked = threading.Event(), []
+
+    def query(keys):
+        asked.append(list(keys))
+        gate.wait(10)
+        return store.query(keys)
+
+    return query, gate, asked
+
+
+def test_a_lookup_waits_for_the_query_asked_ahead_and_never_asks_in_the_step():
+    """With an executor the query runs when the request arrives; a lookup before its answer is
+    back waits (counted) instead of asking the master in the step, then reads it; a request
+    nobody asked about ahead has its lookup put the question to the executor and wait."""
     from concurrent.futures import ThreadPoolExecutor
 
     cpu = BlockPool(33)
     OffloadPlanner(LAYOUT, BlockPool(33), cpu)
     store = SimStore(100)
     store.write(list(range(8)))
-    asked = []
-
-    def query(keys):
-        asked.append(list(keys))
-        return store.query(keys)
-
+    query, gate, asked = _gated(store)
     with ThreadPoolExecutor(1) as pool:
         fetches = StoreFetches(LAYOUT, cpu, query, FaultLog("test"), 5.0, executor=pool)
         fetches.prefetch("a", range(8))
-        fetches._ahead["a"][1].result()
-        assert fetches.extend(_req("a"), 0, 0)
-        assert fetches.stats["second_tier_queries_ahead"] == 1 and len(asked) == 1
-        assert fetches.extend(_req("b"), 0, 0)  # nothing asked ahead: asked now
+        assert fetches.extend(_req("a"), 0, 0) and not fetches.issue()  # not back: it waits
+        assert fetches.stats["second_tier_query_waits"] == 1
+        gate.set()
+        fetches._ahead["a"].answer.result()
+        assert fetches.extend(_req("a"), 0, 0)  # back: the fetch is planned, the request waits
+        (f,) = fetches.issue()
+        assert sorted(f.keys) == list(range(8)) and len(asked) == 1
+        assert fetches.stats["second_tier_queries_ahead"] == 1
+        assert fetches.extend(_req("b"), 0, 0) and not fetches.issue()  # asked by its lookup
+        fetches._ahead["b"].answer.result()
         assert len(asked) == 2 and fetches.stats["second_tier_queries_ahead"] == 1
         assert set(fetches.referenced_keys()) == set(range(8))
         fetches.forget("a")
         fetches.forget("b")
+
+
+def test_a_query_not_back_by_the_timeout_lets_the_request_run_without_the_store():
+    from concurrent.futures import ThreadPoolExecutor
+
+    cpu = BlockPool(33)
+    OffloadPlanner(LAYOUT, BlockPool(33), cpu)
+    store = SimStore(100)
+    store.write(list(range(8)))
+    query, gate, _ = _gated(store)
+    clock, faults = _Clock(), FaultLog("test")
+    with ThreadPoolExecutor(1) as pool:
+        fetches = StoreFetches(LAYOUT, cpu, query, faults, 5.0, clock=clock, executor=pool)
+        fetches.prefetch("a", range(8))
+        clock.now = 4.9
+        assert fetches.extend(_req("a"), 0, 0)
+        clock.now = 5.1
+        assert not fetches.extend(_req("a"), 0, 0) and faults.counts["timeout"] == 1
+        assert not fetches.extend(_req("a"), 0, 0)  # asked once: it does not ask again
+        gate.set()
+        assert cpu.num_used_blocks == 0 and not fetches.has_pending()
