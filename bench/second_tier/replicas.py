@@ -128,7 +128,7 @@ class Replica:
 
 
 def step_cost(model: str, dtype: str, max_len: int, per_block: int, master,
-              batches: list[list[str]], tokens: dict[str, list[int]], repeats: int = 5) -> dict:
+              batches: list[list[str]], tokens: dict[str, list[int]], repeats: int = 9) -> dict:
     """vLLM's scheduler seconds with the second tier on and off, on the same work: the whole
     workload on one replica whose CPU tier holds all of it, the store emptied first (so the
     tier finds nothing to fetch: it adds its existence queries, its hash lists and its

@@ -141,6 +141,7 @@ class StoreFetches:
         self._executor = executor
         self._query_latency_s = query_latency_s
         self._ahead: dict[str, _Query] = {}
+        self._query_waits: set[str] = set()  # lookups waiting for their query's answer
         self._timeout_s = timeout_s
         # Requests done asking (until they finish) -> the token their last run started at.
         self._asked: dict[str, int] = {}
@@ -160,6 +161,18 @@ class StoreFetches:
              "second_tier_blocks_failed", "second_tier_query_waits"), 0)
 
     # ---- lookup ------------------------------------------------------------------------------
+
+    def still_waiting(self, rid: str) -> bool:
+        """Whether ``rid`` waits for its fetch or its query's answer with time left: its lookup
+        can answer "not yet" without looking up the CPU tier again."""
+        f = self._waiting.get(rid)
+        if f is not None:
+            return self._clock() < f.deadline
+        if rid in self._query_waits:
+            q = self._ahead.get(rid)
+            return (q is not None and not self._back(q)
+                    and self._clock() < q.asked_at + self._timeout_s)
+        return False
 
     def extend(self, req: Request, num_computed_tokens: int, cpu_hit_tokens: int) -> bool:
         """After the CPU lookup of ``req`` (``cpu_hit_tokens`` past ``num_computed_tokens``):
@@ -281,11 +294,14 @@ class StoreFetches:
                                           self._clock(), False)
         if not self._back(q):
             if self._clock() < q.asked_at + self._timeout_s:
-                self.stats["second_tier_query_waits"] += 1
+                self.stats["second_tier_query_waits"] += rid not in self._query_waits
+                self._query_waits.add(rid)
                 return _NOT_BACK
+            self._query_waits.discard(rid)
             del self._ahead[rid]  # the request runs without the store's answer
             self.faults.fault("timeout", detail=f"existence query of request {rid!r}")
             return None
+        self._query_waits.discard(rid)
         answer = q.answer.result()
         if answer is None:
             return None
@@ -347,6 +363,7 @@ class StoreFetches:
         """``rid`` finished: it may ask again if it comes back; a fetch in flight completes."""
         self._asked.pop(rid, None)
         self._ahead.pop(rid, None)
+        self._query_waits.discard(rid)
         self._rounds.pop(rid, None)
         self._room_until.pop(rid, None)
         if (landed := self._landed.pop(rid, None)) is not None:
@@ -371,6 +388,7 @@ class StoreFetches:
         self._waiting.clear()
         self._asked.clear()
         self._ahead.clear()
+        self._query_waits.clear()
         self._rounds.clear()
         self._room_until.clear()
 

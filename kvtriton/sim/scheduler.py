@@ -108,6 +108,8 @@ class KVScheduler:
         ``kvtriton.second_tier.fetches.StoreFetches``, as the connector runs it)."""
         if self.planner is None:
             return 0
+        if self.second_tier is not None and self.second_tier.still_waiting(req.request_id):
+            return None  # as the connector: no lookup again until the store answers
         t0 = time.perf_counter()
         ext, _ = self.planner.get_num_new_matched_tokens(req, local)
         wait = self.second_tier is not None and self.second_tier.extend(req, local, ext)

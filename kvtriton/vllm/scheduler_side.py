@@ -143,6 +143,8 @@ class SchedulerSide:
         if getattr(vreq, "skip_reading_prefix_cache", False):
             return 0, False
         rid = vreq.request_id
+        if self.store is not None and self.store.still_waiting(rid):
+            return None, False  # for the store: nothing to look up again until it answers
         if rid in self._preemptions and self._preemptions[rid] != vreq.num_preemptions:
             # Preempted before a step said so (a reset that preempts every running request).
             planner.preempted(rid)

@@ -155,8 +155,8 @@ STATS: dict[str, Stat] = {
         "queries", "existence queries answered from the one asked when the request arrived "
         "(off the scheduler's step)"),
     "second_tier_query_waits": _counter(
-        "lookups", "lookups that found their existence query not back yet (the request waited "
-        "a step)"),
+        "requests", "requests whose lookup found their existence query not back yet (each "
+        "waited a step or more)"),
     "second_tier_found_blocks": _counter("blocks", "blocks the store held for a run and a fetch "
                                    "read (every rank's object present)"),
     "second_tier_fetches": _counter("fetch events", "fetches from the store issued to the workers"),

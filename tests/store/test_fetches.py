@@ -139,3 +139,34 @@ def test_a_query_not_back_by_the_timeout_lets_the_request_run_without_the_store(
         assert not fetches.extend(_req("a"), 0, 0)  # asked once: it does not ask again
         gate.set()
         assert cpu.num_used_blocks == 0 and not fetches.has_pending()
+
+
+def test_a_request_waiting_for_its_fetch_or_answer_is_still_waiting_until_it_lands():
+    """``still_waiting`` lets a lookup skip the CPU tier while nothing can have changed: true
+    from the fetch's issue to its landing, and from a query's first "not back" to its answer;
+    false for a request that never waited, and once the timeout passed."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    _, fetches, clock, _ = _setup()
+    assert not fetches.still_waiting("a")
+    assert fetches.extend(_req("a"), 0, 0)
+    (f,) = fetches.issue()
+    assert fetches.still_waiting("a")
+    clock.now = 5.1
+    assert not fetches.still_waiting("a")  # past its deadline: the lookup runs, times out
+    clock.now = 0.0
+    fetches.apply({f.event: 1}, {}, world_size=1)
+    assert not fetches.still_waiting("a")
+
+    store = SimStore(100)
+    store.write(list(range(8)))
+    query, gate, _ = _gated(store)
+    with ThreadPoolExecutor(1) as pool:
+        waits = StoreFetches(LAYOUT, BlockPool(33), query, FaultLog("test"), 5.0, executor=pool)
+        waits.prefetch("b", range(8))
+        assert not waits.still_waiting("b")  # asked, but its lookup did not need it yet
+        assert waits.extend(_req("b"), 0, 0) and waits.still_waiting("b")
+        gate.set()
+        waits._ahead["b"].answer.result()
+        assert not waits.still_waiting("b")
+        waits.forget("b")
