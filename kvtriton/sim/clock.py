@@ -16,6 +16,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from math import inf
 
 from kvtriton.records import PlannerMeta
 from kvtriton.sim.cost import ServingCost
@@ -73,6 +74,11 @@ class ServingClock(ABC):
         self._d2h, self._h2d = Link(), Link()
         self.fetches_done: list[int] = []  # second-tier fetch events completed, not yet applied
         self.now = 0.0
+        # In a fleet (``kvtriton.sim.fleet``): who releases a finished request's next turns
+        # (request id, now), and when the fleet's next arrival is (a replica with nothing to
+        # do waits for it instead of running its clock past it).
+        self.on_release: Callable[[str, float], None] | None = None
+        self.next_external: Callable[[], float] | None = None
 
     # ---- arrivals ------------------------------------------------------------------------------
 
@@ -91,6 +97,9 @@ class ServingClock(ABC):
 
     def _release_successors(self, rid: str) -> None:
         """``rid`` finished: the turns waiting for it arrive after their think time."""
+        if self.on_release is not None:
+            self.on_release(rid, self.now)
+            return
         for i in self._successors.pop(rid, []):
             heapq.heappush(self._arrivals, (self.now + self.workload.requests[i].think_s, i))
 
@@ -152,6 +161,8 @@ class ServingClock(ABC):
         when it is, with nothing to wait for: every later step would repeat this one (a
         scheduling deadlock)."""
         times = [q[0][0] for q in (self._arrivals, self._completions) if q]
+        if self.next_external is not None and self.next_external() < min(times, default=inf):
+            return False  # the fleet routes its next arrival first, then steps this again
         if not times:
             if busy:
                 raise RuntimeError(f"setup {self.metrics.setup!r}: {requests_left} requests "
@@ -184,13 +195,19 @@ class ServingClock(ABC):
             steps += 1
             if self.progress is not None and steps % PROGRESS_EVERY == 0:
                 self.progress(self.metrics.finished, total)
-        self._end_run()
-        m = self.metrics
+        m = self.finish_run(total)
         m.wall_s = time.perf_counter() - t0
-        m.makespan_s = self.now
-        m.requests = total
-        m.bytes_d2h, m.bytes_h2d = self._d2h.bytes, self._h2d.bytes
         if self.progress is not None:
             self.progress(m.finished, total)
+        return m
+
+    def finish_run(self, requests: int) -> RunMetrics:
+        """The end-of-run checks and counters once stepping is over (``requests``: how many
+        came to this loop)."""
+        self._end_run()
+        m = self.metrics
+        m.makespan_s = self.now
+        m.requests = requests
+        m.bytes_d2h, m.bytes_h2d = self._d2h.bytes, self._h2d.bytes
         return m
 

@@ -39,14 +39,20 @@ from kvtriton.second_tier.faults import FaultLog
 from kvtriton.second_tier.fetches import StoreFetches
 from kvtriton.setups import TierSetup
 from kvtriton.sim.batch_scheduler import BatchScheduler
-from kvtriton.sim.clock import Link, ServingClock, gpu_blocks_for
+from kvtriton.sim.clock import ServingClock, gpu_blocks_for
 from kvtriton.sim.cost import ServingCost
 from kvtriton.sim.errors import UncleanEndError
 from kvtriton.sim.hooks import IntegrityHook
 from kvtriton.sim.metrics import RunMetrics
 from kvtriton.sim.next_use import NextUse, NextUseQueue
 from kvtriton.sim.scheduler import SeqBlocks
-from kvtriton.sim.second_tier import LOOPBACK_TCP, AnsweredAtOnce, SimStore, StoreCost
+from kvtriton.sim.second_tier import (
+    LOOPBACK_TCP,
+    AnsweredAtOnce,
+    SimStore,
+    StoreCost,
+    StoreTier,
+)
 from kvtriton.sim.workload import Workload, WorkloadRequest
 from kvtriton.specs import KVLayout
 from kvtriton.tier_signals import SignalBook, cpu_queue
@@ -87,7 +93,8 @@ class ServingLoop(ServingClock):
                  integrity: IntegrityHook | None = None,
                  progress: Callable[[int, int], None] | None = None,
                  reserve_full_isl: bool = True, store_blocks: int | None = None,
-                 store_cost: StoreCost = LOOPBACK_TCP, fetch_timeout_s: float = 5.0) -> None:
+                 store_cost: StoreCost = LOOPBACK_TCP, fetch_timeout_s: float = 5.0,
+                 store_tier: StoreTier | None = None) -> None:
         super().__init__(workload, layout, cost, RunMetrics(setup=setup.name),
                          gpu_blocks=gpu_blocks, progress=progress)
         self.setup = setup
@@ -116,23 +123,28 @@ class ServingLoop(ServingClock):
         self.step_no = 0
         self.store: SimStore | None = None
         if setup.second_tier:
-            self._add_second_tier(store_blocks, store_cost, fetch_timeout_s)
+            if store_tier is None:
+                if store_blocks is None:
+                    raise ValueError(f"setup {setup.name!r} has a shared second tier: give "
+                                     "its capacity (store_blocks)")
+                store_tier = StoreTier(SimStore(store_blocks), store_cost)
+            self._add_second_tier(store_tier, fetch_timeout_s)
 
-    def _add_second_tier(self, store_blocks: int | None, cost: StoreCost,
-                         timeout_s: float) -> None:
-        """The shared store under the CPU tier (``kvtriton.sim.second_tier``): written through
-        as the CPU tier caches, fetched from by the connector's own ``StoreFetches``."""
-        if self.cpu is None or store_blocks is None:
-            raise ValueError(f"setup {self.setup.name!r} has a shared second tier: give its "
-                             "capacity (store_blocks)")
-        self.store = SimStore(store_blocks)
-        self.store_cost = cost
-        self._store_link = Link()
-        self.cpu.add_batch_listener(on_insert_many=lambda keys, _: self.store.write(keys))
-        self.sched.second_tier = StoreFetches(self.layout, self.cpu, self.store.query,
+    def _add_second_tier(self, tier: StoreTier, timeout_s: float) -> None:
+        """The store under the CPU tier (``kvtriton.sim.second_tier``; a fleet's replicas
+        share ``tier``): written through as the CPU tier caches, fetched from by the
+        connector's own ``StoreFetches``."""
+        if self.cpu is None:
+            raise ValueError(f"setup {self.setup.name!r}: a second tier needs a CPU tier")
+        self.store_tier, self.store, self.store_cost = tier, tier.store, tier.cost
+        # The tier serves full-attention groups alone (``check_layout``): one block size.
+        block_bytes = self.layout.group_block_bytes[0]
+        self.cpu.add_batch_listener(
+            on_insert_many=lambda keys, _: tier.put(self.now, keys, len(keys) * block_bytes))
+        self.sched.second_tier = StoreFetches(self.layout, self.cpu, tier.store.query,
                                               FaultLog("simulator"), timeout_s,
                                               clock=lambda: self.now, executor=AnsweredAtOnce(),
-                                              query_latency_s=cost.latency_s)
+                                              query_latency_s=tier.cost.latency_s)
 
     def _cpu_queue(self, setup: TierSetup, keys: list[np.ndarray]) -> EvictionQueue:
         """The CPU pool's eviction as the setup builds it (``kvtriton.tier_signals``), with the
@@ -253,7 +265,7 @@ class ServingLoop(ServingClock):
         per = self.layout.group_block_bytes
         for f in self.sched.second_tier.issue():
             nbytes = sum(per[g] for g in f.groups)
-            done = self._store_link.submit(self.now, nbytes, self.store_cost.fetch_s(nbytes))
+            done = self.store_tier.get(self.now, nbytes)
             self._push_completion(done, "fetch", f.event, [])
 
     def _check_clean_end(self) -> None:

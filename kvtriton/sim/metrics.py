@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypedDict
 
@@ -120,6 +120,29 @@ class RunMetrics:
     tokens_by_request: dict[str, tuple[int, int, int]] = field(default_factory=dict)
     #: Per request id that produced a token: its modeled TTFT in seconds.
     ttft_by_request: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def merged(cls, runs: Sequence[RunMetrics]) -> RunMetrics:
+        """The metrics of ``runs`` together (a fleet's replicas, each request in one of
+        them): counts and per-request figures summed or joined, the makespan the longest."""
+        out = cls(setup=runs[0].setup)
+        for m in runs:
+            for name in ("requests", "finished", "rejected", "steps", "prompt_tokens",
+                         "gpu_hit_tokens", "cpu_hit_tokens", "prefill_tokens",
+                         "recomputed_tokens", "preemptions", "bytes_d2h", "bytes_h2d",
+                         "planner_s", "wall_s"):
+                setattr(out, name, getattr(out, name) + getattr(m, name))
+            out.makespan_s = max(out.makespan_s, m.makespan_s)
+            out.ttft_s += m.ttft_s
+            out.build_meta_ms += m.build_meta_ms
+            for mine, theirs in ((out.planner, m.planner), (out.hints, m.hints)):
+                for k, v in theirs.items():
+                    if isinstance(v, int | float):
+                        mine[k] = mine.get(k, 0) + v
+            out.queue_by_request.update(m.queue_by_request)
+            out.tokens_by_request.update(m.tokens_by_request)
+            out.ttft_by_request.update(m.ttft_by_request)
+        return out
 
     def part_rows(self, parts: Mapping[str, str]) -> dict[str, PartRow]:
         """The figures of each part of ``parts`` (request id -> part name), in order of first

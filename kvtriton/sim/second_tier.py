@@ -21,11 +21,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from concurrent.futures import Executor, Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["LOOPBACK_TCP", "AnsweredAtOnce", "SimStore", "StoreCost"]
+from kvtriton.sim.clock import Link
+
+__all__ = ["LOOPBACK_TCP", "AnsweredAtOnce", "SimStore", "StoreCost", "StoreTier"]
 
 
 @dataclass(frozen=True)
@@ -106,3 +108,23 @@ class SimStore:
             if h:
                 held.move_to_end(k)
         return out
+
+
+@dataclass
+class StoreTier:
+    """The store as replicas reach it: its contents and its two links (puts in, gets out),
+    each transfer queued behind the ones before it. A fleet's replicas share one."""
+
+    store: SimStore
+    cost: StoreCost
+    puts: Link = field(default_factory=Link)
+    gets: Link = field(default_factory=Link)
+
+    def put(self, now: float, keys, nbytes: int) -> None:
+        """Replica's write-through of ``keys`` (``nbytes`` in all) at ``now``."""
+        self.store.write(keys)
+        self.puts.submit(now, nbytes, nbytes / self.cost.bandwidth_bytes_per_s)
+
+    def get(self, now: float, nbytes: int) -> float:
+        """A fetch of ``nbytes`` asked at ``now``; when it completes."""
+        return self.gets.submit(now, nbytes, self.cost.fetch_s(nbytes))
