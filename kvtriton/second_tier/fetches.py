@@ -56,22 +56,33 @@ class _Query:
 _NOT_BACK = object()
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Fetch:
-    """Blocks read from the store into fresh CPU blocks ``cpu`` (group ``groups[i]``, key id
-    ``keys[i]``); ``held``: CPU blocks of the run already cached, pinned until the fetch
-    completes."""
+    """Blocks read from the store for request ``rid`` into fresh CPU blocks ``cpu`` (group
+    ``groups[i]``, key id ``keys[i]``); ``riders``: other requests waiting for these blocks
+    (their runs share them), each pinning them too when they land."""
 
     rid: str
     cpu: list[int]
     groups: list[int]
     keys: list[int]
-    held: list[int]
-    deadline: float
     event: int = -1
     reports: int = 0
     bad: set[int] = field(default_factory=set)
     abandoned: bool = False
+    riders: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Wait:
+    """A request waiting, until ``deadline``, for ``fetches`` (its own, and others' that read
+    blocks of its run); ``held``: CPU blocks of its run already cached and ``landed``: blocks
+    of its fetches that landed, both pinned until its next lookup once all landed."""
+
+    deadline: float
+    fetches: list[Fetch]
+    held: list[int]
+    landed: list[int] = field(default_factory=list)
 
 
 def fetch_run(in_cpu: np.ndarray, in_store: np.ndarray) -> tuple[int, np.ndarray]:
@@ -151,7 +162,8 @@ class StoreFetches:
         # pinned its hit: another request's fetch, allocated first in that step, would evict
         # them otherwise.
         self._landed: dict[str, list[int]] = {}
-        self._waiting: dict[str, Fetch] = {}
+        self._waiting: dict[str, _Wait] = {}
+        self._inflight: dict[int, Fetch] = {}  # key id -> the fetch reading it
         self._queued: list[Fetch] = []
         self._events: dict[int, Fetch] = {}
         self._next_event = 0
@@ -165,9 +177,9 @@ class StoreFetches:
     def still_waiting(self, rid: str) -> bool:
         """Whether ``rid`` waits for its fetch or its query's answer with time left: its lookup
         can answer "not yet" without looking up the CPU tier again."""
-        f = self._waiting.get(rid)
-        if f is not None:
-            return self._clock() < f.deadline
+        w = self._waiting.get(rid)
+        if w is not None:
+            return self._clock() < w.deadline
         if rid in self._query_waits:
             q = self._ahead.get(rid)
             return (q is not None and not self._back(q)
@@ -180,11 +192,11 @@ class StoreFetches:
         rid = req.request_id
         if (landed := self._landed.pop(rid, None)) is not None:
             self._pool.free_blocks(landed)  # the lookup just now pinned what it hits
-        f = self._waiting.get(rid)
-        if f is not None:
-            if self._clock() < f.deadline:
+        w = self._waiting.get(rid)
+        if w is not None:
+            if self._clock() < w.deadline:
                 return True
-            del self._waiting[rid]  # it runs without; the fetch still lands in the tier
+            self._stop_waiting(rid)  # it runs without; the fetches still land in the tier
             self.faults.fault("timeout", detail=f"request {rid!r}")
             return False
         start = num_computed_tokens + cpu_hit_tokens
@@ -193,11 +205,11 @@ class StoreFetches:
         # Asked before, from further on: its GPU prefix left the GPU while it waited (vLLM may
         # evict a waiting request's cached blocks), so the run now starts earlier.
         self._rounds[rid] = self._rounds.get(rid, 0) + 1
-        f, whole = self._plan(req, start)
+        f, rides, held, whole = self._plan(req, start)
         if f is _NOT_BACK:
             self._rounds[rid] -= 1
             return True
-        if f is None and not whole:
+        if f is None and not rides and not whole:
             # The store holds more, but other requests' hits and fetches pin every CPU block:
             # their loads release them within a few steps. Wait for room, at most
             # fetch_timeout_s from the first wait.
@@ -206,25 +218,34 @@ class StoreFetches:
             if self._clock() < until:
                 return True
         self._room_until.pop(rid, None)
-        if f is None or whole:
+        if (f is None and not rides) or whole:
             self._asked[rid] = start
-        if f is None:
+        if f is None and not rides:
             return False
-        self._queued.append(f)
-        self._waiting[rid] = f
+        if f is not None:
+            self._queued.append(f)
+            self._inflight.update(dict.fromkeys(f.keys, f))
+            rides.append(f)
+        for g in rides:
+            if g.rid != rid:
+                g.riders.append(rid)
+        self._waiting[rid] = _Wait(self._clock() + self._timeout_s, rides, held)
         return True
 
-    def _plan(self, req: Request, start: int) -> tuple[Fetch | object | None, bool]:
-        """The fetch completing ``req``'s run from token ``start`` (None: nothing to fetch;
-        ``_NOT_BACK``: the store's answer is not back yet) and whether it is the whole run: a
-        run longer than the CPU tier's free blocks is fetched in rounds, the next asked for
-        once this one landed and was looked up."""
+    def _plan(self, req: Request, start: int
+              ) -> tuple[Fetch | object | None, list[Fetch], list[int], bool]:
+        """What completes ``req``'s run from token ``start``: its own fetch (None: nothing to
+        fetch; ``_NOT_BACK``: the store's answer is not back yet), the fetches in flight that
+        already read other blocks of the run (they are not read twice), the run's CPU blocks
+        it pinned, and whether that is the whole run: a run longer than the CPU tier's free
+        blocks is fetched in rounds, the next asked for once this one landed and was looked
+        up."""
         layout, pool = self._layout, self._pool
         sbs, hbs = layout.scheduler_block_size, layout.hash_block_size
         n_keys = min(req.keys.shape[1], req.num_tokens // hbs)
         end = min(n_keys * hbs, req.num_tokens - 1) // sbs * sbs
         if start % sbs or end <= start:
-            return None, True
+            return None, [], [], True
         first, n_sched = start // sbs, (end - start) // sbs
         # Per scheduler block j of the run and group g: the primary key of each group block.
         per_group = []
@@ -239,12 +260,17 @@ class StoreFetches:
         need = np.flatnonzero(~in_cpu)
         present = self._presence(req.request_id, [flat[i] for i in need.tolist()])
         if present is _NOT_BACK:
-            return _NOT_BACK, False
+            return _NOT_BACK, [], [], False
         self.stats["second_tier_queries"] += 1
         self.stats["second_tier_query_blocks"] += len(need)
         if present is None:
-            return None, True
+            return None, [], [], True
         run, take = fetch_run(in_cpu.reshape(keys.shape), present)
+        inflight = self._inflight
+        rides = list({id(g): g for g in (inflight.get(flat[i]) for i in take.tolist())
+                      if g is not None}.values())
+        if rides:
+            take = take[[flat[i] not in inflight for i in take.tolist()]]
         held = [pool.get_cached_block(flat[i]) for i in
                 np.flatnonzero(in_cpu[:run * keys.shape[1]]).tolist()]
         held = list(dict.fromkeys(b for b in held if b is not None))
@@ -252,15 +278,16 @@ class StoreFetches:
             pool.touch(held)
         whole = len(take) <= pool.num_free_blocks
         take = take[:pool.num_free_blocks]
-        if not len(take):
+        if not len(take) and not rides:
             if held:
                 pool.free_blocks(held)
-            return None, whole
+            return None, [], [], whole
+        if not len(take):
+            return None, rides, held, whole
         self.stats["second_tier_found_blocks"] += len(take)
         cpu = pool.get_new_blocks(len(take))
         return Fetch(req.request_id, cpu, groups[take % keys.shape[1]].tolist(),
-                     [flat[i] for i in take.tolist()], held,
-                     self._clock() + self._timeout_s), whole
+                     [flat[i] for i in take.tolist()]), rides, held, whole
 
     def prefetch(self, rid: str, keys: Iterable[int], asked_at: float | None = None) -> None:
         """Ask the store about ``keys`` (a request that just arrived: its prefix's) on the
@@ -344,18 +371,42 @@ class StoreFetches:
                                   [f.groups[i] for i in good])
             self.stats["second_tier_blocks_fetched"] += len(good)
             self.stats["second_tier_blocks_failed"] += len(f.bad)
-        waits = self._waiting.get(f.rid) is f
-        if waits:
-            del self._waiting[f.rid]
-        kept = set(good) if waits else set()
+        for k in f.keys:
+            if self._inflight.get(k) is f:
+                del self._inflight[k]
+        landed = [f.cpu[i] for i in sorted(good, reverse=True)]  # tail first, when let go
+        owner_waits = False
+        for rid in (f.rid, *f.riders):
+            w = self._waiting.get(rid)
+            if w is None or not any(g is f for g in w.fetches):
+                continue
+            w.fetches = [g for g in w.fetches if g is not f]
+            if rid == f.rid:
+                owner_waits = True  # the owner's pins are the blocks' first references
+            elif landed:
+                pool.touch(landed)
+            w.landed += landed
+            if not w.fetches:
+                del self._waiting[rid]
+                self._landed[rid] = w.landed + w.held
+        kept = set(good) if owner_waits else set()
         rest = [b for i, b in enumerate(f.cpu) if i not in kept]
         if rest:
             pool.free_blocks(rest[::-1])  # tail first: a chain's head outlives its tail
-        if waits:
-            # Tail first here too, when the request's lookup lets them go.
-            self._landed[f.rid] = [f.cpu[i] for i in sorted(kept, reverse=True)] + f.held
-        elif f.held:
-            pool.free_blocks(f.held)
+
+    def _stop_waiting(self, rid: str) -> None:
+        """``rid`` no longer waits: what it pinned goes; its fetches still land (a queued
+        own fetch is dropped by ``forget``)."""
+        w = self._waiting.pop(rid, None)
+        if w is None:
+            return
+        for g in w.fetches:
+            if g.rid == rid:
+                g.rid = ""  # its blocks land unpinned: nobody waits for them as the owner
+            else:
+                g.riders.remove(rid)
+        if w.landed or w.held:
+            self._pool.free_blocks(w.landed + w.held)
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -368,24 +419,30 @@ class StoreFetches:
         self._room_until.pop(rid, None)
         if (landed := self._landed.pop(rid, None)) is not None:
             self._pool.free_blocks(landed)
-        f = self._waiting.pop(rid, None)
-        if f is not None and f.event < 0:
-            self._queued.remove(f)
-            f.abandoned = True
-            self._complete(f)
+        w = self._waiting.get(rid)
+        own = [g for g in w.fetches if g.rid == rid and g.event < 0 and not g.riders] \
+            if w is not None else []
+        self._stop_waiting(rid)
+        for g in own:  # queued, never issued, nobody else waits for it: dropped
+            self._queued.remove(g)
+            g.abandoned = True
+            self._complete(g)
 
     def reset(self) -> None:
-        """Release queued fetches; those in flight are freed uncached when reported."""
+        """Release every pin and queued fetch; those in flight are freed uncached when
+        reported."""
+        for rid in list(self._waiting):
+            self._stop_waiting(rid)
         for f in self._queued:
             f.abandoned = True
             self._complete(f)
         self._queued.clear()
         for f in self._events.values():
             f.abandoned = True
+        self._inflight.clear()
         for landed in self._landed.values():
             self._pool.free_blocks(landed)
         self._landed.clear()
-        self._waiting.clear()
         self._asked.clear()
         self._ahead.clear()
         self._query_waits.clear()

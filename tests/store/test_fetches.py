@@ -170,3 +170,34 @@ def test_a_request_waiting_for_its_fetch_or_answer_is_still_waiting_until_it_lan
         waits._ahead["b"].answer.result()
         assert not waits.still_waiting("b")
         waits.forget("b")
+
+
+def test_a_second_request_waits_for_the_fetch_of_the_blocks_it_shares_not_a_second_read():
+    """Two waiting requests with one prefix: the second rides the first's fetch (one read of
+    each block), both stay pinned on it until their own next lookup, and both then hit."""
+    cpu, fetches, _, _ = _setup()
+    a, b = _req("a"), _req("b")
+    assert fetches.extend(a, 0, 0) and fetches.extend(b, 0, 0)
+    (f,) = fetches.issue()  # one fetch: b reads nothing itself
+    assert f.rid == "a" and f.riders == ["b"] and len(f.cpu) == 8
+    assert fetches.still_waiting("b")
+    fetches.apply({f.event: 1}, {}, world_size=1)
+    assert all(cpu.ref_cnt[blk] == 2 for blk in f.cpu)  # a's pin and b's
+    assert not fetches.extend(a, 0, 8 * 16)
+    assert all(cpu.ref_cnt[blk] == 1 for blk in f.cpu)
+    assert not fetches.extend(b, 0, 8 * 16)
+    assert cpu.num_used_blocks == 0 and all(k in cpu for k in range(8))
+    assert fetches.stats["second_tier_blocks_fetched"] == 8
+
+
+def test_a_rider_whose_owner_finished_still_gets_the_blocks():
+    cpu, fetches, _, _ = _setup()
+    assert fetches.extend(_req("a"), 0, 0) and fetches.extend(_req("b"), 0, 0)
+    fetches.forget("a")  # finished before its fetch went out: kept, b waits for it
+    (f,) = fetches.issue()
+    fetches.apply({f.event: 1}, {}, world_size=1)
+    assert all(cpu.ref_cnt[blk] == 1 for blk in f.cpu)  # b's pin alone
+    assert not fetches.extend(_req("b"), 0, 8 * 16)
+    assert cpu.num_used_blocks == 0
+    fetches.reset()
+    assert not fetches.has_pending()
