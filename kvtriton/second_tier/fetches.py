@@ -44,12 +44,14 @@ MAX_ROUNDS = 4
 @dataclass(slots=True)
 class _Query:
     """An existence query on the executor: ``keys`` asked at ``asked_at`` (the clock's
-    seconds); ``on_arrival``: asked when the request arrived, not by its lookup."""
+    seconds) for the request's ``round``-th fetch; ``on_arrival``: asked when the request
+    arrived, not by its lookup."""
 
     keys: list[int]
     answer: Future
     asked_at: float
     on_arrival: bool
+    round: int = 1
 
 
 #: ``_presence``'s answer while the query is still out: the request waits.
@@ -205,7 +207,7 @@ class StoreFetches:
         # Asked before, from further on: its GPU prefix left the GPU while it waited (vLLM may
         # evict a waiting request's cached blocks), so the run now starts earlier.
         self._rounds[rid] = self._rounds.get(rid, 0) + 1
-        f, rides, held, whole = self._plan(req, start)
+        f, rides, held, whole = self._plan(req, start, self._rounds[rid])
         if f is _NOT_BACK:
             self._rounds[rid] -= 1
             return True
@@ -232,14 +234,15 @@ class StoreFetches:
         self._waiting[rid] = _Wait(self._clock() + self._timeout_s, rides, held)
         return True
 
-    def _plan(self, req: Request, start: int
+    def _plan(self, req: Request, start: int, round_no: int
               ) -> tuple[Fetch | object | None, list[Fetch], list[int], bool]:
         """What completes ``req``'s run from token ``start``: its own fetch (None: nothing to
         fetch; ``_NOT_BACK``: the store's answer is not back yet), the fetches in flight that
         already read other blocks of the run (they are not read twice), the run's CPU blocks
         it pinned, and whether that is the whole run: a run longer than the CPU tier's free
         blocks is fetched in rounds, the next asked for once this one landed and was looked
-        up."""
+        up. ``round_no``: which of the request's fetches this is (an answer asked for an
+        earlier one is not used)."""
         layout, pool = self._layout, self._pool
         sbs, hbs = layout.scheduler_block_size, layout.hash_block_size
         n_keys = min(req.keys.shape[1], req.num_tokens // hbs)
@@ -258,7 +261,7 @@ class StoreFetches:
         flat = keys.ravel().tolist()
         in_cpu = np.fromiter((k in pool for k in flat), dtype=bool, count=len(flat))
         need = np.flatnonzero(~in_cpu)
-        present = self._presence(req.request_id, [flat[i] for i in need.tolist()])
+        present = self._presence(req.request_id, [flat[i] for i in need.tolist()], round_no)
         if present is _NOT_BACK:
             return _NOT_BACK, [], [], False
         self.stats["second_tier_queries"] += 1
@@ -309,16 +312,21 @@ class StoreFetches:
         """When each query not back yet was asked (the simulator wakes for them)."""
         return [q.asked_at for q in self._ahead.values() if not self._back(q)]
 
-    def _presence(self, rid: str, keys: list[int]) -> np.ndarray | object | None:
-        """Whether the store holds each of ``keys``; None when it could not say (a fault,
-        counted), ``_NOT_BACK`` while the query asked ahead is out (asked now when none covers
-        ``keys``: a request that grew since it arrived). Without an executor: a query now."""
+    def _presence(self, rid: str, keys: list[int], round_no: int = 1
+                  ) -> np.ndarray | object | None:
+        """Whether the store holds each of ``keys`` for the request's ``round_no``-th fetch;
+        None when it could not say (a fault, counted), ``_NOT_BACK`` while the query is out.
+        The first fetch reads the query asked on arrival; a query is asked now when none
+        covers ``keys`` (a request that grew since it arrived) or the one there answered an
+        earlier round (since then this replica wrote blocks through that it then held on the
+        GPU alone: a request whose GPU prefix was evicted while it waited needs them).
+        Without an executor: a query now."""
         if self._executor is None:
             return self._query(keys)
         q = self._ahead.get(rid)
-        if q is None or not set(keys).issubset(q.keys):
+        if q is None or q.round != round_no or not set(keys).issubset(q.keys):
             q = self._ahead[rid] = _Query(keys, self._executor.submit(self._query, keys),
-                                          self._clock(), False)
+                                          self._clock(), False, round_no)
         if not self._back(q):
             if self._clock() < q.asked_at + self._timeout_s:
                 self.stats["second_tier_query_waits"] += rid not in self._query_waits

@@ -201,3 +201,35 @@ def test_a_rider_whose_owner_finished_still_gets_the_blocks():
     assert cpu.num_used_blocks == 0
     fetches.reset()
     assert not fetches.has_pending()
+
+
+def test_a_later_round_asks_the_store_again_not_the_answer_from_arrival():
+    """The answer asked on arrival serves the first fetch; a run asked again from earlier (the
+    request's GPU prefix was evicted while it waited) gets a fresh query, since the replica may
+    have written those blocks through after the request arrived."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    cpu = BlockPool(33)
+    OffloadPlanner(LAYOUT, BlockPool(33), cpu)
+    store = SimStore(100)
+    store.write(list(range(4, 8)))  # blocks 0-3 are on the GPU, not yet written through
+    query, gate, asked = _gated(store)
+    gate.set()
+    with ThreadPoolExecutor(1) as pool:
+        fetches = StoreFetches(LAYOUT, cpu, query, FaultLog("test"), 5.0, executor=pool)
+        fetches.prefetch("a", range(8))
+        fetches._ahead["a"].answer.result()
+        req = _req("a")
+        assert fetches.extend(req, 4 * 16, 0)  # GPU hit of 4 blocks: fetch blocks 4-7
+        (f,) = fetches.issue()
+        fetches.apply({f.event: 1}, {}, world_size=1)
+        assert not fetches.extend(req, 4 * 16, 4 * 16) and len(asked) == 1
+        store.write(list(range(4)))  # written through since
+        assert fetches.extend(req, 0, 0)  # its GPU prefix went: asked again, not yet back
+        fetches._ahead["a"].answer.result()
+        assert len(asked) == 2 and fetches.extend(req, 0, 0)
+        (g,) = fetches.issue()
+        assert sorted(g.keys) == [0, 1, 2, 3]
+        fetches.apply({g.event: 1}, {}, world_size=1)
+        fetches.forget("a")
+        assert cpu.num_used_blocks == 0
