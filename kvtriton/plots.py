@@ -265,6 +265,34 @@ def plot_second_tier(doc: dict, path: str | Path) -> Path:
     return _save(fig, path, dpi=140)
 
 
+def plot_fleet(doc: dict, path: str | Path) -> Path:
+    """Per workload, test-part hit rate and TTFT p90 against the number of replicas, one line
+    per combination and reference (``bench/results/fleet.json``)."""
+    plt = _pyplot()
+    scaling = doc["findings"]["scaling"]
+    workloads = list(scaling)
+    fig, axes = plt.subplots(2, len(workloads), figsize=(4.2 * len(workloads), 6.4),
+                             squeeze=False)
+    for col, w in enumerate(workloads):
+        for label, s in sorted(scaling[w].items()):
+            ref = label in ("pooled", "unbounded", "nextuse")
+            style = dict(marker="o", ms=3, lw=1.6 if ref else 1.0, ls="--" if ref else "-")
+            axes[0][col].plot(s["replicas"], [100 * h for h in s["hit_rate"]], label=label,
+                              **style)
+            axes[1][col].plot(s["replicas"], s["ttft_p90_s"], label=label, **style)
+        axes[0][col].set_title(w)
+        axes[1][col].set_yscale("log")
+        axes[1][col].set_xlabel("replicas (per-replica load fixed)")
+        for row in (0, 1):
+            axes[row][col].set_xscale("log", base=2)
+    axes[0][0].set_ylabel("test hit rate (%)")
+    axes[1][0].set_ylabel("test TTFT p90 (s)")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=6, loc="lower center", ncol=5)
+    fig.subplots_adjust(bottom=0.2)
+    return _save(fig, path, dpi=140)
+
+
 def plot_connector_soak(doc: dict, path: str | Path) -> Path:
     """Key ids bound, planner key slots and RSS versus distinct blocks seen, recycling on and
     off (``bench/results/vllm_soak.json``)."""

@@ -28,6 +28,7 @@ from paper.sections.conversational_gap import conversational_gap_section
 from paper.sections.decision_map import decision_map_section
 from paper.sections.default_setup import default_section
 from paper.sections.engine import engine_section
+from paper.sections.fleet import fleet_section
 from paper.sections.hole import hole_section
 from paper.sections.kernels import hybrid_waste, kernel_section
 from paper.sections.lfu_recency import lfu_recency_section
@@ -44,7 +45,8 @@ from paper.sections.vs_vllm import vs_vllm_section
 SECTIONS = (inputs_section, hole_section, planner_section, vs_vllm_section, setups_section,
             decision_map_section, shares_section, conversational_gap_section,
             lfu_recency_section, restore_map_section, replay_section, glm5_section,
-            kernel_section, hybrid_waste, default_section, engine_section, second_tier_section)
+            kernel_section, hybrid_waste, default_section, engine_section, second_tier_section,
+            fleet_section)
 
 
 def section_numbers(template: str) -> dict[str, str]:

@@ -1,0 +1,1 @@
+"""The fleet study: replicas, routers and a shared store in the simulator (``study``)."""
