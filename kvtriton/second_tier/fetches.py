@@ -3,11 +3,12 @@ the rest of its prefix once, fetch what it holds into the CPU tier, and let the 
 for it.
 
 ``extend`` runs after the planner's CPU lookup. The first time a request's hit is cut short it
-reads which blocks past the hit the store holds: one batched existence query over every rank's
-object names, asked when the request arrived (``prefetch``) on a helper thread, so no round trip
-to the master runs inside the scheduler's step. A lookup that finds the answer not back yet
-waits, as for a fetch, and reads it at a later step; the answer may be a little old (a block
-written since reads as absent, one evicted since fails its fetch and is recomputed). The
+reads which blocks past the hit the store holds: an existence query over every rank's object
+names, asked when the request arrived (``prefetch``) on a helper thread, which sends every query
+queued by then in one call (the requests arriving in one step share a round trip). A lookup
+whose answer is not back waits for it at most ``INLINE_WAIT_S``, then lets the request wait a
+step, as for a fetch; the answer may be a little old (a block written since reads as absent,
+one evicted since fails its fetch and is recomputed). The
 longest run of scheduler blocks the CPU tier or the store holds is then completed from the
 store: fresh CPU blocks are allocated for the missing ones (the blocks of the run already in
 the CPU tier are pinned meanwhile) and a *fetch* goes to every worker. The request waits
@@ -22,8 +23,10 @@ its GPU prefix was evicted while it waited; at most ``MAX_ROUNDS`` fetches per r
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterable
+from concurrent import futures
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 
@@ -56,6 +59,9 @@ class _Query:
 
 #: ``_presence``'s answer while the query is still out: the request waits.
 _NOT_BACK = object()
+#: Seconds a lookup waits in the step for a query that is out before the request waits a step
+#: instead: a few loopback round trips (0.1 to 0.2 ms each here), less than a GPU step.
+INLINE_WAIT_S = 0.002
 
 
 @dataclass(slots=True, eq=False)
@@ -154,6 +160,8 @@ class StoreFetches:
         self._executor = executor
         self._query_latency_s = query_latency_s
         self._ahead: dict[str, _Query] = {}
+        self._pending: list[tuple[list[int], Future]] = []  # asked, not yet sent
+        self._pending_lock = threading.Lock()
         self._query_waits: set[str] = set()  # lookups waiting for their query's answer
         self._timeout_s = timeout_s
         # Requests done asking (until they finish) -> the token their last run started at.
@@ -300,12 +308,45 @@ class StoreFetches:
         if self._executor is None or rid in self._ahead:
             return
         ks = list(dict.fromkeys(int(k) for k in keys))
-        self._ahead[rid] = _Query(ks, self._executor.submit(self._query, ks),
-                                  self._clock() if asked_at is None else asked_at, True)
+        self._ahead[rid] = self._ask(ks, self._clock() if asked_at is None else asked_at,
+                                     True, 1)
 
-    def _back(self, q: _Query) -> bool:
+    def _ask(self, keys: list[int], asked_at: float, on_arrival: bool, round_no: int
+             ) -> _Query:
+        """Queue ``keys`` for the executor, which answers every query queued by the time it
+        runs in one call to the store (the requests that arrive in one step share a round
+        trip)."""
+        answer: Future = Future()
+        with self._pending_lock:
+            self._pending.append((keys, answer))
+        self._executor.submit(self._answer_pending)
+        return _Query(keys, answer, asked_at, on_arrival, round_no)
+
+    def _answer_pending(self) -> None:
+        with self._pending_lock:
+            batch, self._pending = self._pending, []
+        if not batch:
+            return  # an earlier call answered these
+        union = list(dict.fromkeys(k for keys, _ in batch for k in keys))
+        try:
+            present = self._query(union)
+        except Exception as e:  # a future left unanswered would hold its request to the timeout
+            self.faults.fault("error", detail=f"existence query: {e}")
+            present = None
+        table = None if present is None else dict(zip(union, present.tolist(), strict=True))
+        for keys, answer in batch:
+            answer.set_result(None if table is None else np.fromiter(
+                (table[k] for k in keys), dtype=bool, count=len(keys)))
+
+    def _back(self, q: _Query, wait: bool = False) -> bool:
+        """Whether ``q``'s answer is back; ``wait``: after waiting for it up to
+        ``INLINE_WAIT_S`` (the simulator's clock does not move: its answer counts as back if it
+        is due by then)."""
         if self._query_latency_s is not None:
-            return self._clock() >= q.asked_at + self._query_latency_s
+            slack = INLINE_WAIT_S if wait else 0.0
+            return self._clock() + slack >= q.asked_at + self._query_latency_s
+        if wait:
+            futures.wait([q.answer], timeout=INLINE_WAIT_S)
         return q.answer.done()
 
     def pending_queries(self) -> list[float]:
@@ -325,9 +366,8 @@ class StoreFetches:
             return self._query(keys)
         q = self._ahead.get(rid)
         if q is None or q.round != round_no or not set(keys).issubset(q.keys):
-            q = self._ahead[rid] = _Query(keys, self._executor.submit(self._query, keys),
-                                          self._clock(), False, round_no)
-        if not self._back(q):
+            q = self._ahead[rid] = self._ask(keys, self._clock(), False, round_no)
+        if not self._back(q, wait=True):
             if self._clock() < q.asked_at + self._timeout_s:
                 self.stats["second_tier_query_waits"] += rid not in self._query_waits
                 self._query_waits.add(rid)

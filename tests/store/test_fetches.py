@@ -233,3 +233,28 @@ def test_a_later_round_asks_the_store_again_not_the_answer_from_arrival():
         fetches.apply({g.event: 1}, {}, world_size=1)
         fetches.forget("a")
         assert cpu.num_used_blocks == 0
+
+
+def test_queries_asked_while_the_helper_is_busy_go_to_the_store_in_one_call():
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    store = SimStore(100)
+    store.write([1, 3, 5])
+    calls = []
+
+    def query(keys):
+        calls.append(list(keys))
+        return store.query(keys)
+
+    busy = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        fetches = StoreFetches(LAYOUT, BlockPool(33), query, FaultLog("test"), 5.0,
+                               executor=pool)
+        pool.submit(busy.wait, 10)  # the helper is in another call
+        for rid, keys in (("a", [1, 2]), ("b", [2, 3]), ("c", [5])):
+            fetches.prefetch(rid, keys)
+        busy.set()
+        answers = {rid: fetches._ahead[rid].answer.result(5).tolist() for rid in "abc"}
+    assert calls == [[1, 2, 3, 5]]
+    assert answers == {"a": [True, False], "b": [False, True], "c": [True]}
