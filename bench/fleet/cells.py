@@ -43,7 +43,7 @@ KEPT = ("requests", "finished", "rejected", "prompt_tokens", "gpu_hit_tokens", "
         "token_hit_rate", "ttft_p50_s", "ttft_p90_s", "queue_delay_mean_s",
         "queue_delay_p90_s", "bytes_d2h", "bytes_h2d", "makespan_s", "routed",
         "replica_queue_delay_mean_s", "busiest_queue_delay_ratio", "replica_bytes_host",
-        "store", "parts")
+        "store", "parts", "prefix_left_elsewhere")
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,8 @@ from bench.fleet.executors import run_cells
 
 WORKLOADS = ("cc_agentic", "mooncake", "agent")
 FLEET_SIZES = (1, 2, 4, 8)
-TIERS = ("eager", "eager+lfu:64")
+#: Per-replica CPU tiers tried (the connector's default; --tiers adds others).
+TIERS = ("eager",)
 ROUTERS = ("round_robin", "least_loaded", "session", "prefix")
 CONTROL = ("eager", "round_robin")
 #: The quick size's requests per workload (None: all); the full size runs every request.
@@ -38,20 +39,20 @@ TARGET_SHARE = 0.5
 TARGET_WORKLOAD, TARGET_N = "cc_agentic", 4
 
 
-def combinations(n: int) -> list[tuple[str, str]]:
+def combinations(n: int, tiers: Sequence[str] = TIERS) -> list[tuple[str, str]]:
     """(setup, router) of every combination at fleet size ``n`` (one router at N = 1)."""
     routers = ROUTERS if n > 1 else ("round_robin",)
     return [(tier + ("+shared" if store else ""), router)
-            for tier in TIERS for store in (False, True) for router in routers]
+            for tier in tiers for store in (False, True) for router in routers]
 
 
-def cells(workloads: Sequence[str], sizes: Sequence[int],
-          limits: dict[str, int | None]) -> list[Cell]:
+def cells(workloads: Sequence[str], sizes: Sequence[int], limits: dict[str, int | None],
+          tiers: Sequence[str] = TIERS) -> list[Cell]:
     out = []
     for w in workloads:
         for n in sizes:
             lim = limits.get(w)
-            out += [Cell(w, n, s, r, limit=lim) for s, r in combinations(n)]
+            out += [Cell(w, n, s, r, limit=lim) for s, r in combinations(n, tiers)]
             out += [Cell(w, n, "eager", "round_robin", "pooled", lim),
                     Cell(w, n, "eager", "round_robin", "unbounded", lim),
                     Cell(w, n, "eager+nextuse", "round_robin", "nextuse", lim)]
@@ -105,6 +106,7 @@ def summarize(rows: list[dict]) -> dict[str, Any]:
             gained = test["chosen"]["hit_rate"] - test["control"]["hit_rate"]
             table[w][str(n)] = {
                 "chosen": _label(best), "test": test,
+                "control_prefix_left_elsewhere": control.get("prefix_left_elsewhere"),
                 "train_hit_rate": _part(best, "train")["token_hit_rate"],
                 "split_loss_points": 100 * loss, "recovered_points": 100 * gained,
                 "recovered_share": gained / loss if loss > 0 else None,
@@ -143,6 +145,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--full", action="store_true", help="every request of every workload")
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     p.add_argument("--replicas", nargs="+", type=int, default=list(FLEET_SIZES))
+    p.add_argument("--tiers", nargs="+", default=list(TIERS),
+                   help="per-replica CPU tier setups to combine (compositions, no 'shared')")
     p.add_argument("--limit", type=int, default=None,
                    help="the first requests of every workload (overrides the size's)")
     p.add_argument("--ray", default=None, metavar="ADDRESS",
@@ -155,7 +159,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(f"--replicas must be positive, got {args.replicas}")
     limits = {w: args.limit for w in WORKLOADS} if args.limit is not None else \
         ({w: None for w in WORKLOADS} if args.full else dict(QUICK_LIMITS))
-    todo = cells(args.workloads, sorted(set(args.replicas)), limits)
+    from kvtriton.setups import tier_setup
+
+    for t in args.tiers:
+        try:
+            if tier_setup(t).second_tier:
+                p.error(f"--tiers {t!r}: the shared store is a combination axis of its own")
+        except ValueError as e:
+            p.error(f"--tiers: {e}")
+    todo = cells(args.workloads, sorted(set(args.replicas)), limits, args.tiers)
     print(f"fleet: {len(todo)} simulations", file=sys.stderr)
     rows = run_cells(todo, ray_address=args.ray, jobs=args.jobs, quiet=args.quiet)
     wall = {r["cell"]["workload"] + "/" + _label(r) + f"/N={r['cell']['replicas']}":
@@ -163,7 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     doc = {"conditions": {
         "size": "full" if args.full else "quick", "limits": limits,
         "workloads": args.workloads, "replicas": sorted(set(args.replicas)),
-        "tiers": list(TIERS), "routers": list(ROUTERS), "control": list(CONTROL),
+        "tiers": list(args.tiers), "routers": list(ROUTERS), "control": list(CONTROL),
         "load": "per replica fixed: the trace N times faster on N replicas",
         "choice": "on train: highest hit rate with TTFT p90 no worse than the control's",
         "executor": "ray" if args.ray else "local processes"},

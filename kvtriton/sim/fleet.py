@@ -157,6 +157,10 @@ class FleetRun:
     merged: RunMetrics
     routed: list[int] = field(default_factory=list)
     wall_s: float = 0.0
+    #: Of the routed requests' prompt blocks, the share another replica held a longer cached
+    #: prefix of than the chosen one did when the request was routed: what the router left
+    #: elsewhere, measurable in a fleet from its replicas' KV events.
+    prefix_left_elsewhere: float = 0.0
 
 
 class Fleet:
@@ -175,6 +179,7 @@ class Fleet:
         self.progress = progress
         self._arrivals, self._successors = workload.arrival_queue()
         self.routed = [0] * len(self.replicas)
+        self._left_blocks = self._prompt_blocks = 0
         for r in self.replicas:
             # The fleet owns arrivals: a replica's finished turns release theirs through it.
             r._arrivals, r._successors = [], {}
@@ -191,7 +196,12 @@ class Fleet:
     def _route(self) -> None:
         at, i = heapq.heappop(self._arrivals)
         wr = self.workload.requests[i]
-        r = self.router.pick(wr, self.keys[i], self.replicas)
+        keys = self.keys[i]
+        r = self.router.pick(wr, keys, self.replicas)
+        if len(self.replicas) > 1:
+            held = [PrefixAware.cached_prefix(x, keys) for x in self.replicas]
+            self._left_blocks += max(held) - held[r]
+        self._prompt_blocks += keys.shape[1]
         replica = self.replicas[r]
         heapq.heappush(replica._arrivals, (at, i))
         replica.now = max(replica.now, at)
@@ -231,4 +241,6 @@ class Fleet:
         merged.wall_s = wall
         if self.progress is not None:
             self.progress(merged.finished, total)
-        return FleetRun([r.metrics for r in self.replicas], merged, list(self.routed), wall)
+        left = self._left_blocks / self._prompt_blocks if self._prompt_blocks else 0.0
+        return FleetRun([r.metrics for r in self.replicas], merged, list(self.routed), wall,
+                        left)

@@ -31,7 +31,8 @@ def fleet_section(v: dict) -> None:
                          f"{test['control']['ttft_p90_s']:.2f}",
                          f"{test['chosen']['ttft_p90_s']:.2f}",
                          _pct(t["recovered_share"]),
-                         f"{test['chosen']['busiest_queue_delay_ratio'] or 0:.2f}"])
+                         f"{test['chosen']['busiest_queue_delay_ratio'] or 0:.2f}",
+                         _pct(t.get("control_prefix_left_elsewhere"))])
     target = f.get("recovered_share")
     verdict = "not run at the target's cell" if target is None else (
         f"at N = {target['replicas']} on {target['workload']}'s test part the choice "
@@ -62,8 +63,13 @@ def fleet_section(v: dict) -> None:
         "simulations).\n\n"
         + md_table(["workload", "N", "chosen on train", "control hit", "chosen hit",
                     "pooled hit", "unbounded hit", "control TTFT p90 (s)",
-                    "chosen TTFT p90 (s)", "loss recovered", "busiest/mean queue"], rows)
+                    "chosen TTFT p90 (s)", "loss recovered", "busiest/mean queue",
+                    "left elsewhere (RR)"], rows)
         + "\n\nThe target: " + verdict + ". \"Loss recovered\" is the chosen combination's "
         "hit-rate gain over the control as a share of the pooled replica's; \"busiest/mean "
         "queue\" is the busiest replica's mean queueing delay over the fleet's, what routing "
-        "costs in balance.")
+        "costs in balance. \"Left elsewhere (RR)\" is what an operator can measure before "
+        "choosing: under round-robin, the share of prompt blocks another replica held a longer "
+        "cached prefix of than the one the request went to (from the replicas' KV events); "
+        "where it is small, neither a prefix-aware router nor a shared store has much to "
+        "recover, and the table says which one does where it is large.")
