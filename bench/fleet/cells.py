@@ -34,8 +34,9 @@ __all__ = ["Cell", "PooledCost", "run_cell"]
 SPLITS = {"cc_agentic": "sessions", "agent": "sessions", "mooncake": "time"}
 #: Base per-replica batch of a replica (as ``simulate``'s defaults).
 TOKEN_BUDGET, MAX_RUNNING = 8192, 256
-#: The store of a shared cell holds this many times the fleet's CPU blocks.
-STORE_PER_FLEET_CPU = 4
+#: The store of a shared cell holds this many times the fleet's CPU blocks: memory on top of
+#: the replicas' own tiers (each row says its memory; ``pooled`` has none of it).
+STORE_PER_FLEET_CPU = 1
 #: A store nobody pays to reach (the ``unbounded`` reference).
 FREE_STORE = StoreCost(float("inf"), 0.0, "reference: no transfer cost")
 #: Figures of a row the study keeps (modeled; the run's wall time is kept apart).
@@ -44,6 +45,7 @@ KEPT = ("requests", "finished", "rejected", "prompt_tokens", "gpu_hit_tokens", "
         "queue_delay_p90_s", "bytes_d2h", "bytes_h2d", "makespan_s", "routed",
         "replica_queue_delay_mean_s", "busiest_queue_delay_ratio", "replica_bytes_host",
         "store", "parts", "prefix_left_elsewhere")
+# (``unbounded``'s store holds every key: its memory is the workload's, not a capacity.)
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,9 @@ def run_cell(cell: Cell) -> dict[str, Any]:
         kw.update(store_blocks=STORE_PER_FLEET_CPU * n_cpu * replicas, store_cost=LOOPBACK_TCP)
     row = simulate_fleet(wl, replicas=replicas, router=router, setup=setup, **kw)
     out = {k: row[k] for k in KEPT if k in row}
+    out["memory_blocks"] = {"gpu": kw["gpu_blocks"] * replicas,
+                            "cpu": kw["cpu_blocks"] * replicas,
+                            "store": kw.get("store_blocks", 0)}
     out["cell"] = cell.as_dict()
     out["wall_s"] = row["wall_s"]
     return out

@@ -132,7 +132,9 @@ def summarize(rows: list[dict]) -> dict[str, Any]:
 
 
 def _figures(part: dict, row: dict) -> dict[str, Any]:
-    return {"hit_rate": part["token_hit_rate"], "ttft_p50_s": part["ttft_p50_s"],
+    mem = row.get("memory_blocks", {})
+    return {"hit_rate": part["token_hit_rate"],
+            "memory_blocks": sum(mem.values()), "ttft_p50_s": part["ttft_p50_s"],
             "ttft_p90_s": part["ttft_p90_s"], "queue_delay_p50_s": part["queue_delay_p50_s"],
             "busiest_queue_delay_ratio": row.get("busiest_queue_delay_ratio"),
             "bytes_host": sum(row.get("replica_bytes_host", [])),

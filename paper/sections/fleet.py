@@ -11,6 +11,11 @@ def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{100 * x:.1f}%"
 
 
+def _memory(test: dict, name: str) -> float:
+    pooled = test["pooled"].get("memory_blocks") or 0
+    return test[name].get("memory_blocks", 0) / pooled if pooled else float("nan")
+
+
 def fleet_section(v: dict) -> None:
     doc = load("fleet")
     if doc is None:
@@ -32,7 +37,8 @@ def fleet_section(v: dict) -> None:
                          f"{test['chosen']['ttft_p90_s']:.2f}",
                          _pct(t["recovered_share"]),
                          f"{test['chosen']['busiest_queue_delay_ratio'] or 0:.2f}",
-                         _pct(t.get("control_prefix_left_elsewhere"))])
+                         _pct(t.get("control_prefix_left_elsewhere")),
+                         f"{_memory(test, 'chosen'):.2f}"])
     target = f.get("recovered_share")
     verdict = "not run at the target's cell" if target is None else (
         f"at N = {target['replicas']} on {target['workload']}'s test part the choice "
@@ -64,7 +70,7 @@ def fleet_section(v: dict) -> None:
         + md_table(["workload", "N", "chosen on train", "control hit", "chosen hit",
                     "pooled hit", "unbounded hit", "control TTFT p90 (s)",
                     "chosen TTFT p90 (s)", "loss recovered", "busiest/mean queue",
-                    "left elsewhere (RR)"], rows)
+                    "left elsewhere (RR)", "chosen memory / pooled"], rows)
         + "\n\nThe target: " + verdict + ". \"Loss recovered\" is the chosen combination's "
         "hit-rate gain over the control as a share of the pooled replica's; \"busiest/mean "
         "queue\" is the busiest replica's mean queueing delay over the fleet's, what routing "
@@ -72,4 +78,7 @@ def fleet_section(v: dict) -> None:
         "choosing: under round-robin, the share of prompt blocks another replica held a longer "
         "cached prefix of than the one the request went to (from the replicas' KV events); "
         "where it is small, neither a prefix-aware router nor a shared store has much to "
-        "recover, and the table says which one does where it is large.")
+        "recover, and the table says which one does where it is large. \"Chosen memory / "
+        "pooled\" is the chosen combination's GPU, CPU and store blocks over the pooled "
+        "replica's: a shared store (as large as the fleet's CPU tiers together) is memory "
+        "on top of the replicas' own, so a combination with it can pass the pooled replica.")
