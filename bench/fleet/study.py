@@ -104,8 +104,13 @@ def summarize(rows: list[dict]) -> dict[str, Any]:
                     for name, r in (("chosen", best), ("control", control), *refs.items())}
             loss = test["pooled"]["hit_rate"] - test["control"]["hit_rate"]
             gained = test["chosen"]["hit_rate"] - test["control"]["hit_rate"]
+            on_test = max(fleet, key=lambda r: _part(r, "test")["token_hit_rate"])
             table[w][str(n)] = {
                 "chosen": _label(best), "test": test,
+                # What did not hold on test: the combination best there, and by how much.
+                "best_on_test": _label(on_test),
+                "best_on_test_points": 100 * (_part(on_test, "test")["token_hit_rate"]
+                                              - test["chosen"]["hit_rate"]),
                 "control_prefix_left_elsewhere": control.get("prefix_left_elsewhere"),
                 "train_hit_rate": _part(best, "train")["token_hit_rate"],
                 "split_loss_points": 100 * loss, "recovered_points": 100 * gained,

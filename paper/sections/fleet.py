@@ -39,6 +39,13 @@ def fleet_section(v: dict) -> None:
                          f"{test['chosen']['busiest_queue_delay_ratio'] or 0:.2f}",
                          _pct(t.get("control_prefix_left_elsewhere")),
                          f"{_memory(test, 'chosen'):.2f}"])
+    missed = [f"{w} N = {n}: {t['best_on_test']} ({t['best_on_test_points']:.1f} points more)"
+              for w, by_n in f["table"].items() for n, t in by_n.items()
+              if t.get("best_on_test") not in (None, t["chosen"])]
+    held = ("On the test part the train choice was also the best combination in every "
+            "cell." if not missed else
+            f"On the test part another combination beat the train choice in {len(missed)} "
+            f"of {len(rows)} cells: " + "; ".join(missed) + ".")
     target = f.get("recovered_share")
     verdict = "not run at the target's cell" if target is None else (
         f"at N = {target['replicas']} on {target['workload']}'s test part the choice "
@@ -71,13 +78,14 @@ def fleet_section(v: dict) -> None:
                     "pooled hit", "unbounded hit", "control TTFT p90 (s)",
                     "chosen TTFT p90 (s)", "loss recovered", "busiest/mean queue",
                     "left elsewhere (RR)", "chosen memory / pooled"], rows)
-        + "\n\nThe target: " + verdict + ". \"Loss recovered\" is the chosen combination's "
-        "hit-rate gain over the control as a share of the pooled replica's; \"busiest/mean "
-        "queue\" is the busiest replica's mean queueing delay over the fleet's, what routing "
-        "costs in balance. \"Left elsewhere (RR)\" is what an operator can measure before "
-        "choosing: under round-robin, the share of prompt blocks another replica held a longer "
-        "cached prefix of than the one the request went to (from the replicas' KV events); "
-        "where it is small, neither a prefix-aware router nor a shared store has much to "
+        + "\n\nThe target: " + verdict + ". " + held
+        + " \"Loss recovered\" is the chosen combination's hit-rate gain over the control "
+        "as a share of the pooled replica's; \"busiest/mean queue\" is the busiest "
+        "replica's mean queueing delay over the fleet's, what routing costs in balance. "
+        "\"Left elsewhere (RR)\" is what an operator can measure before choosing: under "
+        "round-robin, the share of prompt blocks another replica held a longer cached "
+        "prefix of than the one the request went to (from the replicas' KV events); where "
+        "it is small, neither a prefix-aware router nor a shared store has much to "
         "recover, and the table says which one does where it is large. \"Chosen memory / "
         "pooled\" is the chosen combination's GPU, CPU and store blocks over the pooled "
         "replica's: a shared store (as large as the fleet's CPU tiers together) is memory "
