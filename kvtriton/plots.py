@@ -271,7 +271,7 @@ def plot_fleet(doc: dict, path: str | Path) -> Path:
     plt = _pyplot()
     scaling = doc["findings"]["scaling"]
     workloads = list(scaling)
-    fig, axes = plt.subplots(2, len(workloads), figsize=(4.2 * len(workloads), 6.4),
+    fig, axes = plt.subplots(2, len(workloads), figsize=(4.2 * len(workloads) + 2.4, 6.6),
                              squeeze=False)
     for col, w in enumerate(workloads):
         for label, s in sorted(scaling[w].items()):
@@ -287,9 +287,8 @@ def plot_fleet(doc: dict, path: str | Path) -> Path:
             axes[row][col].set_xscale("log", base=2)
     axes[0][0].set_ylabel("test hit rate (%)")
     axes[1][0].set_ylabel("test TTFT p90 (s)")
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, fontsize=6, loc="lower center", ncol=5)
-    fig.subplots_adjust(bottom=0.2)
+    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0),
+                       frameon=False)
     return _save(fig, path, dpi=140)
 
 
