@@ -21,6 +21,9 @@ def _bookkeeping(doc: dict) -> str:
 
 def planner_section(v: dict) -> None:
     doc = load("planner")
+    from kvtriton.pool import BlockPool
+
+    v["batch_min"] = str(BlockPool.batch_min)
     v["bookkeeping_text"] = ("the planner benchmark has not been run" if doc is None
                              else _bookkeeping(doc))
     if doc is None:
