@@ -120,6 +120,12 @@ def fetch_run_loop(in_cpu: np.ndarray, in_store: np.ndarray) -> tuple[int, np.nd
     return run, np.asarray(take, dtype=np.int64)
 
 
+def _subset(asked: list[int], present: np.ndarray, keys: list[int]) -> np.ndarray:
+    """``present`` (one bool per key of ``asked``) for ``keys``, a subset of ``asked``."""
+    table = dict(zip(asked, present.tolist(), strict=True))
+    return np.fromiter((table[k] for k in keys), dtype=bool, count=len(keys))
+
+
 def check_layout(layout: KVLayout) -> None:
     """``ValueError`` for a layout the second tier does not serve (a sliding-window or Mamba
     group: a hit there needs other blocks than its prefix's)."""
@@ -333,10 +339,8 @@ class StoreFetches:
         except Exception as e:  # a future left unanswered would hold its request to the timeout
             self.faults.fault("error", detail=f"existence query: {e}")
             present = None
-        table = None if present is None else dict(zip(union, present.tolist(), strict=True))
         for keys, answer in batch:
-            answer.set_result(None if table is None else np.fromiter(
-                (table[k] for k in keys), dtype=bool, count=len(keys)))
+            answer.set_result(None if present is None else _subset(union, present, keys))
 
     def _back(self, q: _Query, wait: bool = False) -> bool:
         """Whether ``q``'s answer is back; ``wait``: after waiting for it up to
@@ -381,8 +385,7 @@ class StoreFetches:
         if answer is None:
             return None
         self.stats["second_tier_queries_ahead"] += q.on_arrival
-        table = dict(zip(q.keys, answer.tolist(), strict=True))
-        return np.fromiter((table[k] for k in keys), dtype=bool, count=len(keys))
+        return _subset(q.keys, answer, keys)
 
     # ---- per step and reports ----------------------------------------------------------------
 

@@ -99,9 +99,8 @@ class ServingClock(ABC):
         """``rid`` finished: the turns waiting for it arrive after their think time."""
         if self.on_release is not None:
             self.on_release(rid, self.now)
-            return
-        for i in self._successors.pop(rid, []):
-            heapq.heappush(self._arrivals, (self.now + self.workload.requests[i].think_s, i))
+        else:
+            self.workload.release_after(rid, self.now, self._arrivals, self._successors)
 
     # ---- transfers -----------------------------------------------------------------------------
 

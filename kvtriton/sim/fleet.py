@@ -150,13 +150,12 @@ def make_router(name: str) -> Router:
 
 @dataclass
 class FleetRun:
-    """What a fleet run gives: one ``RunMetrics`` per replica and their merge; ``routed``:
-    requests per replica."""
+    """What a fleet run gives: one ``RunMetrics`` per replica and their merge (its ``wall_s``
+    the whole run's); ``routed``: requests per replica."""
 
     replicas: list[RunMetrics]
     merged: RunMetrics
     routed: list[int] = field(default_factory=list)
-    wall_s: float = 0.0
     #: Of the routed requests' prompt blocks, the share another replica held a longer cached
     #: prefix of than the chosen one did when the request was routed: what the router left
     #: elsewhere, measurable in a fleet from its replicas' KV events.
@@ -190,8 +189,7 @@ class Fleet:
         return self._arrivals[0][0] if self._arrivals else math.inf
 
     def _release(self, rid: str, now: float) -> None:
-        for i in self._successors.pop(rid, []):
-            heapq.heappush(self._arrivals, (now + self.workload.requests[i].think_s, i))
+        self.workload.release_after(rid, now, self._arrivals, self._successors)
 
     def _route(self) -> None:
         at, i = heapq.heappop(self._arrivals)
@@ -236,11 +234,9 @@ class Fleet:
                 self.progress(sum(x.metrics.finished for x in self.replicas), total)
         for r, routed in zip(self.replicas, self.routed, strict=True):
             r.finish_run(routed)
-        wall = time.perf_counter() - t0
         merged = RunMetrics.merged([r.metrics for r in self.replicas])
-        merged.wall_s = wall
+        merged.wall_s = time.perf_counter() - t0
         if self.progress is not None:
             self.progress(merged.finished, total)
         left = self._left_blocks / self._prompt_blocks if self._prompt_blocks else 0.0
-        return FleetRun([r.metrics for r in self.replicas], merged, list(self.routed), wall,
-                        left)
+        return FleetRun([r.metrics for r in self.replicas], merged, list(self.routed), left)

@@ -64,7 +64,7 @@ def simulate_fleet(workload: Workload, *, replicas: int, router: str, setup: str
     row: dict[str, Any] = run.merged.summary()
     row.update(setup=pol.name, composition=pol.composition, oracle=pol.oracle,
                replicas=replicas, router=route.name, router_signal=route.signal,
-               routed=run.routed, wall_s=run.wall_s,
+               routed=run.routed,
                prefix_left_elsewhere=run.prefix_left_elsewhere)
     queue = [float(np.mean(list(m.queue_by_request.values()))) if m.queue_by_request
              else 0.0 for m in run.replicas]

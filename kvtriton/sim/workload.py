@@ -143,6 +143,13 @@ class Workload:
         heapq.heapify(arrivals)
         return arrivals, successors
 
+    def release_after(self, rid: str, now: float, arrivals: list[tuple[float, int]],
+                      successors: dict[str, list[int]]) -> None:
+        """``rid`` ended at ``now``: push the turns waiting for it (``successors``, as
+        ``arrival_queue`` made it) onto ``arrivals``, each after its think time."""
+        for i in successors.pop(rid, []):
+            heapq.heappush(arrivals, (now + self.requests[i].think_s, i))
+
     def num_prompt_blocks(self, request: WorkloadRequest) -> int:
         """Full hashed blocks of ``request``'s prompt: its first hashes."""
         return request.prompt_len // self.hash_block_size

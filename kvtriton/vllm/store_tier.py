@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -78,13 +77,11 @@ def scheduler_fetches(config: SecondTierConfig, vllm_config: Any, layout: KVLayo
     client = StoreClient(config, 0, faults)
     fps = rank_fingerprints(fields, tp, pp)
 
-    lock = threading.Lock()  # queries asked ahead run on a helper thread: one at a time
-
     def query(keys: list[int]) -> np.ndarray | None:
-        """Whether every rank's object of each key is in the store: one batched query."""
+        """Whether every rank's object of each key is in the store: one batched query (run on
+        the one helper thread of ``StoreFetches``'s executor, never two at once)."""
         hashes = [hash_of(k) for k in keys]
-        with lock:
-            present = client.exists([n for fp in fps for n in object_names(fp, hashes)])
+        present = client.exists([n for fp in fps for n in object_names(fp, hashes)])
         return None if present is None else present.reshape(len(fps), len(keys)).all(axis=0)
 
     fetches = StoreFetches(layout, cpu_pool, query, faults, config.fetch_timeout_s,
