@@ -3,7 +3,7 @@
 Runs the studies of ``bench/studies.py`` in their order, each through its module's
 ``main(argv)``: kernel correctness (Triton interpreter without CUDA), kernel bandwidth (CUDA
 only), the mid-chain hole, planner scaling and micro-benchmarks, the cache-only replays of the
-shipped traces, the tier-design study (setup ablation, in-loop bounds, re-store map), and outside
+shipped traces, the tier-design study (setup ablation, references, re-store map), and outside
 the quick run the soaks, the vLLM comparisons (which need vLLM) and the scheduler cross-check.
 ``--list`` prints the table; ``--only STUDY[,STUDY]`` runs those studies only. Every part writes
 JSON with the machine's description, and its figures, to ``bench/results/``, and records each

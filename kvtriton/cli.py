@@ -355,8 +355,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--integrity-backend", choices=("torch", "triton"), default=None,
                    help="torch or triton (default: torch); only with --integrity")
     s.add_argument("--no-bound", action="store_true",
-                   help="skip the bounds: the in-loop next-use and unbounded-tier runs and the "
-                        "Belady cache-only replay")
+                   help="skip the references: the next-use (oracle) and unbounded-tier "
+                        "(upper bound) runs and the cache-only Belady replay")
     s.add_argument("--json", metavar="PATH")
     s.add_argument("--plot", metavar="PATH", help="PNG: hit rate and TTFT per setup")
     s.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvtriton.setups import CONTROL
+from kvtriton.setups import CONTROL, NEXT_USE_REFERENCES, UPPER_BOUND_SETUPS
 
 __all__ = [
     "PLANNER_VARIANTS",
@@ -351,16 +351,18 @@ def plot_restore_map(doc: dict, path: str | Path) -> Path:
 
 def plot_gain_over_control(runs: list[dict], path: str | Path, title: str = "") -> Path:
     """Points of token hit rate each setup gains over the control (``eager``), one group of bars
-    per capacity, with the in-loop bound's gain drawn as a dashed tick over each group: a loss
-    of a point reads as a point whatever the size of the gap (a share of a small gap would
-    magnify it). ``runs``: ``[{"label": ..., "rows": [...]}]``, rows with ``composition``,
-    ``setup``, ``oracle`` and ``token_hit_rate``; oracle rows are drawn only as the bound."""
+    per capacity, with the gain of the oracle reference (the better next-use row) drawn as a
+    dashed line over each group and the upper bound's (the unbounded tier) as a dotted one where
+    it fits the axis: a loss of a point reads as a point whatever the size of the headroom.
+    ``runs``: ``[{"label": ..., "rows": [...]}]``, rows with ``composition``, ``setup``,
+    ``oracle`` and ``token_hit_rate``; oracle rows are drawn only as those lines."""
     plt = _pyplot()
     names = [r["setup"] for r in runs[0]["rows"]
              if not r.get("oracle") and r["composition"] != CONTROL]
     width = 0.8 / len(runs)
     fig, ax = plt.subplots(figsize=(max(6.0, 0.7 * len(names) + 2), 3.8))
     x = np.arange(len(names))
+    uppers = []
     for k, run in enumerate(runs):
         rows = run["rows"]
         base = next((r["token_hit_rate"] for r in rows if r["composition"] == CONTROL), None)
@@ -371,16 +373,26 @@ def plot_gain_over_control(runs: list[dict], path: str | Path, title: str = "") 
         vals = [100 * (by[n] - base) if n in by else np.nan for n in names]
         offset = (k - (len(runs) - 1) / 2) * width
         bars = ax.bar(x + offset, vals, width, label=run["label"])
-        bound = max((r["token_hit_rate"] for r in rows if r.get("oracle")
-                     and "nextuse" in r["composition"]), default=None)
-        if bound is not None:
-            ax.hlines(100 * (bound - base), x[0] + offset - width / 2,
+        oracle = max((r["token_hit_rate"] for r in rows
+                      if r["composition"] in NEXT_USE_REFERENCES), default=None)
+        if oracle is not None:
+            ax.hlines(100 * (oracle - base), x[0] + offset - width / 2,
                       x[-1] + offset + width / 2, colors=bars.patches[0].get_facecolor(),
                       linestyles="--", lw=1)
+        upper = min((r["token_hit_rate"] for r in rows
+                     if r["composition"] in UPPER_BOUND_SETUPS), default=None)
+        if upper is not None:
+            uppers.append((100 * (upper - base), offset, bars.patches[0].get_facecolor()))
+    top = ax.get_ylim()[1]
+    for gain, offset, color in uppers:
+        if gain <= 2 * top:
+            ax.hlines(gain, x[0] + offset - width / 2, x[-1] + offset + width / 2,
+                      colors=color, linestyles=":", lw=1)
     ax.axhline(0, color="black", lw=0.8)
     ax.set_xticks(x, names, rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("hit rate over the control (points)")
-    ax.set_title(title + " (dashed: the in-loop bound)", fontsize=9)
+    ax.set_title(title + " (dashed: next-use oracle reference; dotted: upper bound)",
+                 fontsize=9)
     ax.legend(fontsize=8)
     return _save(fig, path)
 

@@ -58,13 +58,14 @@ from kvtriton.planner import PlannerConfig
 
 __all__ = [
     "AXES",
-    "BOUNDS",
     "CONTROL",
     "DEFAULT_SETUP",
     "DEFAULT_SETUPS",
-    "NEXT_USE_BOUNDS",
+    "NEXT_USE_REFERENCES",
+    "REFERENCES",
     "REFUSED",
     "REMOVED_PRESETS",
+    "UPPER_BOUND_SETUPS",
     "TierSetup",
     "canonical_number",
     "grammar_help",
@@ -373,10 +374,12 @@ DEFAULT_SETUPS = ("none", "eager", "eager+restore", "eager+restore+tail",
                     "eager+restore:0.5+tail", "eager+restore:0.5+tail+arc",
                     "eager+restore:0.5+tail+s3fifo")
 
-#: The bounds measured in the same serving loop: next-use eviction under either store mode
-#: (the in-loop Belady bound is the better of the two), and a tier that never evicts.
-BOUNDS = ("eager+nextuse", "lazy+nextuse", "eager+inf")
-NEXT_USE_BOUNDS = ("eager+nextuse", "lazy+nextuse")
+#: The references measured in the same serving loop (``kvtriton.sim.references``): next-use
+#: eviction under either store mode, an oracle reference that online setups can pass, and a
+#: tier that never evicts, an upper bound no setup of that memory can pass.
+REFERENCES = ("eager+nextuse", "lazy+nextuse", "eager+inf")
+NEXT_USE_REFERENCES = ("eager+nextuse", "lazy+nextuse")
+UPPER_BOUND_SETUPS = ("eager+inf",)
 
 
 def tier_setup(name: str) -> TierSetup:

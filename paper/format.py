@@ -27,8 +27,14 @@ def md_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(out)
 
 
-def gap_pct(x) -> str:
+def share_pct(x) -> str:
+    """A share (of an upper bound's headroom, or of a budget) as a whole percent; "-" for None."""
     return "-" if x is None else f"{100 * x:.0f}%"
+
+
+def points(x) -> str:
+    """Points of hit rate with their sign; "-" for None."""
+    return "-" if x is None else f"{x:+.1f}"
 
 
 def run_range(row: dict, key: str, fmt) -> str:

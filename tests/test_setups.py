@@ -17,7 +17,7 @@ from kvtriton.eviction.lfu import DEFAULT_WINDOW_TIERS
 from kvtriton.planner import PlannerConfig
 from kvtriton.setups import (
     AXES,
-    BOUNDS,
+    REFERENCES,
     REFUSED,
     REMOVED_PRESETS,
     canonical_number,
@@ -111,7 +111,7 @@ def test_the_ablation_changes_one_axis_at_a_time():
     for spec in ABLATION[1:]:
         parts = tier_setup(spec).composition.split("+")
         assert parts == ["lazy"] or (parts[0] == "eager" and len(parts) == 2), spec
-    assert all(tier_setup(b).oracle for b in BOUNDS)
+    assert all(tier_setup(b).oracle for b in REFERENCES)
 
 
 def test_lookahead_composition():

@@ -78,7 +78,7 @@ def compare(workload: str, limit: int | None) -> list[dict]:
     runs = {}
     for fixed in (False, True):
         with rewind() if fixed else contextlib.nullcontext():
-            res = simulate(wl, setups=SETUPS, bound=False, in_loop_bounds=(), **caps)
+            res = simulate(wl, setups=SETUPS, bound=False, references=(), **caps)
         runs[fixed] = {r["setup"]: r for r in res.rows}
     for setup in SETUPS:
         a, b = runs[False][setup], runs[True][setup]

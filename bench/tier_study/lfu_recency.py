@@ -114,7 +114,7 @@ def _task(task: tuple) -> tuple:
     from kvtriton.sim import simulate
 
     with miss_only() if miss else contextlib.nullcontext():
-        res = simulate(wl, bound=False, in_loop_bounds=(), **kw)
+        res = simulate(wl, bound=False, references=(), **kw)
     return key, {r["setup"]: _row(r) for r in res.rows}
 
 

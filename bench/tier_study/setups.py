@@ -1,14 +1,17 @@
-"""Which CPU tier design wins, where, and how close to the in-loop bound: the setup ablation
-and the re-store map.
+"""Which CPU tier design wins, where, and how far from its references: the setup ablation and
+the re-store map.
 
 - ``setups_<tag>.json`` (``setups_<tag>_full.json`` with ``--full``): every setup of
-  ``bench.tier_study.study.ABLATION`` (each axis changed alone from the control) plus the in-loop
-  bounds (``BOUNDS``), at a CPU tier the size of the GPU and at four times that, on the agent
-  generator, the shipped coding-agent traces and the shipped Mooncake trace. Every row carries
-  ``gap_closed``: its share of the gap between the control and the in-loop Belady bound at the
-  same capacity. ``targets`` records, per capacity, the best online setup whose modeled TTFT p50
-  and p90 are no worse than the control's, against the issue's targets (25%; 10% on Mooncake
-  and on the GLM-5 prefill sample, traces without hints).
+  ``bench.tier_study.study.ABLATION`` (each axis changed alone from the control) plus the
+  references run in the same loop (``REFERENCES``: next-use eviction, an oracle reference; the
+  unbounded tier, an upper bound), at a CPU tier the size of the GPU and at four times that, on
+  the agent generator, the shipped coding-agent traces and the shipped Mooncake trace. Every
+  row carries ``gain_points`` (token hit-rate points over the control) and ``headroom_share``
+  (its share of the headroom to the tightest upper bound at the same memory,
+  ``kvtriton.sim.references``). ``targets`` records, per capacity, the best online setup whose
+  modeled TTFT p50 and p90 are no worse than the control's, against the targets: a gain of 25%
+  of the points the oracle reference gains (10% on Mooncake and on the GLM-5 prefill sample,
+  traces without hints).
 - ``restore_map_<tag>.json``: the gain of ``eager+restore`` and of its bounded form over
   ``eager`` (token hit-rate points) over the CPU/GPU capacity ratio and the number of running
   requests, with a heat map (``restore_map_<tag>.png``): the agent generator and the
@@ -48,17 +51,17 @@ from bench.tier_study.study import (
     ttft_tolerance_s,
     workloads,
 )
-from kvtriton.setups import BOUNDS, CONTROL, tier_setup
+from kvtriton.setups import CONTROL, REFERENCES, tier_setup
 from kvtriton.sim import Workload, agent_workload
 from kvtriton.sim.metrics import format_table
-from kvtriton.sim.simulate import add_gap_closed, in_loop_bound
+from kvtriton.sim.references import add_references
 from kvtriton.sim.splits import TEST, TRAIN, split_named
 from kvtriton.sim.trace_stats import reuse_profile
 from kvtriton.sim.workloads import first_turns
 
 RATIOS = (1, 4)
-# The smallest control-to-bound gap (points of token hit rate) whose shares are reported and
-# judged against a target.
+# The smallest gain of the oracle reference over the control (points of token hit rate) against
+# which a target is judged.
 MATERIAL_GAP_POINTS = 2.0
 # GLM-5's prefill sample is judged as Mooncake is: open-loop traffic with no hints.
 TARGETS = {"agent": 0.25, "cc_agentic": 0.25, "mooncake": 0.10, "glm5": 0.10}
@@ -88,10 +91,11 @@ QUICK_TRACE_SETS = {
 QUICK_TRACE_SETS["glm5"] = QUICK_TRACE_SETS["mooncake"]
 
 
-#: Without --full, the bounds a workload runs when not all of ``BOUNDS``: Mooncake's quick set
-#: has eager stores only, whose in-loop bound is ``eager+nextuse`` (``lazy+nextuse`` bounds a
-#: lazy tier, and ``eager+inf`` is a reference no share is taken of); --full runs them all.
-QUICK_BOUNDS = {"mooncake": ("eager+nextuse",), "glm5": ("eager+nextuse",)}
+#: Without --full, the references a workload runs when not all of ``REFERENCES``: Mooncake's
+#: quick set has eager stores only, whose oracle reference is ``eager+nextuse``, and the
+#: unbounded tier, whose parts bound the test part's headroom; --full runs them all.
+QUICK_REFERENCES = {"mooncake": ("eager+nextuse", "eager+inf"),
+                    "glm5": ("eager+nextuse", "eager+inf")}
 
 
 ORACLE_CLOSES = " [oracle closes]"
@@ -117,22 +121,23 @@ def workload_traits(wl: Workload, gpu_tokens: int, ratios: tuple[int, ...]) -> d
 
 
 def best_online(rows: list[dict], tolerance_s: float = 0.0, part: str | None = None) -> dict | None:
-    """The online setup (not the control, not given oracle closes) that closes the most gap,
-    some of it, with modeled TTFT p50 and p90 no more than ``tolerance_s`` above the
-    control's; None if no such setup. ``part``: judged on that part of the split only (the
+    """The online setup (not the control, not given oracle closes) that gains the most points
+    over the control, some, with modeled TTFT p50 and p90 no more than ``tolerance_s`` above
+    the control's; None if no such setup. ``part``: judged on that part of the split only (the
     train part, when a choice is to be reported on the test part)."""
     control = next(r for r in rows if r["composition"] == CONTROL)
     fair = [r for r in rows if not r["oracle"] and r["composition"] not in (CONTROL, "none")
             and r.get("hint_source") != "oracle closes"
-            and figures(r, part).get("gap_closed") is not None
-            and figures(r, part)["gap_closed"] > 0
+            and figures(r, part).get("gain_points") is not None
+            and figures(r, part)["gain_points"] > 0
             and ttft_ok(r, control, tolerance_s, part)]
-    return max(fair, key=lambda r: figures(r, part)["gap_closed"]) if fair else None
+    return max(fair, key=lambda r: figures(r, part)["gain_points"]) if fair else None
 
 
 def ablation_tasks(wl: Workload, gpu_tokens: int, setups: tuple[str, ...],
                    ratios: tuple[int, ...] = RATIOS, oracle_wl: Workload | None = None,
-                   split: str | None = None, bounds: tuple[str, ...] = BOUNDS) -> list[tuple]:
+                   split: str | None = None,
+                   references: tuple[str, ...] = REFERENCES) -> list[tuple]:
     """The simulations of ``ablation`` (``tier_study.run_all`` tasks): one per (capacity,
     setup), so that every core stays busy; the control's task also brings the cache-only
     Belady bound."""
@@ -141,12 +146,12 @@ def ablation_tasks(wl: Workload, gpu_tokens: int, setups: tuple[str, ...],
     parts = split_named(split, wl) if split is not None else None
     for ratio in ratios:
         cap = {"gpu_tokens": gpu_tokens, "cpu_tokens": ratio * gpu_tokens, "parts": parts}
-        for p in dict.fromkeys((CONTROL, *setups, *bounds)):
+        for p in dict.fromkeys((CONTROL, *setups, *references)):
             control = p == CONTROL
             tasks.append(((ratio, p), wl, {**cap, "setups": [p], "bound": control,
-                                           "in_loop_bounds": ()}))
+                                           "references": ()}))
         tasks += [((ratio, p + ORACLE_CLOSES), oracle_wl,
-                   {**cap, "setups": [p], "bound": False, "in_loop_bounds": ()})
+                   {**cap, "setups": [p], "bound": False, "references": ()})
                   for p in hinted]
     return tasks
 
@@ -154,24 +159,24 @@ def ablation_tasks(wl: Workload, gpu_tokens: int, setups: tuple[str, ...],
 def ablation(tag: str, wl: Workload, gpu_tokens: int, setups: tuple[str, ...],
              progress: bool, results_dir=None, ratios: tuple[int, ...] = RATIOS,
              name: str | None = None, oracle_wl: Workload | None = None,
-             split: str | None = None, bounds: tuple[str, ...] = BOUNDS,
+             split: str | None = None, references: tuple[str, ...] = REFERENCES,
              results: dict | None = None, wall_s: float | None = None) -> dict:
-    """``setups`` and the in-loop bounds at each CPU/GPU ratio of ``ratios``; writes
+    """``setups`` and the references at each CPU/GPU ratio of ``ratios``; writes
     ``<name>.json`` (default ``setups_<tag>``). With ``oracle_wl`` (``wl`` with session
     closes), every hinted setup also runs on it, as a row named ``<setup> [oracle closes]``
     that no target or best setup counts; every hinted row says its ``hint_source``.
 
     ``split`` (``kvtriton.sim.splits.split_named``): every row also reports the train and test
     parts; each target's best setup is then chosen on the train part and judged on the test
-    part (``gap_closed_train``, ``gap_closed_test``), as is ``met``. ``bounds``: the in-loop
-    bounds to run (default all of ``BOUNDS``). ``results``: the ``ablation_tasks`` results by
-    key when the caller ran them (with other studies' tasks in one pool; ``wall_s`` is then that
-    pool's time), else they are run here."""
+    part (``gain_points_train``, ``judged_gain_points``), as is ``met``. ``references``: the
+    references to run (default all of ``REFERENCES``). ``results``: the ``ablation_tasks``
+    results by key when the caller ran them (with other studies' tasks in one pool; ``wall_s``
+    is then that pool's time), else they are run here."""
     t0 = time.perf_counter()
     hinted = [p for p in setups if reads_hints(p)] if oracle_wl is not None else []
     if results is None:
         results = run_all(ablation_tasks(wl, gpu_tokens, setups, ratios, oracle_wl, split,
-                                          bounds), progress, tag)
+                                          references), progress, tag)
     runs, targets = [], []
     for ratio in ratios:
         control = results[(ratio, CONTROL)]
@@ -184,31 +189,28 @@ def ablation(tag: str, wl: Workload, gpu_tokens: int, setups: tuple[str, ...],
             row = slim(results[(ratio, p + ORACLE_CLOSES)]["rows"][0])
             row.update(setup=p + ORACLE_CLOSES, hint_source="oracle closes")
             online.append(row)
-        oracles = [slim(results[(ratio, p)]["rows"][0]) for p in bounds]
-        add_gap_closed(online, oracles)
-        res = {"conditions": control["conditions"], "bound": control["bound"]}
+        oracles = [slim(results[(ratio, p)]["rows"][0]) for p in references]
+        conditions, cache_only = control["conditions"], control["bound"]
         rows = online + oracles
-        bound = in_loop_bound(rows)
-        tolerance = ttft_tolerance_s(res["conditions"])
-        control_row = next(r for r in rows if r["composition"] == CONTROL)
-        for r in rows:
-            r["ttft_no_worse"] = ttft_ok(r, control_row, tolerance)
-            r["ttft_no_worse_strict"] = ttft_ok(r, control_row)
-        targets.append(_target(tag, ratio, rows, bound, tolerance, split))
+        refs, target = judge_run(tag, ratio, rows, cache_only, ttft_tolerance_s(conditions),
+                                 split)
+        targets.append(target)
         runs.append({"cpu_ratio": ratio, "cpu_tokens": ratio * gpu_tokens,
-                     "conditions": res["conditions"], "rows": rows,
-                     "cache_only_bound": res["bound"]})
+                     "conditions": conditions, "rows": rows, "cache_only_bound": cache_only,
+                     "references": refs})
         print(f"\n{tag}: GPU {gpu_tokens:,} tokens, CPU {ratio}x")
         print(format_table(rows))
         t = targets[-1]
-        verdict = (f"gap {t['gap_points']:.1f} points, under {MATERIAL_GAP_POINTS:g}: not judged"
-                   if t["no_gap"] else "met" if t["met"] else "missed")
-        where = ("" if split is None else
-                 f" (chosen on {TRAIN}: {t['gap_closed_train'] or 0:.0%}; on {TEST})")
-        print(f"best online: {t['best']}: {t['judged_share'] or 0:.0%} of the gap{where} "
-              f"(target {t['target']:.0%}: {verdict})")
+        verdict = (f"next-use gains {t['oracle_gain_points']:.1f} points, under "
+                   f"{MATERIAL_GAP_POINTS:g}: not judged" if t["no_gap"]
+                   else "met" if t["met"] else "missed")
+        where = "" if split is None else f" on {TEST} (chosen on {TRAIN})"
+        gain = t["judged_gain_points"]
+        print(f"best online: {t['best']}: {gain or 0:+.1f} points{where}; target "
+              f"{t['target_points']:+.1f} ({t['target']:.0%} of next use's "
+              f"{t['oracle_gain_points']:+.1f}): {verdict}")
     payload = {"workload": wl.name, "requests": len(wl), "gpu_tokens": gpu_tokens,
-               "ratios": list(ratios), "setups": list(setups), "bounds": list(bounds),
+               "ratios": list(ratios), "setups": list(setups), "references": list(references),
                "split": split, "split_text": SPLIT_TEXT.get(split),
                "traits": workload_traits(wl, gpu_tokens, ratios),
                "runs": runs, "targets": targets,
@@ -218,36 +220,61 @@ def ablation(tag: str, wl: Workload, gpu_tokens: int, setups: tuple[str, ...],
     return payload
 
 
-def _target(tag: str, ratio: int, rows: list[dict], bound: dict, tolerance: float,
+def judge_run(tag: str, ratio: int, rows: list[dict], cache_only: dict | None,
+              tolerance: float, split: str | None) -> tuple[dict, dict]:
+    """One capacity's references and target from its rows (``add_references`` sets every
+    row's ``gain_points`` and ``headroom_share``) and its cache-only Belady result; also marks
+    each row's ``ttft_no_worse`` (within ``tolerance`` of the control's) and
+    ``ttft_no_worse_strict``. Pure: a stored run's rows give the same judgment again."""
+    refs = add_references(rows, cache_only)
+    control = next(r for r in rows if r["composition"] == CONTROL)
+    for r in rows:
+        r["ttft_no_worse"] = ttft_ok(r, control, tolerance)
+        r["ttft_no_worse_strict"] = ttft_ok(r, control)
+    return refs, _target(tag, ratio, rows, refs, tolerance, split)
+
+
+def _target(tag: str, ratio: int, rows: list[dict], refs: dict, tolerance: float,
             split: str | None) -> dict:
     """The target of one capacity: the best online setup (``best_online``), chosen on the train
-    part and judged on the test part when the rows have them, else on the whole run.
-    ``gap_closed``: its share over the whole run; ``judged_share``: the share the target is
-    judged on. No share is judged where the gap it is a share of is under
-    ``MATERIAL_GAP_POINTS`` (a loss of 1.5 points against a 0.4-point gap reads -360%)."""
+    part and judged on the test part when the rows have them, else on the whole run. The target
+    asks for ``TARGETS[tag]`` of the points the oracle reference (the better next-use row on the
+    judged part) gains over the control (``target_points``); the gain's share of the headroom
+    to the upper bound is reported beside it. No target is judged where the oracle gains under
+    ``MATERIAL_GAP_POINTS`` (a loss of 1.5 points against a 0.4-point gain is noise against
+    noise)."""
     choose_on, judge_on = (TRAIN, TEST) if split is not None else (None, None)
     best = best_online(rows, tolerance, choose_on)
     strict = best_online(rows, 0.0, choose_on)
     control = next(r for r in rows if r["composition"] == CONTROL)
-    gap_points = 100 * (figures(bound, judge_on)["token_hit_rate"]
-                        - figures(control, judge_on)["token_hit_rate"])
-    no_gap = gap_points < MATERIAL_GAP_POINTS
-    share = None if best is None else figures(best, judge_on)["gap_closed"]
-    t = {"cpu_ratio": ratio, "target": TARGETS[tag],
+    ref = refs if judge_on is None else refs["parts"][judge_on]
+    oracle, upper = ref["oracle_reference"], ref["upper_bound"]
+    oracle_points = 100 * (oracle["token_hit_rate"]
+                           - figures(control, judge_on)["token_hit_rate"])
+    no_gap = oracle_points < MATERIAL_GAP_POINTS
+    judged = None if best is None else figures(best, judge_on)
+    need = TARGETS[tag] * oracle_points
+    t = {"cpu_ratio": ratio, "target": TARGETS[tag], "target_points": need,
          "best": best["setup"] if best else None,
-         "gap_closed": best["gap_closed"] if best else None,
-         "judged_share": share, "ttft_tolerance_s": tolerance,
+         "gain_points": best["gain_points"] if best else None,
+         "judged_gain_points": judged["gain_points"] if judged else None,
+         "judged_headroom_share": judged["headroom_share"] if judged else None,
+         "ttft_tolerance_s": tolerance,
          "best_strict": strict["setup"] if strict else None,
-         "gap_closed_strict": figures(strict, judge_on)["gap_closed"] if strict else None,
-         "met": None if no_gap else bool(share is not None and share >= TARGETS[tag]),
-         "no_gap": no_gap, "gap_points": gap_points,
+         "gain_points_strict": figures(strict, judge_on)["gain_points"] if strict else None,
+         "met": None if no_gap else bool(judged is not None
+                                         and judged["gain_points"] >= need),
+         "no_gap": no_gap, "oracle_gain_points": oracle_points,
          "material_gap_points": MATERIAL_GAP_POINTS,
          "control_hit_rate": figures(control, judge_on)["token_hit_rate"],
-         "bound": bound["setup"], "bound_hit_rate": figures(bound, judge_on)["token_hit_rate"],
+         "oracle_reference": oracle["setup"], "oracle_hit_rate": oracle["token_hit_rate"],
+         "upper_bound": upper["setup"] if upper else None,
+         "upper_bound_hit_rate": upper["token_hit_rate"] if upper else None,
          "chosen_on": choose_on or "whole run", "judged_on": judge_on or "whole run"}
     if split is not None:
-        t["gap_closed_train"] = None if best is None else best["parts"][TRAIN]["gap_closed"]
-        t["gap_closed_test"] = share
+        t["gain_points_train"] = None if best is None else best["parts"][TRAIN]["gain_points"]
+        t["headroom_share_train"] = (None if best is None
+                                     else best["parts"][TRAIN]["headroom_share"])
     return t
 
 
@@ -375,9 +402,9 @@ def main(argv: list[str] | None = None) -> dict:
             ratios = ratios_arg or (QUICK_RATIOS[tag] if quick else RATIOS)
             # --full runs other workloads (the whole traces, a larger generator): their own file.
             name = f"setups_{tag}" if quick else f"setups_{tag}_full"
-            bounds = QUICK_BOUNDS.get(tag, BOUNDS) if quick else BOUNDS
+            references = QUICK_REFERENCES.get(tag, REFERENCES) if quick else REFERENCES
             kw = {"ratios": ratios, "oracle_wl": oracle_wl, "split": SPLITS[tag],
-                  "bounds": bounds}
+                  "references": references}
             studies.append(("ablation", tag, (wl, gpu, setups, name, kw),
                             ablation_tasks(wl, gpu, setups, **kw)))
     if args.only in (None, "map"):

@@ -40,7 +40,7 @@ def tune(tag: str, progress: bool = False) -> dict:
     wl, gpu, _ = workloads(quick=True)[tag]
     parts = split_named(SPLITS[tag], wl)
     kw = {"gpu_tokens": gpu, "cpu_tokens": gpu, "parts": parts, "bound": False,
-          "in_loop_bounds": ()}
+          "references": ()}
     names = [CONTROL] + [_with_share(s, f) for s in TUNED[tag] for f in SHARES]
     results = run_all([(n, wl, {**kw, "setups": [n]}) for n in names], progress, tag)
     rows = {n: slim(results[n]["rows"][0]) for n in names}

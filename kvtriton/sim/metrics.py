@@ -11,7 +11,7 @@ import numpy as np
 __all__ = ["PartRow", "RunMetrics", "SetupRow", "format_table"]
 
 
-class PartRow(TypedDict):
+class PartRow(TypedDict, total=False):
     """One part's figures of a run (``SetupRow.parts``): the requests of that part only (a
     train or test part of a split, ``kvtriton.sim.splits``). Tokens are prompt tokens of the
     part's admitted requests; TTFTs are modeled seconds of its requests that produced a token."""
@@ -25,6 +25,8 @@ class PartRow(TypedDict):
     ttft_p90_s: float
     ttft_mean_s: float
     queue_delay_p50_s: float
+    gain_points: float | None  # as SetupRow's, against the control's figures on the part
+    headroom_share: float | None  # against the upper bound's figures on the part
 
 
 class SetupRow(TypedDict, total=False):
@@ -34,9 +36,10 @@ class SetupRow(TypedDict, total=False):
 
     setup: str  # the setup's name (a composition, or a preset's name when given one)
     composition: str  # canonical composition (kvtriton.setups)
-    oracle: bool  # uses knowledge of the future: a bound, not an online setup
+    oracle: bool  # uses knowledge of the future: a reference or a bound, not an online setup
     cpu_blocks: int  # CPU tier size in blocks (0: no tier)
-    gap_closed: float | None  # share of the control-to-next-use-bound gap closed
+    gain_points: float | None  # token hit rate over the control's, in points
+    headroom_share: float | None  # share of the control-to-upper-bound headroom gained
     requests: int
     finished: int
     rejected: int  # larger than the whole GPU pool
@@ -222,7 +225,8 @@ _COLUMNS = [
     ("setup", "setup", "{}"),
     ("rejected", "rejected", "{:,}"),
     ("token_hit_rate", "hit rate", "{:.1%}"),
-    ("gap_closed", "gap closed", "{:.0%}"),
+    ("gain_points", "gain pt", "{:+.1f}"),
+    ("headroom_share", "headroom", "{:.0%}"),
     ("gpu_hit_tokens", "GPU hit tok", "{:,}"),
     ("cpu_hit_tokens", "CPU hit tok", "{:,}"),
     ("recomputed_tokens", "recomputed", "{:,}"),

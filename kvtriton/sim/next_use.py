@@ -1,4 +1,5 @@
-"""Next use in trace order, and the oracle eviction queue built on it (the in-loop Belady bound).
+"""Next use in trace order, and the oracle eviction queue built on it (an oracle reference:
+online setups can pass it, so it bounds nothing).
 
 The simulator knows the whole workload, so for every key it knows which requests will hold it.
 "Next use" is measured in *trace order* (the workload's request order, by arrival): the next use

@@ -9,27 +9,21 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvtriton.setups import (
-    BOUNDS,
-    CONTROL,
-    DEFAULT_SETUPS,
-    NEXT_USE_BOUNDS,
-    TierSetup,
-    tier_setup,
-)
+from kvtriton.setups import CONTROL, DEFAULT_SETUPS, REFERENCES, TierSetup, tier_setup
 from kvtriton.sim.cost import CostModel, ServingCost
 from kvtriton.sim.keys import workload_keys
 from kvtriton.sim.loop import ServingLoop, gpu_blocks_for, num_keys
 from kvtriton.sim.metrics import SetupRow, format_table
 from kvtriton.sim.progress import Progress
+from kvtriton.sim.references import add_references
 from kvtriton.sim.replay import BELADY, replay
 from kvtriton.sim.second_tier import LOOPBACK_TCP, StoreCost
 from kvtriton.sim.workload import Workload
 from kvtriton.specs import KVLayout, preset
 from kvtriton.validation import is_int
 
-__all__ = ["CONTROL", "ENGINES", "SimulationResult", "add_gap_closed", "capacity_blocks",
-           "gap_closed", "in_loop_bound", "machine_memory_bytes", "simulate"]
+__all__ = ["CONTROL", "ENGINES", "SimulationResult", "capacity_blocks", "machine_memory_bytes",
+           "simulate"]
 
 GiB = 1 << 30
 #: ``kvtriton``: kvtriton's ``ServingLoop``; ``vllm``: vLLM's own ``Scheduler`` (``VllmLoop``).
@@ -144,47 +138,17 @@ class SimulationResult:
     conditions: dict
     rows: list[SetupRow] = field(default_factory=list)
     bound: dict | None = None
-    #: The in-loop bounds (next-use eviction, unbounded tier), as rows.
+    #: The references run in the same loop (next-use eviction, the unbounded tier), as rows.
     bounds: list[SetupRow] = field(default_factory=list)
+    #: What the rows' gains are measured against (``kvtriton.sim.references.add_references``).
+    references: dict | None = None
 
     def table(self) -> str:
         return format_table(self.rows + self.bounds)
 
     def to_dict(self) -> dict:
         return {"workload": self.workload, "conditions": self.conditions, "rows": self.rows,
-                "bound": self.bound, "bounds": self.bounds}
-
-
-#: The control every gap is measured from: vLLM's SimpleCPUOffloadConnector.
-
-
-def gap_closed(hit_rate: float, control: float, bound: float) -> float | None:
-    """Share of the gap between the control's hit rate and the in-loop next-use bound's that
-    ``hit_rate`` closes (negative: worse than the control; None: no gap to close)."""
-    gap = bound - control
-    return (hit_rate - control) / gap if gap > 1e-9 else None
-
-
-def in_loop_bound(rows: list[dict]) -> dict | None:
-    """The in-loop Belady bound among ``rows``: the better of the next-use runs."""
-    runs = [r for r in rows if r.get("composition") in NEXT_USE_BOUNDS]
-    return max(runs, key=lambda r: r["token_hit_rate"]) if runs else None
-
-
-def add_gap_closed(rows: list[dict], bounds: list[dict]) -> None:
-    """Set ``gap_closed`` on every row and bound from the control row and the in-loop Belady
-    bound (``composition`` names them); None where either is missing. Rows with ``parts`` get
-    it per part too, from the control's and the bound's figures on the same part."""
-    every = rows + bounds
-    control = next((r for r in every if r.get("composition") == CONTROL), None)
-    bound = in_loop_bound(every)
-    for r in every:
-        r["gap_closed"] = None if control is None or bound is None else gap_closed(
-            r["token_hit_rate"], control["token_hit_rate"], bound["token_hit_rate"])
-        for name, part in r.get("parts", {}).items():
-            c, b = ((x or {}).get("parts", {}).get(name) for x in (control, bound))
-            part["gap_closed"] = None if c is None or b is None else gap_closed(
-                part["token_hit_rate"], c["token_hit_rate"], b["token_hit_rate"])
+                "bound": self.bound, "bounds": self.bounds, "references": self.references}
 
 
 def _check_parts(workload: Workload, parts: Mapping[str, str] | None) -> None:
@@ -295,7 +259,7 @@ def simulate(
     bound: bool = True,
     progress: bool = False,
     reserve_full_isl: bool = True,
-    in_loop_bounds: Sequence[str] = BOUNDS,
+    references: Sequence[str] = REFERENCES,
     engine: str = "kvtriton",
     scheduler_overrides: dict[str, Any] | None = None,
     check_only: bool = False,
@@ -321,10 +285,11 @@ def simulate(
     first chunk fits.
 
     ``setups`` are setups, compositions of ``kvtriton.setups`` axes. With ``bound``,
-    ``in_loop_bounds`` also run in the same loop (default: next-use eviction and an unbounded
-    tier; see ``kvtriton.sim.next_use``), and the control (``eager``) runs if no setup is it:
-    every row then carries ``gap_closed``, its share of the gap between the control and the
-    next-use bound.
+    ``references`` also run in the same loop (default: next-use eviction, an oracle reference,
+    and the unbounded tier, an upper bound; see ``kvtriton.sim.references``), and the control
+    (``eager``) runs if no setup is it: every row then carries ``gain_points`` (token hit-rate
+    points over the control) and ``headroom_share`` (its share of the headroom between the
+    control and the tightest upper bound run: the unbounded tier or the cache-only Belady).
 
     ``engine="vllm"`` runs every setup through vLLM's own ``Scheduler`` with
     ``KVTritonConnector`` instead (``kvtriton.sim.vllm_loop``; needs vLLM): the same arguments,
@@ -342,8 +307,10 @@ def simulate(
     a ``MeasuredCost`` fitted to a real engine's steps; ``model`` still sets the layout.
 
     ``parts``: request id -> part name (a train/test split, ``kvtriton.sim.splits``): every row
-    then also has ``parts``, each part's hit rate, TTFTs and ``gap_closed`` over its own
-    requests, from the same run (the other part's requests still share the server and tier).
+    then also has ``parts``, each part's hit rate, TTFTs, ``gain_points`` and
+    ``headroom_share`` over its own requests (against the unbounded tier's figures on the part:
+    the cache-only Belady bounds a whole run only), from the same run (the other part's
+    requests still share the server and tier).
 
     ``store_blocks``: the capacity of the second tier of setups with ``shared``
     (``kvtriton.sim.second_tier``), blocks; ``store_cost`` its link (default ``LOOPBACK_TCP``,
@@ -364,7 +331,7 @@ def simulate(
     _check_engine(engine, chosen, layout, model, integrity, integrity_backend, token_budget,
                   max_running)
     vllm_engine = engine == "vllm"
-    oracles = [tier_setup(p) for p in in_loop_bounds] if bound and not vllm_engine else []
+    oracles = [tier_setup(p) for p in references] if bound and not vllm_engine else []
     if oracles and not any(p.composition == CONTROL for p in chosen):
         oracles.insert(0, tier_setup(CONTROL))
     if cost is None:
@@ -411,6 +378,7 @@ def simulate(
                                    reserve_full_isl=reserve_full_isl, parts=parts)
         if bound:
             result.bound = belady_bound(workload, layout, n_gpu, n_cpu, rejected)
+        result.references = add_references(result.rows, result.bound)
         return result
     keys, n_keys = workload_keys(layout, workload)
     conditions["distinct_keys"] = n_keys
@@ -450,9 +418,9 @@ def simulate(
 
     result.rows = [run(pol) for pol in chosen]
     result.bounds = [run(pol) for pol in oracles]
-    add_gap_closed(result.rows, result.bounds)
     if bound:
         result.bound = belady_bound(workload, layout, n_gpu, n_cpu, rejected)
+    result.references = add_references(result.rows + result.bounds, result.bound)
     return result
 
 
@@ -493,6 +461,5 @@ def _simulate_on_vllm(workload: Workload, layout: KVLayout, cost: ServingCost,
             row["composition"], row["oracle"] = pol.composition, pol.oracle
             row["cpu_blocks"] = n_cpu if pol.planner is not None else 0
             result.rows.append(row)
-    # The in-loop oracles need kvtriton's own loop; gap_closed is set where a control ran.
-    add_gap_closed(result.rows, [])
+    # The in-loop references need kvtriton's own loop: simulate adds what the rows have.
     return result

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from paper.format import gap_pct, md_table, pct
+from paper.format import md_table, pct, points, share_pct
 from paper.results import FIGURES, setup_docs
 
 
@@ -23,15 +23,16 @@ def decision_map_section(v: dict) -> None:
              else "TTFT p50 (s)") + ", test part"
     rows = [[c["label"], pct(c["within_gpu"]), pct(c["within_tier"]),
              "-" if c["turns"] is None else f"{c['turns']:.1f}", pct(c["continue"]),
-             f"{c['queue_p50_s']:.2f}", f"{c['gap_points']:.1f}",
+             f"{c['queue_p50_s']:.2f}", f"{c['oracle_gain_points']:+.1f}",
              f"`{c['winner']}`" if c["winner"] else "none gains",
-             gap_pct(c["train_share"]), "-" if c["no_gap"] else gap_pct(c["test_share"]),
-             "-" if c["test_points"] is None else f"{c['test_points']:+.2f}"]
+             points(c["train_points"]), points(c["test_points"]),
+             "-" if c["no_gap"] else share_pct(c["test_headroom_share"])]
             for c in cells]
     table = md_table(["cell (workload, CPU/GPU)", "reuses within GPU", "within GPU + CPU",
                     "turns per session", "requests hinted continue", f"control's {queue}",
-                    "test gap (points)", "chosen on train", "train share", "test share",
-                    "test gain (points)"], rows)
+                    "next use's test gain (points)", "chosen on train",
+                    "train gain (points)", "test gain (points)", "test share of headroom"],
+                     rows)
     claims = []
     by_winner: dict[str, list[dict]] = {}
     for c in cells:

@@ -75,7 +75,8 @@ def fleet_section(v: dict) -> None:
         "test part beside the control (`eager`, round-robin, no store) and three references: "
         "`pooled` (one replica with N times the memory, batch and compute), `unbounded` (one "
         "fleet-wide tier of every block, free to reach) and `nextuse` (per-replica next-use "
-        "eviction, an oracle). None is claimed a bound. Modeled on " + machine_line(doc)
+        "eviction, an oracle). None is claimed to bound what a fleet can reach. Modeled on "
+        + machine_line(doc)
         + f" (`python -m bench --only fleet`, {cond['size']} size, {len(doc['cells'])} "
         "simulations).\n\n"
         + md_table(["workload", "N", "chosen on train", "control hit", "chosen hit",

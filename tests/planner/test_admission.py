@@ -157,7 +157,7 @@ def test_hinted_admission_in_the_serving_loop():
     closed keys and stores fewer blocks than plain lazy, with every byte checked."""
     wl = agent_workload(num_conversations=6, min_turns=3, max_turns=5, seed=1)
     res = simulate(wl, gpu_tokens=16384, cpu_tokens=16384, setups=["lazy", "lazy+hinted"],
-                   in_loop_bounds=(), integrity=True)
+                   references=(), integrity=True)
     plain, hinted = res.rows
     assert plain["admission_skipped"] == 0 < hinted["admission_skipped"]
     assert hinted["lazy_stored"] < plain["lazy_stored"]

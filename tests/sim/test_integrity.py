@@ -8,7 +8,7 @@ registered under a key, in the GPU prefix cache and in the CPU tier, besides eve
 lands, so ``registrations_checked`` accounts for every block computed, loaded or stored. The
 cases: random agent workloads, two hybrid configurations whose hits write only some positions,
 the shipped coding-agent traces, lazy offload on hybrid models (stores from the GPU free queue,
-each named with its block's group), seeded random hybrid configurations, every in-loop bound at
+each named with its block's group), seeded random hybrid configurations, every in-loop reference at
 its own size, and negative controls that corrupt or skip one write, or name the wrong group, and
 must fail.
 """
@@ -289,7 +289,7 @@ def test_random_configurations_cover_both_models_backends_and_the_cpu_tier():
     assert sum(r["handoff_stored"] > 0 and r["cpu_hit_tokens"] > 0 for r in rows) >= 4
 
 
-# ---- every in-loop bound at its own size ---------------------------------------------------------
+# ---- every in-loop reference at its own size -------------------------------------------------
 
 
 @pytest.mark.parametrize("setups", [["eager"], ["eager+inf"]])

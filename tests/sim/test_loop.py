@@ -52,7 +52,7 @@ def queued_reuse(fillers: int = 8) -> Workload:
 @pytest.mark.parametrize("store", ["eager", "lazy"])
 def test_a_waiting_requests_prefix_survives_the_queue(store):
     res = simulate(queued_reuse(), gpu_tokens=64 * BLOCK, cpu_tokens=64 * BLOCK,
-                   setups=[store, f"{store}+waiting"], max_running=1, in_loop_bounds=(),
+                   setups=[store, f"{store}+waiting"], max_running=1, references=(),
                    bound=False)
     plain, lookahead = res.rows[:2]
     assert plain["cpu_hit_tokens"] == 0  # control: the fillers evicted P
@@ -83,7 +83,7 @@ def test_the_protected_share_is_bounded():
     P's first 8 blocks (protected head first, the head's blocks would be the ones demoted and
     ``b`` would hit nothing)."""
     res = simulate(queued_reuse(), gpu_tokens=64 * BLOCK, cpu_tokens=64 * BLOCK,
-                   setups=["eager+waiting:0.125"], max_running=1, in_loop_bounds=(),
+                   setups=["eager+waiting:0.125"], max_running=1, references=(),
                    bound=False)
     row = res.rows[0]
     assert row["protect_overflow"] == 8
@@ -189,7 +189,7 @@ def test_a_step_that_only_preempts_is_not_a_deadlock(engine):
     if engine == "vllm":
         pytest.importorskip("vllm")
     res = simulate(tight_pool(), gpu_tokens=24 * BLOCK, cpu_tokens=64 * BLOCK,
-                   setups=["eager"], bound=False, in_loop_bounds=(), engine=engine)
+                   setups=["eager"], bound=False, references=(), engine=engine)
     row = res.rows[0]
     assert row["finished"] == 4 and row["preemptions"] == 1
     assert row["cpu_hit_tokens"] == 8 * BLOCK  # b's load is the one the step had to wait out
@@ -203,7 +203,7 @@ def test_a_step_that_only_preempts_does_not_wait_for_the_next_event(engine):
     if engine == "vllm":
         pytest.importorskip("vllm")
     res = simulate(tight_pool(later=100.0), gpu_tokens=24 * BLOCK, cpu_tokens=64 * BLOCK,
-                   setups=["eager"], bound=False, in_loop_bounds=(), engine=engine)
+                   setups=["eager"], bound=False, references=(), engine=engine)
     row = res.rows[0]
     assert row["finished"] == 5 and row["preemptions"] == 1
     ttft = dict(zip("wfabz", row["ttft_all_s"], strict=True))

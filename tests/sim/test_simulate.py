@@ -1,6 +1,7 @@
 """``simulate()`` (``kvtriton.sim.simulate``): hand-computed scenarios of the serving loop, the
 bound and the rows it covers, refusals before any run, the default setups side by side,
-compositions with the in-loop bounds, and the gap-closed column.
+compositions with the references run in the same loop (their arithmetic:
+``test_references.py``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import pytest
 from kvtriton.hashing import chain_hashes
 from kvtriton.sim import Workload, WorkloadRequest, agent_workload, replay, simulate
 from kvtriton.sim.integrity import IntegrityChecker
-from kvtriton.sim.simulate import add_gap_closed, gap_closed
 
 B = 16
 
@@ -192,25 +192,10 @@ def test_restore_setups_are_reported_side_by_side():
     assert _row(res, "eager")["restored_blocks"] == 0
 
 
-# ---- compositions, in-loop bounds, the gap closed ------------------------------------------------
+# ---- compositions and the references ----------------------------------------------------
 
 
-def test_gap_closed_is_the_share_of_the_control_to_bound_gap():
-    assert gap_closed(0.5, 0.4, 0.6) == pytest.approx(0.5)
-    assert gap_closed(0.3, 0.4, 0.6) == pytest.approx(-0.5)
-    assert gap_closed(0.5, 0.4, 0.4) is None
-    rows = [{"composition": "eager", "token_hit_rate": 0.2},
-            {"composition": "lazy", "token_hit_rate": 0.3}]
-    bounds = [{"composition": "eager+nextuse", "token_hit_rate": 0.4},
-              {"composition": "lazy+nextuse", "token_hit_rate": 0.6}]
-    add_gap_closed(rows, bounds)  # the bound is the better next-use run
-    assert [r["gap_closed"] for r in rows + bounds] == pytest.approx([0, 0.25, 0.5, 1.0])
-    lone = [{"composition": "lazy", "token_hit_rate": 0.3}]
-    add_gap_closed(lone, [])
-    assert lone[0]["gap_closed"] is None
-
-
-def test_simulate_runs_compositions_and_the_in_loop_bounds():
+def test_simulate_runs_compositions_and_the_references():
     wl = agent_workload(num_conversations=4, min_turns=3, max_turns=4, seed=3)
     res = simulate(wl, gpu_tokens=8192, cpu_tokens=8192, setups=["lazy+hints", "eager+arc"])
     names = [r["setup"] for r in res.rows + res.bounds]
@@ -224,7 +209,13 @@ def test_simulate_runs_compositions_and_the_in_loop_bounds():
     hinted = res.rows[0]
     assert sum(hinted["hints_applied"].values()) == len(wl)
     assert hinted["lazy_stored"] > 0 and hinted["stored_blocks"] > 0
-    assert "gap closed" in res.table().splitlines()[0]
+    assert "headroom" in res.table().splitlines()[0]
+    refs = res.references
+    assert refs["oracle_reference"]["setup"] in ("eager+nextuse", "lazy+nextuse")
+    assert refs["upper_bound"]["token_hit_rate"] == min(inf["token_hit_rate"],
+                                                        res.bound["hit_rate"])
+    for r in every:
+        assert r["headroom_share"] is None or r["headroom_share"] <= 1 + 1e-9
     off = simulate(wl, gpu_tokens=8192, cpu_tokens=8192, setups=["eager+arc"], bound=False)
     assert [r["setup"] for r in off.rows] == ["eager+arc"] and off.bounds == []
 

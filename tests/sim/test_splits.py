@@ -85,7 +85,8 @@ def test_parts_add_up_to_the_whole_run(kind):
         assert sum(p["ttft_mean_s"] * p["requests"] for p in parts) == pytest.approx(
             sum(ttfts), rel=1e-4)
     control = next(r for r in res.rows if r["composition"] == "eager")
-    assert all(p["gap_closed"] in (0.0, None) for p in control["parts"].values())
+    assert all(p["gain_points"] == 0.0 and p["headroom_share"] in (0.0, None)
+               for p in control["parts"].values())
 
 
 def test_bad_parts_are_refused_before_any_run():

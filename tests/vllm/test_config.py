@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from bench.tier_study.study import ABLATION, COMBINED
-from kvtriton.setups import BOUNDS, DEFAULT_SETUP, tier_setup
+from kvtriton.setups import DEFAULT_SETUP, REFERENCES, tier_setup
 from kvtriton.vllm.config import (
     DEFAULT_CPU_BYTES_PER_RANK,
     ConnectorConfig,
@@ -108,7 +108,7 @@ def test_a_setup_the_connector_cannot_run_is_one_error_naming_the_axis(setup, na
 
 def test_extra_config_for_is_the_setup_key_and_refuses_the_bounds():
     assert extra_config_for(tier_setup("lazy+hints")) == {"setup": "lazy+hints"}
-    for bound in BOUNDS:
+    for bound in REFERENCES:
         with pytest.raises(ValueError, match=r"oracle|bound"):
             extra_config_for(tier_setup(bound))
     with pytest.raises(ValueError, match="no CPU tier"):

@@ -20,7 +20,7 @@ HELD_OUT = SEQUENTIAL_CHAT.seed + 1
 
 
 def _rows(wl, setups, **kw):
-    res = simulate(wl, setups=setups, bound=False, in_loop_bounds=(),
+    res = simulate(wl, setups=setups, bound=False, references=(),
                    **WORKLOADS["chat"].capacities(), **kw)
     return {r["setup"]: r for r in res.rows}
 
