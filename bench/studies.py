@@ -117,6 +117,10 @@ STUDIES: tuple[Study, ...] = (
     Study("vllm", "bench.vllm.engine",
           "the setups in vLLM's real engine, and the simulator's prediction of them",
           (), ("--full",), "vllm", ("vllm_engine.json",), ("vllm_engine_full.json",)),
+    Study("vllm_predict", "bench.vllm.engine",
+          "the engine prediction out of sample: clocks fitted on no tier, or on the other "
+          "workload, at 200 requests per workload, 3 runs each", ("--predict",), ("--predict",),
+          "vllm", ("vllm_predict.json",), run_in=()),
     Study("crosscheck", "bench.vllm.crosscheck", "ServingLoop beside vLLM's scheduler", _CROSSCHECK,
           _CROSSCHECK, "vllm", ("crosscheck.json",), run_in=("full",), quiet=True),
     Study("differential", "bench.vllm.differential",

@@ -39,7 +39,7 @@ def points(x) -> str:
 
 def run_range(row: dict, key: str, fmt) -> str:
     """`` (lo-hi)`` over a row's repeated engine runs, or nothing for one run."""
-    r = row.get(f"{key}run_range")
+    r = row.get(f"{key}_range")
     return "" if not r else f" ({fmt(r[0])}-{fmt(r[1])})"
 
 

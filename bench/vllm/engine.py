@@ -60,6 +60,7 @@ from bench.vllm.engine_workloads import (
     FULL,
     MAX_OUTPUT,
     MODEL,
+    PREDICT,
     QUICK,
     SMOKE,
     THINK_CAP_S,
@@ -71,6 +72,8 @@ from bench.vllm.engine_workloads import (
 )
 
 SYSTEMS = ("none", "eager", "lazy+hints", "eager+s3fifo", "default")
+# A clock fitted to fewer steps than this fits its five terms to noise: no prediction from it.
+MIN_FIT_STEPS = 30
 
 
 def _model_dir(args: Any) -> tuple[str, int, int, str]:
@@ -92,9 +95,9 @@ def _default_setup() -> str:
     return DEFAULT_SETUP
 
 
-def run_workload(name: str, systems: list[str], args: Any, size: Size) -> dict[str, Any]:
-    from kvtriton.specs import preset
-
+def measure_workload(name: str, systems: list[str], args: Any, size: Size) -> dict[str, Any]:
+    """Every system of ``systems`` served ``args.repeats`` times on workload ``name``: the
+    workload, its sizes and one combined row per system (with every run's timed steps)."""
     model, vocab, kv_block_bytes, dtype = args.resolved_model
     wl = engine_workload(name, size)
     tokens = prompt_tokens(wl, vocab)
@@ -122,11 +125,60 @@ def run_workload(name: str, systems: list[str], args: Any, size: Size) -> dict[s
               f"tok)  TTFT p50/p90 {row['ttft_p50_s']:.3f}/{row['ttft_p90_s']:.3f} s  "
               f"{row['output_tokens_per_s']:.1f} tok/s  stored {row['stored_blocks']:,.0f} "
               f"loaded {row['loaded_blocks']:,.0f}", flush=True)
-    layout = preset("llama3-8b", block_size=BLOCK_TOKENS)
-    cost = fit_cost(measured, layout.cpu_block_bytes, synchronous=not args.cuda)
     cpu_blocks = next((r["cpu_blocks"] for r in measured if r["cpu_blocks"]),
                       int(size.cpu_ratio * size.gpu_blocks))
-    sizes = dict(gpu_blocks=measured[0]["engine_gpu_blocks"], cpu_blocks=cpu_blocks, size=size)
+    return {"name": name, "wl": wl, "measured": measured, "max_model_len": max_model_len,
+            "sizes": dict(gpu_blocks=measured[0]["engine_gpu_blocks"], cpu_blocks=cpu_blocks,
+                          size=size)}
+
+
+def _fit(rows: list[dict[str, Any]], args: Any):
+    from kvtriton.specs import preset
+
+    layout = preset("llama3-8b", block_size=BLOCK_TOKENS)
+    return fit_cost(rows, layout.cpu_block_bytes, synchronous=not args.cuda)
+
+
+def out_of_sample(m: dict[str, Any], others: list[dict[str, Any]], args: Any
+                  ) -> dict[str, Any]:
+    """The prediction of ``m``'s systems on clocks fitted to other runs than the ones it
+    predicts: on the ``none`` runs of the same workload alone (the tiers predicted from an
+    engine without one), and on every run of each other workload in ``others``."""
+    fits: dict[str, tuple[list[dict[str, Any]], list[dict[str, Any]]]] = {}
+    tiers = [r for r in m["measured"] if r["system"] != "none"]
+    none = [r for r in m["measured"] if r["system"] == "none"]
+    if none and tiers:
+        fits["fit_on_none"] = (none, tiers)
+    for o in others:
+        fits[f"fit_on_{o['name']}"] = (o["measured"], m["measured"])
+    out = {}
+    for label, (fit_rows, judged) in fits.items():
+        steps = sum(len(r["_steps"]) for r in fit_rows)
+        if steps < MIN_FIT_STEPS:
+            out[label] = {"skipped": f"{steps} timed steps to fit, under {MIN_FIT_STEPS}"}
+            continue
+        cost = _fit(fit_rows, args)
+        systems = [r["system"] for r in judged]
+        cmp = compare(judged, predict(m["wl"], systems, cost, **m["sizes"]))
+        out[label] = {"fitted_on": sorted({r["system"] for r in fit_rows}),
+                      "fitted_workload": fit_rows[0].get("_workload", m["name"]),
+                      "cost_fit": {**cost.conditions(),
+                                   "prefill_ms_per_1k_tokens": prefill_ms_per_1k(cost)},
+                      **cmp}
+        worst = max((abs(r["ttft_p50_rel_off"]) for r in cmp["rows"]
+                     if r["ttft_p50_rel_off"] is not None), default=0.0)
+        print(f"  out of sample, {label}: worst TTFT p50 {worst:.0%} off; hit rate worst "
+              f"{max(abs(r['hit_points_off']) for r in cmp['rows']):.1f} pt", flush=True)
+    return out
+
+
+def judge_workload(m: dict[str, Any], others: list[dict[str, Any]], args: Any
+                   ) -> dict[str, Any]:
+    """``m``'s prediction on a clock fitted to all of its own runs (in sample), on vLLM's own
+    scheduler too, and out of sample (``out_of_sample``)."""
+    wl, measured, sizes, size = m["wl"], m["measured"], m["sizes"], m["sizes"]["size"]
+    cost = _fit(measured, args)
+    cpu_blocks = sizes["cpu_blocks"]
     systems = [r["system"] for r in measured]
     predicted = predict(wl, systems, cost, **sizes)
     cmp = compare(measured, predicted)
@@ -143,17 +195,17 @@ def run_workload(name: str, systems: list[str], args: Any, size: Size) -> dict[s
     print(f"  targets: {cmp['targets']}; on vLLM's scheduler {cmp_vllm['targets']}; step fit "
           f"r2 {cost.r2:.3f} over {cost.samples} steps, {prefill_ms_per_1k(cost):.0f} ms per "
           "1,000 prefill tokens", flush=True)
-    for r in measured:
-        del r["_steps"], r["_block_bytes"]
+    oos = out_of_sample(m, others, args)
     return {"workload": wl.name, "requests": len(wl),
             "prompt_tokens": sum(r.prompt_len for r in wl), "gpu_blocks": size.gpu_blocks,
-            "cpu_blocks": cpu_blocks, "cpu_ratio": size.cpu_ratio, "max_model_len": max_model_len,
+            "cpu_blocks": cpu_blocks, "cpu_ratio": size.cpu_ratio,
+            "max_model_len": m["max_model_len"],
             "cost_fit": {**cost.conditions(), "prefill_ms_per_1k_tokens": prefill_ms_per_1k(cost),
                          "decode_step_ms": 1e3 * (cost.step_overhead_s
                                                   + cost.decode_step_s([256]))},
             "measured": measured,
             "predicted": _brief(predicted), "predicted_vllm_scheduler": _brief(predicted_vllm),
-            **cmp, "vllm_scheduler": cmp_vllm}
+            **cmp, "vllm_scheduler": cmp_vllm, **({"out_of_sample": oos} if oos else {})}
 
 
 def _brief(predicted: dict[str, dict]) -> dict[str, dict]:
@@ -165,6 +217,10 @@ def _brief(predicted: dict[str, dict]) -> dict[str, dict]:
 def main(argv: list[str] | None = None) -> int:
     ap = OneLineParser(prog="python -m bench.vllm.engine", description=__doc__.splitlines()[0])
     ap.add_argument("--full", action="store_true", help="larger workloads (several minutes)")
+    ap.add_argument("--predict", action="store_true",
+                    help="the out-of-sample prediction's size: at least 200 requests per "
+                         "workload, 3 repeats (about half an hour on 2 cores); writes "
+                         "vllm_predict.json")
     ap.add_argument("--quick", action="store_true", help="the make bench size (the default)")
     ap.add_argument("--smoke", action="store_true", help="the tests' size: seconds per engine")
     ap.add_argument("--workloads", default=",".join(WORKLOADS),
@@ -190,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads < 1:
         ap.error(f"--threads must be >= 1, got {args.threads}")
     if args.repeats is None:
-        args.repeats = 3 if args.full else 1
+        args.repeats = 3 if args.full or args.predict else 1
     if args.repeats < 1:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
     for name in ("time_scale", "cpu_ratio"):
@@ -229,8 +285,12 @@ def main(argv: list[str] | None = None) -> int:
         # Before the first engine: vLLM's CPU worker then forbids changing it.
         torch.set_num_threads(args.threads)
     args.resolved_model = _model_dir(args)
-    size = FULL if args.full else SMOKE if args.smoke else QUICK
-    label = "full" if args.full else "smoke" if args.smoke else "quick"
+    if sum((args.full, args.predict, args.smoke, args.quick)) > 1:
+        ap.error("give at most one of --full, --predict, --smoke, --quick")
+    size = (FULL if args.full else PREDICT if args.predict else SMOKE if args.smoke
+            else QUICK)
+    label = ("full" if args.full else "predict" if args.predict else "smoke" if args.smoke
+             else "quick")
     for name in ("time_scale", "cpu_ratio"):
         if getattr(args, name) is not None:
             size = replace(size, **{name: getattr(args, name)})
@@ -238,8 +298,17 @@ def main(argv: list[str] | None = None) -> int:
           f"{'CUDA ' + torch.cuda.get_device_name(0) if args.cuda else 'CPU'}, model "
           f"{args.resolved_model[0]}; systems {', '.join(systems)}", flush=True)
     t0 = time.perf_counter()
-    runs = {w: run_workload(w, systems, args, size) for w in workloads}
-    doc = {"benchmark": "vllm_engine", "machine": machine_info(),
+    measured = [measure_workload(w, systems, args, size) for w in workloads]
+    for m in measured:
+        for r in m["measured"]:
+            r["_workload"] = m["name"]
+    runs = {m["name"]: judge_workload(m, [o for o in measured if o is not m], args)
+            for m in measured}
+    for m in measured:
+        for r in m["measured"]:
+            del r["_steps"], r["_block_bytes"], r["_workload"]
+    name = {"full": "vllm_engine_full", "predict": "vllm_predict"}.get(label, "vllm_engine")
+    doc = {"benchmark": name, "machine": machine_info(),
            "conditions": {"size": label, **size.__dict__,
                           "block_tokens": BLOCK_TOKENS, "max_output_tokens": MAX_OUTPUT,
                           "cc_stride": CC_STRIDE, "think_cap_s": THINK_CAP_S,
@@ -252,8 +321,7 @@ def main(argv: list[str] | None = None) -> int:
                                               "transfer rates scaled per block)"},
            "targets": {"hit_rate_points": TARGET_HIT_POINTS, "ttft_p50_rel": TARGET_TTFT_REL},
            "runs": runs, "wall_s": time.perf_counter() - t0}
-    path = write_result("vllm_engine_full" if args.full else "vllm_engine", doc, args.out,
-                        findings)
+    path = write_result(name, doc, args.out, findings)
     print(f"wrote {path} ({doc['wall_s']:.0f} s)")
     return 0
 

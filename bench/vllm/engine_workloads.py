@@ -1,7 +1,7 @@
 """What ``bench.vllm.engine`` serves, and at which size: the sizes of a run (``Size``: the
-workload's knobs and the engine's capacities; ``QUICK``, ``SMOKE``, ``FULL``), the random model
-of the CPU run (``MODEL``), the workloads shrunk to fit it (``engine_workload``) and the prompt
-tokens drawn from their block hashes (``prompt_tokens``).
+workload's knobs and the engine's capacities; ``QUICK``, ``SMOKE``, ``FULL``, ``PREDICT``), the
+random model of the CPU run (``MODEL``), the workloads shrunk to fit it (``engine_workload``)
+and the prompt tokens drawn from their block hashes (``prompt_tokens``).
 
 The engine's replay and the simulator's prediction both take the workload from here, so the two
 run exactly the same requests.
@@ -38,6 +38,10 @@ class Size:
     time_scale: float  # arrivals and think times multiplied by this
     max_num_batched_tokens: int = 1024
     max_num_seqs: int = 16
+    agent_start_window_s: float = 6.0  # the agent generator's conversations start within this
+    # The coding-agent sessions' starts, this far apart in the order they started (None: as
+    # recorded, which spreads twelve sessions over 50 minutes of mostly idle engine).
+    cc_start_gap_s: float | None = None
 
 
 # Think times dominate service times (the load is low): the order in which turns arrive, and
@@ -53,6 +57,12 @@ SMOKE = Size(agent_conversations=2, agent_turns=(2, 2), cc_sessions=1, cc_turns=
              gpu_blocks=48, cpu_ratio=1.0, time_scale=0.1)
 FULL = Size(agent_conversations=16, agent_turns=(4, 8), cc_sessions=10, cc_turns=10,
             gpu_blocks=64, cpu_ratio=1.0, time_scale=0.25)
+# The out-of-sample prediction's size: at least 200 requests per workload (50 conversations of
+# 3-5 turns; the twelve main coding-agent sessions, 17 turns each) at QUICK's capacities, the
+# conversations' starts spread over a window as long per conversation as QUICK's.
+PREDICT = Size(agent_conversations=50, agent_turns=(3, 5), cc_sessions=12, cc_turns=17,
+               gpu_blocks=48, cpu_ratio=1.0, time_scale=0.25, agent_start_window_s=50.0,
+               cc_start_gap_s=8.0)
 
 
 def engine_workload(name: str, size: Size):
@@ -66,7 +76,8 @@ def engine_workload(name: str, size: Size):
         wl = agent_workload(num_conversations=size.agent_conversations, min_turns=lo,
                             max_turns=hi, system_prompt_tokens=384, first_user_tokens=256,
                             user_tokens=96, output_tokens=MAX_OUTPUT, think_s_mean=4.0,
-                            start_window_s=6.0, hash_block_size=BLOCK_TOKENS,
+                            start_window_s=size.agent_start_window_s,
+                            hash_block_size=BLOCK_TOKENS,
                             vocab_size=MODEL["vocab_size"], seed=0)
     elif name == "cc_agentic":
         wl = first_turns(load_trace(data_path(CC_AGENTIC_SAMPLE)), size.cc_turns)
@@ -75,6 +86,8 @@ def engine_workload(name: str, size: Size):
         sessions = sorted({r.session for r in wl if "/" not in r.session})[:size.cc_sessions]
         keep = [r for r in wl.requests if r.session in sessions]
         keep = [replace(r, think_s=min(r.think_s, THINK_CAP_S)) for r in keep]
+        if size.cc_start_gap_s is not None:
+            keep = _restart_sessions(keep, size.cc_start_gap_s)
         wl = coarsen(type(wl)(keep, wl.hash_block_size, wl.name), CC_STRIDE)
     else:
         raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
@@ -82,6 +95,17 @@ def engine_workload(name: str, size: Size):
         raise ValueError(f"workload {name!r}: {wl.hash_block_size}-token blocks, the engine "
                          f"runs {BLOCK_TOKENS}")
     return scale_times(fresh_outputs(wl, MAX_OUTPUT), size.time_scale)
+
+
+def _restart_sessions(requests: list, gap_s: float) -> list:
+    """``requests`` with each session moved in time as a whole, so that the sessions start
+    ``gap_s`` apart in the order they started; turns keep their think times."""
+    first: dict[str, float] = {}
+    for r in requests:
+        first[r.session] = min(first.get(r.session, r.arrival_s), r.arrival_s)
+    order = {s: i for i, s in enumerate(sorted(first, key=lambda s: (first[s], s)))}
+    return [replace(r, arrival_s=r.arrival_s - first[r.session] + order[r.session] * gap_s)
+            for r in requests]
 
 
 def prompt_tokens(wl, vocab: int) -> dict[str, list[int]]:

@@ -11,6 +11,7 @@ def engine_section(v: dict) -> None:
     doc = load("vllm_engine")
     if doc is None:
         v["engine_text"] = f"*Pending: `vllm_engine.json` is {not_run('vllm_engine.json')}.*"
+        v["prediction_text"] = prediction_text()
         return
     c = doc["conditions"]
     model = c["model"]
@@ -76,3 +77,63 @@ def engine_section(v: dict) -> None:
             f"{targets['ttft_p50_rel']:.0%} {verdict_word(t['ttft_p50_within_20pct'])} (worst "
             f"{worst['worst_ttft_p50_rel_off']:.0%}).")
     v["engine_text"] = "\n\n".join(parts)
+    v["prediction_text"] = prediction_text()
+
+
+def _off(rows: list[dict], system: str) -> str:
+    r = next((r for r in rows if r["system"] == system), None)
+    if r is None:
+        return "-"
+    rel = "-" if r["ttft_p50_rel_off"] is None else f"{r['ttft_p50_rel_off']:+.0%}"
+    return f"{r['ttft_p50_sim_s']:.3f} ({rel})"
+
+
+def prediction_text() -> str:
+    """The out-of-sample prediction (``vllm_predict.json``, a study by name): per workload and
+    system, the engine's TTFT p50 with its range over repeats beside the simulator's on a clock
+    fitted in sample and on two out-of-sample clocks."""
+    doc = load("vllm_predict")
+    if doc is None:
+        return ("*The out-of-sample prediction has not been run: `vllm_predict.json` is "
+                f"{not_run('vllm_predict.json')} (`python -m bench --only vllm_predict`).*")
+    c = doc["conditions"]
+    parts = [
+        f"**Out of sample** (`python -m bench --only vllm_predict`; {machine_line(doc)}; vLLM "
+        f"{c['vllm']}, the same model and capacities, {c['repeats']} runs per system). The "
+        "clock is fitted three ways and each prediction is judged on runs it was not fitted "
+        "to, except the first: *in sample*, on every run of the workload (what the tables above "
+        "do); *fit on none*, on the `none` runs alone (no tier), predicting the tiers; *fit on "
+        "the other workload*, on every run of the other workload. TTFT p50 in seconds, the "
+        "simulator's relative miss in brackets; the engine's range over its runs is its own "
+        "spread, a floor under any miss."]
+    found = doc["findings"]["runs"]
+    for w, run in doc["runs"].items():
+        oos = {k: o for k, o in run.get("out_of_sample", {}).items() if "rows" in o}
+        labels = list(oos)
+        head = (["system", "hit rate: engine (range)", "simulator",
+                 "TTFT p50: engine (range)", "in sample"]
+                + [("fit on none" if k == "fit_on_none" else
+                    f"fit on {k.removeprefix('fit_on_')}") for k in labels])
+        rows = []
+        for m in run["measured"]:
+            s = m["system"]
+            sim = next(r for r in run["rows"] if r["system"] == s)
+            rows.append([f"`{s}`", pct(m["token_hit_rate"]) + run_range(m, "token_hit_rate", pct),
+                         f"{pct(sim['hit_rate_sim'])} ({sim['hit_points_off']:+.1f})",
+                         f"{m['ttft_p50_s']:.3f}"
+                         + run_range(m, "ttft_p50_s", lambda x: f"{x:.3f}"),
+                         _off(run["rows"], s)] + [_off(oos[k]["rows"], s) for k in labels])
+        f = found[w]
+        spread = f["engine_spread"]
+        ins = f["in_sample_tiers"]
+        summary = [f"in sample (tiers) {ins['worst_ttft_p50_rel_off']:.0%}"] if ins else []
+        summary += [f"{k.replace('_', ' ')} {o['worst_ttft_p50_rel_off']:.0%}"
+                    for k, o in f["out_of_sample"].items()]
+        parts.append(
+            f"**{w}** ({run['requests']} requests; in-sample fit R\u00b2 "
+            f"{run['cost_fit']['r2']:.2f}). Worst TTFT p50 miss: " + ", ".join(summary)
+            + ("" if spread is None else
+               f"; the engine's own widest range is {spread['ttft_p50_rel']:.0%} of its mean "
+               f"TTFT p50 and {spread['hit_points']:.1f} points of hit rate") + ".\n\n"
+            + md_table(head, rows))
+    return "\n\n".join(parts)

@@ -3,6 +3,7 @@ cross-references from the template's own headings."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -104,12 +105,32 @@ def test_the_engine_section_states_each_target(monkeypatch):
                "time_scale": 0.05, "max_output_tokens": 16},
            "targets": {"hit_rate_points": 1.0, "ttft_p50_rel": 0.2}, "runs": {"agent": run}}
     doc["findings"] = engine_findings("vllm_engine", doc)
-    monkeypatch.setattr(engine, "load", lambda name: doc)
+    monkeypatch.setattr(engine, "load", lambda name: doc if name == "vllm_engine" else None)
     v: dict[str, str] = {}
     engine.engine_section(v)
     text = v["engine_text"]
     assert "**missed** (worst 2.0)" in text and "same order met" in text
     assert "100 ms per 1,000 prefill tokens" in text and "| `eager` | 50.0% | 50.0% |" in text
+    assert "out-of-sample prediction has not been run" in v["prediction_text"]
+
+    # The out-of-sample file: every clock's miss per system beside the engine's own range.
+    predict = copy.deepcopy(doc)
+    predict["conditions"]["repeats"] = 3
+    for m in predict["runs"]["agent"]["measured"]:
+        m["ttft_p50_s_range"] = [0.9 * m["ttft_p50_s"], 1.1 * m["ttft_p50_s"]]
+        m["token_hit_rate_range"] = [0.49, 0.51]
+    oos_rows = [dict(r, ttft_p50_sim_s=0.4, ttft_p50_rel_off=0.4 / r["ttft_p50_engine_s"] - 1)
+                for r in predict["runs"]["agent"]["rows"] if r["system"] != "none"]
+    predict["runs"]["agent"]["out_of_sample"] = {
+        "fit_on_none": {"rows": oos_rows}, "fit_on_cc_agentic": {"skipped": "few steps"}}
+    predict["findings"] = engine_findings("vllm_predict", predict)
+    monkeypatch.setattr(engine, "load", lambda name: predict if name == "vllm_predict" else doc)
+    text = engine.prediction_text()
+    assert "| `eager` | 50.0% (49.0%-51.0%) | 50.0% (+0.0) | 0.200 (0.180-0.220) | 0.200 (+0%) " \
+        "| 0.400 (+100%) |" in text
+    assert "| `none` |" in text and "| fit on none |" in text
+    assert "fit on cc_agentic" not in text  # a skipped fit has no column
+    assert "fit on none 100%" in text and "widest range is 20%" in text
 
 
 def test_the_vs_vllm_section_reports_the_same_process_run(monkeypatch, tmp_path):

@@ -38,6 +38,49 @@ def test_smoke_run_measures_and_predicts(tmp_path):
     assert set(run["targets"]) == {"hit_rate_within_1_point", "ttft_p50_same_order",
                                    "ttft_p50_within_20pct"}
     assert "machine" in doc and doc["conditions"]["backend"] == "cpu"
+    # Out of sample: the tier predicted on a clock fitted to the `none` runs alone, judged on
+    # the tier's rows only (the runs it was not fitted to).
+    oos = run["out_of_sample"]["fit_on_none"]
+    assert oos["fitted_on"] == ["none"] and [r["system"] for r in oos["rows"]] == ["default"]
+    assert oos["cost_fit"]["samples"] < fit["samples"]  # the none runs' steps alone
+    assert doc["findings"]["runs"]["agent"]["out_of_sample"]["fit_on_none"]["systems"] == \
+        ["default"]
+
+
+def test_out_of_sample_fits_on_other_runs_than_it_judges(monkeypatch):
+    """Each out-of-sample clock is fitted to the runs it names and to no run it judges; a fit
+    with too few steps is skipped with its reason, not fitted to noise."""
+    from types import SimpleNamespace
+
+    fitted = []
+    monkeypatch.setattr(engine, "predict", lambda wl, systems, cost, **kw: {
+        s: {"token_hit_rate": 0.5, "ttft_p50_s": 1.0} for s in systems})
+
+    def row(system, workload, steps):
+        return {"system": system, "_workload": workload, "token_hit_rate": 0.5,
+                "ttft_p50_s": 1.1, "_steps": [([(1, 0, 1)], 0.1)] * steps}
+
+    a = {"name": "a", "wl": None, "sizes": {},
+         "measured": [row("none", "a", 40), row("eager", "a", 40)]}
+    b = {"name": "b", "wl": None, "sizes": {},
+         "measured": [row("none", "b", 10), row("eager", "b", 10)]}
+    monkeypatch.setattr(engine, "prefill_ms_per_1k", lambda cost: 1.0)
+    monkeypatch.setattr(engine, "MIN_FIT_STEPS", 30)
+    args = SimpleNamespace(cuda=False)
+
+    class Clock:
+        def conditions(self):
+            return {}
+
+    monkeypatch.setattr(engine, "_fit", lambda rows, args: fitted.append(rows) or Clock())
+    out = engine.out_of_sample(a, [b], args)
+    assert [r["system"] for r in out["fit_on_none"]["rows"]] == ["eager"]
+    assert fitted[0] == [a["measured"][0]]
+    assert out["fit_on_b"] == {"skipped": "20 timed steps to fit, under 30"}
+    out = engine.out_of_sample(b, [a], args)
+    assert "skipped" in out["fit_on_none"]
+    assert fitted[-1] == a["measured"] and out["fit_on_a"]["fitted_workload"] == "a"
+    assert [r["system"] for r in out["fit_on_a"]["rows"]] == ["none", "eager"]
 
 
 @pytest.mark.parametrize("argv", [["--systems", "none,nope"], ["--workloads", "x"],
