@@ -42,6 +42,14 @@ class PlannerConfig:
     - ``refresh_on_gpu_hit``: a request's GPU prefix hit also counts as a use of the CPU copies
       of those blocks (their eviction order is refreshed, once per request): the tier's recency
       then follows every hit, not only CPU hits.
+    - ``hold_finished``: a request that finishes while a store of its blocks is in flight or
+      queued (its finish flush) keeps its whole GPU table referenced until its last store
+      completes, then releases it tail first: its blocks join the GPU free queue together, in
+      the order the scheduler frees a table, so the GPU prefix cache evicts a chain's head last,
+      as it does without a CPU tier. Off (vLLM's ``SimpleCPUOffloadConnector``): the scheduler
+      frees the unpinned blocks at the finish and each store's sources join the queue when it
+      completes, after them and head first, so the chain's head is evicted before its tail and
+      the next turn loses its whole GPU prefix hit (``bench/tier_study/finish_free_order.py``).
     """
 
     restore: bool = True
@@ -58,6 +66,7 @@ class PlannerConfig:
     world_size: int = 1
     admission: Literal["all", "second", "hinted"] = "all"
     refresh_on_gpu_hit: bool = False
+    hold_finished: bool = True
 
     def __post_init__(self) -> None:
         if self.scan not in ("fused", "loop"):
@@ -65,7 +74,8 @@ class PlannerConfig:
         if self.cpu_free_order not in ("tail_first", "head_first"):
             raise ValueError(
                 f"cpu_free_order must be 'tail_first' or 'head_first', got {self.cpu_free_order!r}")
-        for name in ("restore", "scan_idle", "lazy", "fine_grained", "refresh_on_gpu_hit"):
+        for name in ("restore", "scan_idle", "lazy", "fine_grained", "refresh_on_gpu_hit",
+                     "hold_finished"):
             v = getattr(self, name)
             if not isinstance(v, bool):
                 raise ValueError(f"{name} must be a bool, got {v!r}")

@@ -374,6 +374,11 @@ class OffloadPlanner:
         """The finish flush queued for the next store batch: pinned, not yet issued."""
         return self._stores.queued_flush()
 
+    def held_after_finish(self) -> list[int]:
+        """GPU blocks finished requests still reference until their last store completes
+        (``PlannerConfig.hold_finished``), one entry per reference."""
+        return self._stores.held_blocks()
+
     def check_invariants(self, *, idle: bool = False) -> None:
         """Raise ``AssertionError`` if the planner's books disagree with each other or with the
         selector's, or the selector's own are broken. With ``idle`` (every request finished and

@@ -278,5 +278,6 @@ class StoreBatches:
             st = self._states.get(rid)
             if st is not None:
                 st.events.discard(ev)
-                if st.finished and not st.events:
+                # A finish flush still queued carries its blocks in a later store.
+                if st.finished and not st.events and rid not in self._flush.req_ids:
                     self._drop_state(rid)

@@ -10,7 +10,9 @@
    then registered in the CPU pool under every key of their GPU block and freed in the configured
    order. A failed store releases its pins and caches nothing.
 4. ``finish``: a finished request's confirmed blocks the scan has not stored are queued as the
-   finish flush; its state is dropped once none of its stores is in flight.
+   finish flush; its state is dropped once none of its stores is in flight or queued. With
+   ``hold_finished`` a request finishing with stores in flight or queued keeps its GPU table
+   referenced until then, and releases it tail first (see ``PlannerConfig``).
 5. ``reset``: issued batches become abandoned (their pins are released at their reports), the
    queued flush is released, every store state is dropped.
 
@@ -43,12 +45,14 @@ __all__ = ["Stores"]
 @dataclass(slots=True)
 class _StoreState:
     """One request's store state: its selector row (its table lengths are ``Stores``'s, by
-    row), the store events carrying its blocks, and whether it finished or holds a row now."""
+    row), the store events carrying its blocks, whether it finished or holds a row now, and the
+    GPU blocks it holds past its finish (``hold_finished``), in the order they are released."""
 
     row: int
     events: set[int] = field(default_factory=set)
     finished: bool = False
     admitted: bool = False
+    held: list[int] = field(default_factory=list)
 
 
 class Stores(StoreBatches):
@@ -124,6 +128,8 @@ class Stores(StoreBatches):
     def _drop_state(self, rid: str) -> None:
         st = self._states.pop(rid)
         self._release_row(st)
+        if st.held:
+            self._gpu_pool.free_blocks(st.held)
         del self._row_req[st.row]
         self._free_rows.append(st.row)
 
@@ -223,10 +229,35 @@ class Stores(StoreBatches):
                         self._selector.append_blocks(st.row, g, table[have:])
                         self._table_len[g, st.row] = len(table)
             self._queue_flush(rid, req, st)
+        if self._config.hold_finished and (st.events or rid in self._flush.req_ids):
+            self._hold(st, tables)
         st.finished = True
         self._release_row(st)
         if not st.events and rid not in self._flush.req_ids:
             self._drop_state(rid)
+
+    def _hold(self, st: _StoreState, tables: list[list[int]] | None) -> None:
+        """Reference the finishing request's GPU blocks until its last store completes
+        (``_drop_state`` releases them). The scheduler frees a table tail first at the finish,
+        but a block a store pins joins the free queue only when the store completes, after the
+        table's other blocks and in store order: the chain's head would then be evicted first.
+        Held, every hashed block joins the queue at once, in the order the scheduler frees
+        them: per group, last position first (an unhashed block is reused first whenever it is
+        freed, so it is not held). ``tables``: the scheduler's tables now; without them, the
+        full-attention tables the steps carried (a sliding window's may name pages the
+        scheduler already dropped)."""
+        if tables is None:
+            if not st.admitted:
+                return
+            tables = [self._selector.table(st.row, g) if spec.kind == "full" else []
+                      for g, spec in enumerate(self._layout.groups)]
+        block_hash = self._gpu_pool.block_hash
+        held = [b for table in tables for b in reversed(table)
+                if b != NULL_BLOCK and block_hash(b) is not None]
+        if held:
+            # The request references every one of them until the scheduler frees its tables.
+            self._gpu_pool.pin_held(held)
+            st.held = held
 
     def _queue_flush(self, rid: str, req: Request, st: _StoreState) -> None:
         """Queue confirmed blocks the scan has not stored (past the cursor, and wanted ones
@@ -342,6 +373,11 @@ class Stores(StoreBatches):
         return [k for job in chain(self._jobs.values(), self._abandoned.values(), (self._flush,))
                 for k in job.keys]
 
+    def held_blocks(self) -> list[int]:
+        """The GPU blocks finished requests hold until their stores complete
+        (``hold_finished``), one entry per reference."""
+        return [b for st in self._states.values() for b in st.held]
+
     def queued_flush(self) -> Transfer:
         """The finish flush queued for the next batch (event -1)."""
         f = self._flush
@@ -372,6 +408,9 @@ class Stores(StoreBatches):
             assert not st.finished or st.events or rid in self._flush.req_ids, (
                 f"{rid}: finished with nothing in flight, never dropped")
             assert not (st.finished and st.admitted), f"{rid}: finished but holds a row"
+            assert not st.held or st.finished, f"{rid}: holds GPU blocks before its finish"
+            assert all(self._gpu_pool.ref_cnt[b] > 0 for b in st.held), (
+                f"{rid}: a held GPU block is free")
             if st.admitted:
                 assert rid in requests, f"{rid}: holds a row, the request is unknown"
                 assert self._row_keys[st.row] == requests[rid].keys.shape[1]

@@ -288,13 +288,13 @@ class KVScheduler:
             self.planner.preempted(seq.req.request_id)
 
     def finish(self, seq: SeqBlocks) -> None:
-        """``seq`` finished or was aborted: the planner is told first, then its blocks are
-        freed."""
+        """``seq`` finished or was aborted: the planner is told first, with its tables (as
+        vLLM hands them to a connector), then its blocks are freed."""
         if self.planner is not None:
             t0 = time.perf_counter()
             if self.second_tier is not None:
                 self.second_tier.forget(seq.req.request_id)
-            self.planner.request_finished(seq.req, hint=seq.hint)
+            self.planner.request_finished(seq.req, tuple(seq.tables), hint=seq.hint)
             self.planner_s += time.perf_counter() - t0
         self.free_seq_blocks(seq)
 

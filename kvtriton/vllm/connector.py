@@ -88,6 +88,15 @@ class KVTritonConnector(KVConnectorBase_V1, SupportsHMA):
     request; vLLM stores it. ``tests/vllm/test_differential.py`` (``python -m
     bench.vllm.differential`` for 3,000 seeds) checks all of this step for step against vLLM's
     manager, accepts each difference only with its evidence, and fails on any other.
+
+    One more deliberate difference, on the GPU side (``PlannerConfig.hold_finished``): a request
+    that finishes with stores of its blocks in flight or queued keeps its GPU table referenced
+    until its last store completes, then releases it tail first. vLLM's manager lets the
+    scheduler free the table at once; the blocks its stores pin then rejoin the GPU free queue
+    as each store completes, after the others and head first, so the prefix cache evicts the
+    chain's head first and the next turn loses its GPU hit: on the engine benchmark's
+    cc_agentic, 33.9% against 36.2% without a tier; held, 56.4%
+    (``python -m bench.tier_study.finish_free_order``).
     """
 
     _cache_hit_source = CacheHitSource.HOST

@@ -287,7 +287,8 @@ class PlannerDriver:
     def check_invariants(self) -> None:
         """Every reference in both pools accounted for (call between steps, with no finish
         flush queued): CPU blocks are held only by stores and loads in flight, GPU blocks by the
-        running requests' tables plus those transfers; no CPU block is the destination of two
+        running requests' tables plus those transfers and the finished requests' tables held
+        until their stores complete (``hold_finished``); no CPU block is the destination of two
         stores; every CPU key was registered by a completed store of a GPU block holding it."""
         self.gpu.check_invariants()
         self.cpu.check_invariants()
@@ -311,6 +312,8 @@ class PlannerDriver:
                 for b in table:
                     if b != NULL_BLOCK:
                         gpu_ref[b] += 1
+        for b in self.planner.held_after_finish():
+            gpu_ref[b] += 1
         assert list(self.cpu.ref_cnt) == cpu_ref, "CPU references not accounted for"
         assert list(self.gpu.ref_cnt) == gpu_ref, "GPU references not accounted for"
         for c in range(1, self.cpu.num_blocks):

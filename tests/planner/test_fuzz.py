@@ -405,6 +405,8 @@ class Rig(PlannerDriver):
                 for b in table:
                     if b != NULL_BLOCK:
                         gpu_ref[b] += 1
+        for b in p.held_after_finish():
+            gpu_ref[b] += 1
         for b in range(1, gpu.num_blocks):
             assert gpu.ref_cnt[b] == gpu_ref[b], (
                 f"GPU block {b}: ref count {gpu.ref_cnt[b]}, accounted for {gpu_ref[b]}")

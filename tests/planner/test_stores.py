@@ -63,18 +63,53 @@ def test_cpu_lru_eviction_order_follows_free_order(order):
         assert (h.planner.stats.chain_holes, h.planner.stats.lookups_with_holes) == (6, 1)
 
 
-def test_finish_while_store_in_flight_defers_cleanup():
-    h = PlannerDriver()
+@pytest.mark.parametrize("hold", [True, False])
+def test_finish_while_store_in_flight_defers_cleanup(hold):
+    h = PlannerDriver(config=PlannerConfig(hold_finished=hold))
     a, m = stored_prompt(h, "a", tokens_for(1, 161), complete=False)
     sources = m.store.gpu_blocks
     h.finish("a")
     assert h.planner.has_request("a")
-    assert [h.gpu.ref_cnt[b] for b in sources] == [1] * 10  # the store's pins outlive the table
+    # The store's pins outlive the table; held, the finished table's own reference does too.
+    assert [h.gpu.ref_cnt[b] for b in sources] == [2 if hold else 1] * 10
+    assert h.planner.held_after_finish() == (sources[::-1] if hold else [])
+    h.check_invariants()
     assert h.cpu_prefix_blocks(a) == 0
     h.complete(m)
-    assert not h.planner.has_request("a")
+    assert not h.planner.has_request("a") and h.planner.held_after_finish() == []
     assert h.cpu_prefix_blocks(a) == 10
     assert h.gpu.num_used_blocks == 0 and h.cpu.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("hold", [True, False])
+def test_finished_table_joins_the_gpu_free_queue_tail_first(hold):
+    """A 10-block prompt prefilled in two chunks: blocks 0-5 are stored by the second step's
+    batch, still in flight when the request finishes, and 6-9 by the finish flush, issued a
+    step later (the order of a serving loop, where the first batch completes in between).
+    Held until its last store completes, the table joins the GPU free queue tail first, as
+    without a CPU tier: GPU pressure evicts the chain's tail and the next turn still hits its
+    head. Released store by store (vLLM's SimpleCPUOffloadConnector) the sources join head
+    first, in store order: the first eviction takes block 0 and the whole prefix is lost."""
+    h = PlannerDriver(num_gpu_blocks=16,
+                      config=PlannerConfig(cpu_free_order="head_first", hold_finished=hold))
+    a = h.request("a", tokens_for(1, 161))
+    h.admit(a)
+    h.step({"a": 96})
+    first = h.step({"a": 65})  # stores blocks 0-5 of the first chunk
+    keys = h.primary_keys(a)[:10].tolist()
+    h.finish("a")
+    h.complete(first)  # the flush of 6-9 is still queued: the request's state stays
+    assert h.planner.has_request("a")
+    assert len(h.planner.held_after_finish()) == (10 if hold else 0)
+    flush = h.step({})
+    assert len(first.store) == 6 and len(flush.store) == 4
+    h.complete(flush)
+    h.check_invariants()
+    assert not h.planner.has_request("a") and h.planner.held_after_finish() == []
+    queue = [h.gpu.block_hash(b) for b in h.gpu.iter_free() if h.gpu.block_hash(b) is not None]
+    assert queue == (keys[::-1] if hold else keys)
+    h.gpu.free_blocks(h.gpu.get_new_blocks(h.gpu.num_free_blocks - 6))  # 4 of a's evicted
+    assert h.gpu_hit(h.request("b", tokens_for(1, 170))).num_tokens == (96 if hold else 0)
 
 
 # ---- finish flush (PR #53532) --------------------------------------------------------------------

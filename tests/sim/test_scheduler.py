@@ -309,11 +309,16 @@ def test_cpu_hit_admission_leaves_what_inflight_prefills_still_need(full_isl):
     assert sched.gpu.num_free_blocks == 4
     assert sum(sched.blocks_to_hold(b1.tables, 96, 64)) == 2
     assert sum(sched.blocks_needed(b2.tables, 48)) == 3 and b2.tables == [[]]
-    # Once b1 is done the CPU hit of b2 is admitted.
+    # Once b1 is done the CPU hit of b2 is admitted: b1's table is held until its finish
+    # flush (its two computed blocks) completes (PlannerConfig.hold_finished), then freed.
     sched.deliver(["b1"], [], step=1)
     scheduled, _ = sched.schedule_step()
     assert scheduled == {"b1": 32} and list(sched.waiting) == [b2]
     sched.advance(scheduled, lambda seq: True)
+    scheduled, meta = sched.schedule_step()
+    assert scheduled == {} and list(sched.waiting) == [b2] and len(meta.store) == 2
+    assert sched.gpu.num_free_blocks == 2
+    sched.deliver([], [meta.store.event], step=3)
     scheduled, _ = sched.schedule_step()
     assert list(sched.loading) == ["b2"] and len(b2.tables[0]) == 3
     assert sched.cpu_hit_tokens == 64 + 48
