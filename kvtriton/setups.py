@@ -363,8 +363,11 @@ REMOVED_PRESETS = {
     "restore_tail_bounded_s3fifo": "eager+restore:0.5+tail+s3fifo",
 }
 
-#: The control: every axis at its default, vLLM's ``SimpleCPUOffloadConnector``. Studies measure
-#: every setup against it.
+#: The control: every axis at its default, the rules of vLLM's ``SimpleCPUOffloadConnector``
+#: (eager stores, head first, LRU, no re-store). Studies measure every setup against it. Like
+#: every setup it holds a finished request's GPU table until its stores land
+#: (``PlannerConfig.hold_finished``), which vLLM's connector does not: what that costs vLLM is
+#: ``bench.tier_study.finish_free_order``'s, not the study's.
 CONTROL = "eager"
 
 #: What ``simulate`` runs when given no setups: no tier, the control, re-store unbounded and

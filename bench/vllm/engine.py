@@ -6,7 +6,9 @@ finished), once per system, each engine shut down before the next starts. System
 names of ``kvtriton.setups`` turned on by name through ``kv_connector_extra_config["setup"]``,
 plus ``none`` (the GPU prefix cache alone), ``default`` (the connector with no setup given) and,
 on CUDA, ``simple`` (vLLM's own ``SimpleCPUOffloadConnector``). ``eager`` is the connector
-configured as vLLM's connector behaves (eager, head-first, LRU, no re-store). Turns carry the
+with vLLM's connector's rules (eager, head-first, LRU, no re-store), holding a finished
+request's GPU table until its stores land, which vLLM's does not (``PlannerConfig
+.hold_finished``; the prediction of ``simple`` runs ``eager`` and so misses that). Turns carry the
 trace's hints in ``kv_transfer_params`` (``kvtriton_hint``); setups without the ``hints`` axis
 ignore them.
 
