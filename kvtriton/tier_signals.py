@@ -62,11 +62,15 @@ def cpu_queue(setup: TierSetup, next_use: EvictionQueue | None = None
 
 
 def _distinct_by_depth(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The distinct keys of a ``(groups, positions)`` key array and the first position (hash
-    block) each has in it."""
+    """The distinct keys of a ``(groups, positions)`` key array, in the order they first occur
+    along the chain (position, then group), and the first position (hash block) each has in it.
+    A hint moves the keys' free CPU blocks in this order, so their order in the eviction queue
+    follows the chain, never the key ids' numbering (which differs between the connector and the
+    simulator, and from run to run as the connector recycles ids)."""
     by_position = keys.T.ravel()  # position-major: a key's first occurrence is its shallowest
     uniq, first = np.unique(by_position, return_index=True)
-    return uniq, (first // max(1, keys.shape[0])).astype(np.int32)
+    order = np.argsort(first, kind="stable")
+    return uniq[order], (first[order] // max(1, keys.shape[0])).astype(np.int32)
 
 
 def _grown(arr: np.ndarray, n: int, fill: int) -> np.ndarray:

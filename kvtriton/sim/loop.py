@@ -27,7 +27,7 @@ reported), then both pools must be all free (``UncleanEndError`` otherwise).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -109,7 +109,10 @@ class ServingLoop(ServingClock):
                 cpu_blocks = num_keys(keys)
             self.cpu = BlockPool(cpu_blocks + 1, eviction=self._cpu_queue(setup, keys),
                                  medium="CPU")
-            self.planner = OffloadPlanner(layout, self.gpu, self.cpu, setup.planner)
+            # The step's token budget sets how far a lazy tier walks the GPU free queue, as the
+            # connector takes it from vLLM's max_num_batched_tokens (not the config's default).
+            config = replace(setup.planner, max_num_batched_tokens=token_budget)
+            self.planner = OffloadPlanner(layout, self.gpu, self.cpu, config)
             self.world_size = setup.planner.world_size
         self.integrity = integrity
         if integrity is not None:
@@ -121,6 +124,7 @@ class ServingLoop(ServingClock):
         self.sched.on_first_admit = self._first_admit
         self._keys = keys
         self.step_no = 0
+        self._finished_unsent = False  # a request finished in the last step
         self.store: SimStore | None = None
         if setup.second_tier:
             if store_tier is None:
@@ -214,13 +218,28 @@ class ServingLoop(ServingClock):
 
     # ---- one step -------------------------------------------------------------------------------
 
+    def _has_work(self) -> bool:
+        """Whether vLLM's engine core would take a step now (``Scheduler.has_requests``): a
+        request waits, runs or loads, one finished in the last step (the step after tells the
+        workers), or the planner or the second tier has work pending."""
+        sched = self.sched
+        return bool(sched.busy or self._finished_unsent
+                    or (self.planner is not None and self.planner.has_pending_work())
+                    or (sched.second_tier is not None and sched.second_tier.has_pending()))
+
     def step(self) -> bool:
         """Run one scheduler step; False when everything is done: every request finished or
-        rejected, and the planner has nothing pending."""
+        rejected, and the planner has nothing pending. Idle (no ``_has_work``), the loop
+        schedules nothing until the next arrival, as vLLM's engine core: a step taken anyway
+        would run ``build_meta``, where a lazy tier walks the GPU free queue and stores more of
+        it than the engine does."""
         if self.integrity is not None:
             self.integrity.begin_step(self.step_no)
         self._admit_arrivals()
         sched = self.sched
+        if not self._has_work() and not self._completions:
+            return self._wait_for_next_event(False, 0)
+        self._finished_unsent = False
         scheduled, meta = sched.schedule_step()
         if meta is not None:
             self.metrics.build_meta_ms.append(sched.last_build_meta_s * 1e3)
@@ -230,6 +249,7 @@ class ServingLoop(ServingClock):
         if scheduled:
             self.now += self._step_seconds(self._chunks(scheduled))
             for seq in sched.advance(scheduled, self._sampled):
+                self._finished_unsent = True
                 self.metrics.finished += 1
                 if self.setup.hints:
                     self._apply_hint(seq)

@@ -225,9 +225,15 @@ class VllmLoop(ServingClock):
                                  sampled_token_ids=sampled, kv_connector_output=kv)
 
     def step(self) -> bool:
-        """One scheduler step; False when everything is done."""
+        """One scheduler step; False when everything is done. Taken only when vLLM's engine
+        core takes one: while the scheduler ``has_requests()`` (a request unfinished or
+        finished since the last step, or the connector's push work pending); an idle engine
+        schedules nothing until the next arrival, so it runs no ``build_connector_meta`` (where
+        a lazy tier walks the GPU free queue and stores)."""
         s = self.scheduler
         self._admit_arrivals()
+        if not s.has_requests() and not self._completions:
+            return self._wait_for_next_event(False, 0)
         so = s.schedule()
         self.metrics.preemptions += len(so.preempted_req_ids or ())
         if so.kv_connector_metadata is not None:
