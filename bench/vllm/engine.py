@@ -146,15 +146,15 @@ def out_of_sample(m: dict[str, Any], others: list[dict[str, Any]], args: Any
     """The prediction of ``m``'s systems on clocks fitted to other runs than the ones it
     predicts: on the ``none`` runs of the same workload alone (the tiers predicted from an
     engine without one), and on every run of each other workload in ``others``."""
-    fits: dict[str, tuple[list[dict[str, Any]], list[dict[str, Any]]]] = {}
+    fits: dict[str, tuple[str, list[dict[str, Any]], list[dict[str, Any]]]] = {}
     tiers = [r for r in m["measured"] if r["system"] != "none"]
     none = [r for r in m["measured"] if r["system"] == "none"]
     if none and tiers:
-        fits["fit_on_none"] = (none, tiers)
+        fits["fit_on_none"] = (m["name"], none, tiers)
     for o in others:
-        fits[f"fit_on_{o['name']}"] = (o["measured"], m["measured"])
+        fits[f"fit_on_{o['name']}"] = (o["name"], o["measured"], m["measured"])
     out = {}
-    for label, (fit_rows, judged) in fits.items():
+    for label, (fitted_workload, fit_rows, judged) in fits.items():
         steps = sum(len(r["_steps"]) for r in fit_rows)
         if steps < MIN_FIT_STEPS:
             out[label] = {"skipped": f"{steps} timed steps to fit, under {MIN_FIT_STEPS}"}
@@ -163,7 +163,7 @@ def out_of_sample(m: dict[str, Any], others: list[dict[str, Any]], args: Any
         systems = [r["system"] for r in judged]
         cmp = compare(judged, predict(m["wl"], systems, cost, **m["sizes"]))
         out[label] = {"fitted_on": sorted({r["system"] for r in fit_rows}),
-                      "fitted_workload": fit_rows[0].get("_workload", m["name"]),
+                      "fitted_workload": fitted_workload,
                       "cost_fit": {**cost.conditions(),
                                    "prefill_ms_per_1k_tokens": prefill_ms_per_1k(cost)},
                       **cmp}
@@ -301,14 +301,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.resolved_model[0]}; systems {', '.join(systems)}", flush=True)
     t0 = time.perf_counter()
     measured = [measure_workload(w, systems, args, size) for w in workloads]
-    for m in measured:
-        for r in m["measured"]:
-            r["_workload"] = m["name"]
     runs = {m["name"]: judge_workload(m, [o for o in measured if o is not m], args)
             for m in measured}
     for m in measured:
         for r in m["measured"]:
-            del r["_steps"], r["_block_bytes"], r["_workload"]
+            del r["_steps"], r["_block_bytes"]
     name = {"full": "vllm_engine_full", "predict": "vllm_predict"}.get(label, "vllm_engine")
     doc = {"benchmark": name, "machine": machine_info(),
            "conditions": {"size": label, **size.__dict__,

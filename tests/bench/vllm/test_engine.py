@@ -56,14 +56,12 @@ def test_out_of_sample_fits_on_other_runs_than_it_judges(monkeypatch):
     monkeypatch.setattr(engine, "predict", lambda wl, systems, cost, **kw: {
         s: {"token_hit_rate": 0.5, "ttft_p50_s": 1.0} for s in systems})
 
-    def row(system, workload, steps):
-        return {"system": system, "_workload": workload, "token_hit_rate": 0.5,
-                "ttft_p50_s": 1.1, "_steps": [([(1, 0, 1)], 0.1)] * steps}
+    def row(system, steps):
+        return {"system": system, "token_hit_rate": 0.5, "ttft_p50_s": 1.1,
+                "_steps": [([(1, 0, 1)], 0.1)] * steps}
 
-    a = {"name": "a", "wl": None, "sizes": {},
-         "measured": [row("none", "a", 40), row("eager", "a", 40)]}
-    b = {"name": "b", "wl": None, "sizes": {},
-         "measured": [row("none", "b", 10), row("eager", "b", 10)]}
+    a = {"name": "a", "wl": None, "sizes": {}, "measured": [row("none", 40), row("eager", 40)]}
+    b = {"name": "b", "wl": None, "sizes": {}, "measured": [row("none", 10), row("eager", 10)]}
     monkeypatch.setattr(engine, "prefill_ms_per_1k", lambda cost: 1.0)
     monkeypatch.setattr(engine, "MIN_FIT_STEPS", 30)
     args = SimpleNamespace(cuda=False)
