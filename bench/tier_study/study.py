@@ -21,6 +21,7 @@ from kvtriton.sim import (
     simulate,
     without_closes,
 )
+from kvtriton.sim.references import figures_of
 from kvtriton.sim.splits import SPLIT_SEED
 from kvtriton.sim.workloads import first_turns, serving_workload
 
@@ -96,8 +97,12 @@ def ttft_tolerance_s(conditions: dict) -> float:
 
 
 def figures(row: dict, part: str | None) -> dict:
-    """``row``'s figures over the whole run (``part`` None) or over one part of its split."""
-    return row if part is None else row["parts"][part]
+    """``row``'s figures over the whole run (``part`` None) or over one part of its split
+    (``kvtriton.sim.references.figures_of``; a part the row lacks is a ``KeyError``)."""
+    fig = figures_of(row, part)
+    if fig is None:
+        raise KeyError(part)
+    return fig
 
 
 def ttft_ok(row: dict, control: dict, tolerance_s: float = 0.0, part: str | None = None) -> bool:

@@ -61,9 +61,9 @@ def oracle_reference(rows: list[dict[str, Any]], part: str | None = None
                      ) -> dict[str, Any] | None:
     """The better next-use row on ``part`` (None: the whole run): its ``setup`` and
     ``token_hit_rate``; None where none ran."""
-    found = [{"setup": r["composition"], "token_hit_rate": figures_of(r, part)["token_hit_rate"]}
+    found = [{"setup": r["composition"], "token_hit_rate": f["token_hit_rate"]}
              for r in rows if r.get("composition") in NEXT_USE_REFERENCES
-             and figures_of(r, part) is not None]
+             and (f := figures_of(r, part)) is not None]
     return max(found, key=lambda b: b["token_hit_rate"]) if found else None
 
 
