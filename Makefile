@@ -6,8 +6,12 @@ PAPER_ARGS ?=
 GPU_CHECK_ARGS ?=
 # Test processes: each test file runs whole in one (module fixtures once); 2 halve the suite on 2 cores
 TEST_WORKERS ?= 2
+# vLLM 0.33.0's tree, first on PYTHONPATH in the scheduler-role lane (tools/install_vllm033.sh)
+KVTRITON_VLLM033_PATH ?= $(VENV)/vllm033
+# Seeds of the differential in that lane (the 0.32 lane runs test_differential.py's 100)
+VLLM033_DIFF_SEEDS ?= 40
 
-.PHONY: bench test lint paper clean gpu-check gpu-check-dry-run
+.PHONY: bench test test-vllm033 lint paper clean gpu-check gpu-check-dry-run
 
 $(VENV)/.installed: pyproject.toml setup.py tools/bootstrap.sh
 	@bash tools/bootstrap.sh $(PYTHON) $(VENV)
@@ -25,6 +29,11 @@ $(VENV)/.vllm: $(VENV)/.installed tools/install_vllm.sh
 	@bash tools/install_vllm.sh $(VENV)
 	@touch $@
 
+# vLLM 0.33.0's CUDA wheel unpacked beside the venv, for the scheduler-role lane
+$(VENV)/.vllm033: $(VENV)/.installed tools/install_vllm033.sh
+	@bash tools/install_vllm033.sh $(VENV)
+	@touch $@
+
 # Mooncake Store's client and master, for the second tier's tests (tools/install_store.sh)
 $(VENV)/.store: $(VENV)/.installed tools/install_store.sh
 	@bash tools/install_store.sh $(VENV)
@@ -35,10 +44,22 @@ $(VENV)/.fleet: $(VENV)/.installed
 	$(PY) -m pip install -q --disable-pip-version-check 'ray>=2.40'
 	@touch $@
 
+VLLM033_LANE = PYTHONPATH=$(abspath $(KVTRITON_VLLM033_PATH)) \
+	KVTRITON_DIFF_SEEDS=$(VLLM033_DIFF_SEEDS) \
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m scheduler_role
+
 ## test: the whole test suite (Triton kernels under TRITON_INTERPRET=1 without a GPU), in
-## TEST_WORKERS processes (pytest-xdist, a file per process at a time; TEST_WORKERS=0: one)
-test: $(VENV)/.installed $(VENV)/.vllm $(VENV)/.store $(VENV)/.fleet
+## TEST_WORKERS processes (pytest-xdist, a file per process at a time; TEST_WORKERS=0: one),
+## on vLLM 0.32.0 (CPU build), then the scheduler-role tests again on 0.33.0 (test-vllm033)
+test: $(VENV)/.installed $(VENV)/.vllm $(VENV)/.store $(VENV)/.fleet $(VENV)/.vllm033
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(VLLM033_LANE)
+
+## test-vllm033: the tests marked scheduler_role (vLLM's real Scheduler and the connector's
+## scheduler side, no engine) on vLLM 0.33.0: its CUDA wheel's tree first on PYTHONPATH, over
+## the venv's 0.32 dependencies (KVTRITON_VLLM033_PATH: another tree)
+test-vllm033: $(VENV)/.installed $(VENV)/.vllm $(VENV)/.vllm033
+	$(VLLM033_LANE)
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

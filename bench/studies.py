@@ -146,6 +146,10 @@ STUDIES: tuple[Study, ...] = (
     Study("tune_shares", "bench.tier_study.tune_shares",
           "the protected shares of hints and lookahead, tuned on train, judged on test",
           _TUNE_SHARES, _TUNE_SHARES, "cpu", ("tune_shares.json",), run_in=(), quiet=True),
+    Study("sync_loads", "bench.tier_study.sync_loads",
+          "same-step loads: a per-step byte budget for CPU hits, chosen on train by TTFT p50, "
+          "judged on test", (), ("--full",), "cpu", ("sync_loads.json",), run_in=(),
+          quiet=True),
     # The longer runs behind the paper's optional sections (11, 1 and 1.5 minutes on 2 cores).
     Study("cc_agentic_whole", "bench.tier_study.setups",
           "the whole coding-agent traces, every setup", _CC_WHOLE, _CC_WHOLE, "cpu",

@@ -194,14 +194,16 @@ def _write_outputs(args, doc: dict, plot) -> None:
 
 
 # simulate's parameters that are flags here: an error that starts with one names the flag.
-_FLAGS = ("integrity_backend", "integrity", "max_running", "token_budget")
+_FLAGS = ("integrity_backend", "integrity", "max_running", "token_budget",
+          "sync_load_budget_bytes")
+_FLAG_OF = {"sync_load_budget_bytes": "--sync-load-budget"}
 
 
 def _as_flag(message: str) -> str:
     """``message`` with the ``simulate`` parameter it starts with written as its flag."""
     for name in _FLAGS:
         if message.startswith((f"{name} ", f"{name}:")):
-            return "--" + name.replace("_", "-") + message[len(name):]
+            return _FLAG_OF.get(name, "--" + name.replace("_", "-")) + message[len(name):]
     return message
 
 
@@ -225,7 +227,8 @@ def _cmd_simulate(args) -> int:
                        token_budget=args.token_budget, max_running=args.max_running,
                        integrity=args.integrity, integrity_backend=args.integrity_backend,
                        bound=not args.no_bound, progress=not args.quiet, engine=args.engine,
-                       store_blocks=args.store_blocks, **kw)
+                       store_blocks=args.store_blocks,
+                       sync_load_budget_bytes=args.sync_load_budget, **kw)
     except (ValueError, ImportError) as e:
         if os.environ.get("KVTRITON_DEBUG"):
             raise
@@ -347,6 +350,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--policies", type=_setups, dest="setups", action=_RenamedFlag, new="--setups",
                    help=argparse.SUPPRESS)
     s.add_argument("--token-budget", type=_positive_int, default=8192)
+    s.add_argument("--sync-load-budget", type=_non_negative_int, default=0, metavar="BYTES",
+                   help="bytes of CPU hits per step loaded and computed in the step that admits "
+                        "them, their load ahead of its compute (the connector's "
+                        "sync_load_budget_bytes; default 0: every CPU hit waits a step for its "
+                        "load)")
     s.add_argument("--max-running", type=_positive_int, default=256)
     s.add_argument("--integrity", action="store_true",
                    help="move real bytes through the TransferEngine and check every block "

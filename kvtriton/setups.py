@@ -14,7 +14,10 @@ re-store    ``restore`` (re-store running requests' evicted blocks),   off
 free order  ``head`` (ascending, vLLM's), ``tail`` (chain head last)   ``head``
 eviction    ``lru``, ``arc``, ``s3fifo``, ``lfu`` (least demand first:   ``lru``
             a sketch of admitted requests' keys), ``lfu:W`` (its
-            counters halve every W tier sizes of sightings, 0: never);
+            counters halve every W tier sizes of sightings, 0: never),
+            ``reqlru`` and ``reqarc`` (vLLM 0.33's offloading LRU and
+            ARC: requests give recency and reuse, a request's tail
+            before its head);
             ``nextuse`` is the oracle: evict the block whose next use
             in trace order is furthest
 admission   ``all``, ``second`` (store a key on its second sight, as   ``all``
@@ -29,6 +32,10 @@ hints       ``hints`` (protect blocks of a turn hinted ``continue`` in  off
 lookahead   ``waiting`` (protect the keys of requests in the waiting    off
             queue, up to half the tier, until they are admitted),
             ``waiting:F`` (up to F of the tier)
+sessions    ``sessions`` (protect a finished turn's blocks for its      off
+            session's next turn, up to half the tier, the session
+            unheard from longest let go first; a session silent for
+            300 s ages out), ``sessions:S`` (ages out after S s)
 capacity    ``inf``: a CPU tier that holds every distinct block        sized
 second tier ``shared``: a store under the CPU tier, shared by every   off
             replica (Mooncake Store in vLLM, ``second_tier``)
@@ -40,11 +47,12 @@ preset names of earlier versions (``REMOVED_PRESETS``) are refused with the comp
 write. The grammar is written once, as data: ``AXES`` (the axes, their values and
 defaults, from which the CLI's help is generated) and ``REFUSED`` (the combinations that mean
 nothing, each with its reason, e.g. ``lazy`` with ``restore``: a lazy tier stores only blocks
-on the GPU free queue, where a running request's blocks never are). A share ``F`` (in [0, 1])
-and a window ``W`` (>= 0) are written with digits and a point only; a composition has no
-spaces. The canonical name writes each number the same way (``canonical_number``: the shortest
-decimal that reads back as the same float, never an exponent), so every name printed parses
-back to the setup it names: ``eager+restore:0.00001``, not ``restore:1e-05``.
+on the GPU free queue, where a running request's blocks never are). A share ``F`` (in [0, 1]),
+a window ``W`` (>= 0) and seconds ``S`` (> 0) are written with digits and a point only; a
+composition has no spaces. The canonical name writes each number the same way
+(``canonical_number``: the shortest decimal that reads back as the same float, never an
+exponent), so every name printed parses back to the setup it names:
+``eager+restore:0.00001``, not ``restore:1e-05``.
 """
 
 from __future__ import annotations
@@ -61,6 +69,7 @@ __all__ = [
     "CONTROL",
     "DEFAULT_SETUP",
     "DEFAULT_SETUPS",
+    "NATIVE_SETUPS",
     "NEXT_USE_REFERENCES",
     "REFERENCES",
     "REFUSED",
@@ -75,9 +84,12 @@ __all__ = [
 
 # Eviction rules a composition may name; ``nextuse`` needs the simulator's knowledge of the
 # trace's future and exists only there.
-ONLINE_EVICTIONS = ("lru", "arc", "s3fifo", "lfu")
+ONLINE_EVICTIONS = ("lru", "arc", "s3fifo", "lfu", "reqlru", "reqarc")
 ORACLE_EVICTIONS = ("nextuse",)
 DEFAULT_PROTECT_SHARE = 0.5
+#: How long a session may stay silent before ``sessions`` lets its blocks go: the 5 minutes of
+#: Anthropic's default prompt-cache TTL (``cache_control``), the retention clients already know.
+DEFAULT_SESSION_IDLE_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -100,7 +112,9 @@ AXES = (
     Axis("free order", ("head", "tail"), "head", "chain head first (vLLM's) or last"),
     Axis("eviction", (*ONLINE_EVICTIONS, "lfu:W", *ORACLE_EVICTIONS), "lru",
          "the CPU tier's eviction; lfu: least demand first (its sketch halves every W tier "
-         "sizes of sightings); nextuse is the oracle (furthest next use in trace order)"),
+         "sizes of sightings); reqlru, reqarc: vLLM 0.33's offloading LRU and ARC (requests "
+         "rank keys, tail before head, a finish commits); nextuse is the oracle (furthest next "
+         "use in trace order)"),
     Axis("admission", ("all", "second", "hinted"), "all",
          "second: store a key on its second sight; hinted (lazy): skip closed sessions' keys"),
     Axis("recency", ("refresh",), None, "a GPU prefix hit refreshes the CPU copies too"),
@@ -108,6 +122,9 @@ AXES = (
          "protect turns hinted continue in up to F of the tier (0.5), closed sessions go first"),
     Axis("lookahead", ("waiting", "waiting:F"), None,
          "protect waiting requests' keys in up to F of the tier (0.5) until admitted"),
+    Axis("sessions", ("sessions", "sessions:S"), None,
+         "protect a finished turn's blocks for its session's next turn, up to half the tier, "
+         "the longest-silent session let go first; a session silent S seconds (300) ages out"),
     Axis("capacity", ("inf",), None, "a CPU tier that holds every distinct block (a bound)"),
     Axis("second tier", ("shared",), None,
          "a store under the CPU tier shared by every replica: written through, fetched from "
@@ -116,7 +133,8 @@ AXES = (
 
 _TOKENS = {v.split(":")[0]: axis for axis in AXES for v in axis.values}
 _TAKES_SHARE = {v.split(":")[0] for axis in AXES for v in axis.values if v.endswith(":F")}
-_TAKES_WINDOW = {v.split(":")[0] for axis in AXES for v in axis.values if v.endswith(":W")}
+_TAKES_WINDOW = {v.split(":")[0] for axis in AXES for v in axis.values
+                 if v.endswith((":W", ":S"))}
 _SHARE = re.compile(r"(?:\d+(?:\.\d*)?|\.\d+)")
 
 #: Compositions refused, each as the axis values that together mean nothing (an axis left out
@@ -137,13 +155,24 @@ REFUSED: tuple[tuple[dict[str, tuple[str, ...]], str], ...] = (
      "'waiting' with 'nextuse' means nothing: the oracle already knows every next use"),
     ({"hints": ("hints",), "lookahead": ("waiting",)},
      "'hints' and 'waiting' both protect blocks in one segment of the tier; use one of them"),
-    ({"capacity": ("inf",), "eviction": ("arc", "s3fifo", "lfu", *ORACLE_EVICTIONS)},
+    ({"hints": ("hints",), "sessions": ("sessions",)},
+     "'hints' and 'sessions' both protect blocks in one segment of the tier; use one of them"),
+    ({"lookahead": ("waiting",), "sessions": ("sessions",)},
+     "'waiting' and 'sessions' both protect blocks in one segment of the tier; use one of "
+     "them"),
+    ({"eviction": ORACLE_EVICTIONS, "sessions": ("sessions",)},
+     "'sessions' with 'nextuse' means nothing: the oracle already knows every next use"),
+    ({"capacity": ("inf",), "eviction": ("arc", "s3fifo", "lfu", "reqlru", "reqarc",
+                                         *ORACLE_EVICTIONS)},
      "'inf' with an eviction rule means nothing: an unbounded tier never evicts"),
     ({"capacity": ("inf",), "hints": ("hints",)},
      "'inf' with 'hints' means nothing: an unbounded tier never evicts, nothing needs "
      "protecting"),
     ({"capacity": ("inf",), "lookahead": ("waiting",)},
      "'inf' with 'waiting' means nothing: an unbounded tier never evicts, nothing needs "
+     "protecting"),
+    ({"capacity": ("inf",), "sessions": ("sessions",)},
+     "'inf' with 'sessions' means nothing: an unbounded tier never evicts, nothing needs "
      "protecting"),
     ({"capacity": ("inf",), "re-store": ("restore",)},
      "'inf' with 're-store' means nothing: an unbounded tier never evicts a running request's "
@@ -174,6 +203,8 @@ class TierSetup:
     hint_protect_share: float | None = None
     #: Share of the tier the keys of waiting requests may hold protected (None: lookahead off).
     waiting_protect_share: float | None = None
+    #: Seconds a session may stay silent before its protection ages out (None: sessions off).
+    session_idle_s: float | None = None
     #: The CPU tier holds every distinct block of the workload (a bound, not a setup).
     infinite_cpu: bool = False
     #: The composition this setup is, in canonical axis order.
@@ -193,6 +224,10 @@ class TierSetup:
     @property
     def lookahead(self) -> bool:
         return self.waiting_protect_share is not None
+
+    @property
+    def sessions(self) -> bool:
+        return self.session_idle_s is not None
 
     def eviction_bytes(self, num_blocks: int) -> int:
         """Host bytes the CPU tier's eviction allocates for a pool of ``num_blocks`` blocks (the
@@ -224,14 +259,16 @@ def _share(token: str, value: str) -> float:
 def _window(token: str, value: str) -> float:
     """``value`` as a window >= 0: digits and a point only (no sign, space or exponent)."""
     if not _SHARE.fullmatch(value):
-        raise ValueError(f"setup axis {token!r}: the window must be a number >= 0, "
+        what = "the idle time in seconds" if token.startswith("sessions") else "the window"
+        raise ValueError(f"setup axis {token!r}: {what} must be a number >= 0, "
                          f"got {value!r}")
     return float(value)
 
 
 def _canonical(store: str, restore: bool, share: float | None, free: str, eviction: str,
                admission: str, protect: float | None, infinite: bool, refresh: bool,
-               waiting: float | None, shared: bool = False) -> str:
+               waiting: float | None, shared: bool = False,
+               sessions: float | None = None) -> str:
     parts = [store]
     if restore:
         parts.append("restore" if share is None else f"restore:{canonical_number(share)}")
@@ -249,6 +286,9 @@ def _canonical(store: str, restore: bool, share: float | None, free: str, evicti
     if waiting is not None:
         parts.append("waiting" if waiting == DEFAULT_PROTECT_SHARE
                      else f"waiting:{canonical_number(waiting)}")
+    if sessions is not None:
+        parts.append("sessions" if sessions == DEFAULT_SESSION_IDLE_S
+                     else f"sessions:{canonical_number(sessions)}")
     if infinite:
         parts.append("inf")
     if shared:
@@ -258,7 +298,8 @@ def _canonical(store: str, restore: bool, share: float | None, free: str, evicti
 
 def _describe(store: str, restore: bool, share: float | None, free: str, eviction: str,
               admission: str, protect: float | None, infinite: bool, refresh: bool,
-              waiting: float | None, shared: bool = False) -> str:
+              waiting: float | None, shared: bool = False,
+              sessions: float | None = None) -> str:
     words = ["lazy (store on GPU eviction)" if store == "lazy" else "eager stores"]
     if restore:
         words.append("re-store" if share is None
@@ -269,7 +310,10 @@ def _describe(store: str, restore: bool, share: float | None, free: str, evictio
         aging = {"": "", "0": ", no aging"}.get(window, f", aging every {window} tier sizes")
         words.append(f"LFU (least admitted-request demand first{aging})")
     else:
-        words.append({"nextuse": "next-use eviction (oracle)"}.get(eviction, eviction.upper()))
+        words.append({"nextuse": "next-use eviction (oracle)",
+                      "reqlru": "request-scoped LRU (vLLM 0.33's)",
+                      "reqarc": "request-scoped ARC (vLLM 0.33's)"}.get(eviction,
+                                                                      eviction.upper()))
     if admission == "second":
         words.append("store on second sight")
     elif admission == "hinted":
@@ -280,6 +324,9 @@ def _describe(store: str, restore: bool, share: float | None, free: str, evictio
         words.append(f"hints (protect <= {protect:.0%})")
     if waiting is not None:
         words.append(f"waiting-queue lookahead (protect <= {waiting:.0%})")
+    if sessions is not None:
+        words.append(f"sessions (protect <= {DEFAULT_PROTECT_SHARE:.0%}, silent "
+                     f"{canonical_number(sessions)} s: aged out)")
     if infinite:
         words.append("unbounded CPU tier")
     if shared:
@@ -341,15 +388,21 @@ def parse_setup(spec: str, name: str | None = None) -> TierSetup:
     infinite = resolved["capacity"] is not None
     refresh = resolved["recency"] is not None
     shared = resolved["second tier"] is not None
+    sessions = (windows.get("sessions", DEFAULT_SESSION_IDLE_S)
+                if resolved["sessions"] is not None else None)
+    if sessions is not None and sessions <= 0:
+        raise ValueError(f"setup {spec!r}: 'sessions:S' needs S > 0 seconds, got "
+                         f"{canonical_number(sessions)}")
     args = (store, restore, share, free, eviction, admission, protect, infinite, refresh, waiting,
-            shared)
+            shared, sessions)
     canonical = _canonical(*args)
     planner = PlannerConfig(restore=restore, cpu_free_order=free, restore_share=share,
                             lazy=store == "lazy", admission=admission,
                             refresh_on_gpu_hit=refresh)
     return TierSetup(name or canonical, planner, eviction, _describe(*args),
                       hint_protect_share=protect, waiting_protect_share=waiting,
-                      infinite_cpu=infinite, composition=canonical, second_tier=shared)
+                      session_idle_s=sessions, infinite_cpu=infinite, composition=canonical,
+                      second_tier=shared)
 
 
 #: The preset names of earlier versions, refused with the composition to write instead: a setup
@@ -369,6 +422,14 @@ REMOVED_PRESETS = {
 #: (``PlannerConfig.hold_finished``), which vLLM's connector does not: what that costs vLLM is
 #: ``bench.tier_study.finish_free_order``'s, not the study's.
 CONTROL = "eager"
+
+#: vLLM 0.33's ``OffloadingConnector``, the native connector a user would pick instead, as
+#: setups: eager stores of every computed block with its eviction policies, the per-request
+#: tail-first LRU (``reqlru``) and its ARC (``reqarc``: use counted per request, as vLLM counts
+#: it; kvtriton's own ``arc`` counts differently), both checked against vLLM's own policy
+#: classes (``bench/vllm/native_policies.py``). Every study table runs them beside the control.
+NATIVE_SETUPS = {"eager+reqlru": "vLLM 0.33 OffloadingConnector, LRU",
+                 "eager+reqarc": "vLLM 0.33 OffloadingConnector, ARC"}
 
 #: What ``simulate`` runs when given no setups: no tier, the control, re-store unbounded and
 #: bounded by half the tier (running requests' blocks past half of it mostly evict another

@@ -232,6 +232,13 @@ class KVLayout:
         """Bytes of one CPU block: the largest group's bytes per block."""
         return max(self.group_block_bytes)
 
+    def hit_bytes(self, num_tokens: int) -> int:
+        """Bytes a CPU hit of ``num_tokens`` tokens loads at most: every group's blocks that
+        cover them. Exact for full attention; a sliding window loads only its window and a
+        Mamba group its last state, so for those it is an upper bound."""
+        return sum(-(-num_tokens // g.block_size) * nbytes
+                   for g, nbytes in zip(self.groups, self.group_block_bytes, strict=True))
+
     def blocks_for_bytes(self, nbytes: int) -> int:
         """How many CPU blocks fit in ``nbytes``."""
         return nbytes // self.cpu_block_bytes

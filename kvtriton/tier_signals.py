@@ -16,10 +16,21 @@ while some waiting request holds them. Each key remembers the request last admit
 When a request finishes, its hint applies: ``continue`` protects its keys, ``close`` makes the
 keys it held last (or that no admitted request held) the first to go, and no hint returns its
 keys to the plain order. Key ids may grow (the connector's are recycled: ``forget``).
+
+Sessions (the ``sessions`` axis). When a turn of a session finishes, its keys are protected for
+the session's next turn, as a ``continue`` hint protects them, but with no client hint: the
+session id is all a server needs. A full protected segment lets the session silent longest go
+first (its protection was given longest ago), so protection decays with the time since the
+session's last turn; a session silent ``idle_s`` seconds (by the caller's clock: the
+simulator's modeled time, the connector's monotonic clock) ages out: ``expire`` lets go of the
+keys it protected last and that nobody protected since (their free blocks go first, as the
+oldest in a recency order would: ``HintedQueue.let_go``), and forgets the session.
+Memory: one entry per session heard from within ``idle_s``.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING
 
@@ -36,6 +47,10 @@ from kvtriton.eviction import (
 
 if TYPE_CHECKING:
     from kvtriton.setups import TierSetup
+
+#: The share of the tier a session's protected blocks may hold (``kvtriton.setups``'s default
+#: share of the protecting axes).
+DEFAULT_PROTECT_SHARE = 0.5
 
 __all__ = ["SignalBook", "cpu_queue"]
 
@@ -54,6 +69,8 @@ def cpu_queue(setup: TierSetup, next_use: EvictionQueue | None = None
         base = make_eviction_queue(setup.cpu_eviction)
     if setup.hints:
         hinted = HintedQueue(base, setup.hint_protect_share)
+    elif setup.sessions:
+        hinted = HintedQueue(base, DEFAULT_PROTECT_SHARE)
     elif setup.lookahead:
         hinted = HintedQueue(base, setup.waiting_protect_share, demote="newest")
     else:
@@ -87,11 +104,18 @@ class SignalBook:
     None. ``hints``/``lookahead``: the setup's axes."""
 
     def __init__(self, queue: HintedQueue, free_block: Callable[[int], int | None], *,
-                 hints: bool, lookahead: bool) -> None:
+                 hints: bool, lookahead: bool, session_idle_s: float | None = None) -> None:
         self.queue = queue
         self._free_block = free_block
         self.hints = hints
         self.lookahead = lookahead
+        #: Seconds a session may stay silent before its protection ages out (None: off).
+        self.session_idle_s = session_idle_s
+        # session -> (when its last turn ended, the keys it protected, the epoch it gave them),
+        # the longest-silent first.
+        self._sessions: OrderedDict[Hashable, tuple[float, np.ndarray, int]] = OrderedDict()
+        #: Sessions aged out by ``expire`` (a count).
+        self.sessions_expired = 0
         self._holder = np.full(0, -1, dtype=np.int64)  # key -> serial of its last admitted holder
         self._serial: dict[Hashable, int] = {}  # holder -> its serial, from admission to finish
         self._next_serial = 0
@@ -157,6 +181,44 @@ class SignalBook:
             self._set(uniq[mine], CLOSED, depths[mine])
         else:
             self._set(uniq, PROTECTED if hint == "continue" else NORMAL, depths)
+
+    @property
+    def sessions(self) -> bool:
+        return self.session_idle_s is not None
+
+    def turn_ended(self, session: Hashable, keys: np.ndarray | None, now: float) -> None:
+        """A turn of ``session`` ended at ``now`` (seconds) holding ``keys``
+        (``(groups, positions)``; None: none): protect them for the session's next turn."""
+        if not self.sessions:
+            return
+        self._sessions.pop(session, None)
+        if keys is None or not keys.size:
+            return
+        uniq, depths = _distinct_by_depth(keys)
+        self._set(uniq, PROTECTED, depths)
+        self._sessions[session] = (now, uniq, self.queue.last_hint)
+
+    def expire(self, now: float) -> int:
+        """Age out the sessions silent for ``idle_s`` by ``now``: their keys that no later
+        protection renewed return to the plain order. Returns how many sessions aged out."""
+        if not self._sessions:
+            return 0
+        limit = now - self.session_idle_s
+        expired = 0
+        while self._sessions:
+            session, (ended, keys, epoch) = next(iter(self._sessions.items()))
+            if ended > limit:
+                break
+            del self._sessions[session]
+            expired += 1
+            self.queue.let_go(keys[self.queue.epochs(keys) == epoch], self._free_block)
+        self.sessions_expired += expired
+        return expired
+
+    @property
+    def live_sessions(self) -> int:
+        """Sessions heard from within the idle time (their protection still on)."""
+        return len(self._sessions)
 
     def last_holder(self, keys: np.ndarray) -> np.ndarray:
         """The serial of each key's last admitted holder (-1: none since it was forgotten)."""

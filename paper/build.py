@@ -38,6 +38,7 @@ from paper.sections.restore_map import restore_map_section
 from paper.sections.second_tier import second_tier_section
 from paper.sections.setups import setups_section
 from paper.sections.shares import shares_section
+from paper.sections.sync_loads import sync_loads_section
 from paper.sections.traces import glm5_section, replay_section
 from paper.sections.vs_vllm import vs_vllm_section
 
@@ -46,7 +47,7 @@ SECTIONS = (inputs_section, hole_section, planner_section, vs_vllm_section, setu
             decision_map_section, shares_section, conversational_gap_section,
             lfu_recency_section, restore_map_section, replay_section, glm5_section,
             kernel_section, hybrid_waste, default_section, engine_section, second_tier_section,
-            fleet_section)
+            fleet_section, sync_loads_section)
 
 
 def section_numbers(template: str) -> dict[str, str]:

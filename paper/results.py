@@ -28,7 +28,7 @@ INPUTS = ("hole_demo", "planner", "vs_vllm", "vs_vllm_quick", "vs_vllm_evict_sha
           *(f"restore_map_{tag}" for tag in MAP_TAGS),
           "replay_mooncake", "replay_agent", "replay_cc_agentic", "kernel_check", "bench_kernels",
           "vllm_engine", "tune_shares", "conversational_gap", "lfu_recency", "default_setup",
-          "second_tier", "fleet", "vllm_predict")
+          "second_tier", "fleet", "vllm_predict", "sync_loads")
 
 
 def load(name: str) -> dict | None:

@@ -8,7 +8,9 @@ on a GPU box); modules marked ``device_lane`` have every registered KV tensor ch
 
 import importlib.util
 import os
+import runpy
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -42,6 +44,17 @@ settings.load_profile(os.environ.get("KVTRITON_HYPOTHESIS_PROFILE", "ci"))
 _vllm = importlib.util.find_spec("vllm")
 if _vllm is not None and _vllm.origin is None:
     sys.modules["vllm"] = None
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Name the vLLM release the run found (``make test`` runs the scheduler-role tests on two),
+    read from its ``_version.py`` without importing vLLM."""
+    if _vllm is None or _vllm.origin is None:
+        return
+    where = Path(_vllm.origin).parent
+    if (where / "_version.py").exists():
+        version = runpy.run_path(str(where / "_version.py")).get("__version__", "unknown")
+        terminalreporter.write_line(f"vLLM {version} from {where}")
 
 
 @pytest.fixture

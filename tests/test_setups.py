@@ -61,6 +61,8 @@ def test_removed_presets_name_the_setups_they_always_were():
     ("eager+restore:0.5+tail", "eager+restore:0.5+tail"),
     ("eager+second", "eager+second"),
     ("eager+inf", "eager+inf"),
+    ("reqlru+eager", "eager+reqlru"),
+    ("tail+reqarc+waiting", "eager+tail+reqarc+waiting"),
 ])
 def test_compositions_parse_to_one_canonical_name(spec, canonical):
     pol = tier_setup(spec)
@@ -181,7 +183,7 @@ def test_every_refused_composition_gives_its_reason(condition, reason):
 def test_every_axis_value_parses_alone_or_with_what_it_needs():
     for axis in AXES:
         for value in axis.values:
-            token = value.replace(":F", ":0.25").replace(":W", ":4")
+            token = value.replace(":F", ":0.25").replace(":W", ":4").replace(":S", ":30")
             needs = "lazy+" if token == "hinted" else ""
             setup = tier_setup(needs + token)
             assert setup.composition  # a canonical name for every value
@@ -241,6 +243,8 @@ def _setups(draw) -> str:
             value = value[:-1] + draw(_SHARES)
         elif value.endswith(":W"):
             value = value[:-1] + draw(_WINDOWS)
+        elif value.endswith(":S"):  # seconds: > 0
+            value = value[:-1] + draw(_WINDOWS.filter(lambda w: float(w) > 0))
         tokens.append(value)
     return "+".join(draw(st.permutations(tokens)))
 

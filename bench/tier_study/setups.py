@@ -75,19 +75,23 @@ QUICK_RATIOS = {"agent": RATIOS, "cc_agentic": (1,), "mooncake": (1,), "glm5": (
 # that make bench stays under ten minutes.
 QUICK_WORKLOADS = ("agent", "cc_agentic", "glm5")
 # Without --full the shipped traces run a subset, to keep make bench short: the
-# control, the bounded re-store and the signals of section 3.3; on Mooncake (no hints, and each
-# run a minute on 2 cores) only the admission, recency and waiting-queue signals. Both run the
+# control, the bounded re-store, the signals of section 3.3 and vLLM 0.33's own connector
+# (kvtriton.setups.NATIVE_SETUPS); on Mooncake (no hints, and each run a minute on 2 cores)
+# only the admission, recency, waiting-queue and session signals and the native connector. Both
+# run the
 # connector's default (kvtriton.setups.DEFAULT_SETUP), so the rule that picks it
 # (bench/tier_study/default_setup.py) sees it on every workload. The agent
 # generator runs the whole ablation either way; --full runs it everywhere.
 QUICK_TRACE_SETS = {
-    "cc_agentic": ("eager", "eager+restore:0.5", "eager+arc", "eager+lfu:64", "eager+second",
-                   "eager+refresh+arc", "eager+hints", "eager+waiting", "eager+lfu:64+waiting",
-                   "lazy", "lazy+hints", "lazy+hinted+hints"),
-    "mooncake": ("eager", "eager+arc", "eager+lfu:64", "eager+second", "eager+refresh+arc",
-                 "eager+waiting", "eager+lfu:64+waiting"),
+    "cc_agentic": ("eager", "eager+restore:0.5", "eager+arc", "eager+reqlru", "eager+reqarc",
+                   "eager+lfu:64", "eager+second", "eager+refresh+arc", "eager+hints",
+                   "eager+waiting", "eager+sessions", "eager+lfu:64+waiting",
+                   "eager+lfu:64+sessions", "lazy", "lazy+hints", "lazy+hinted+hints"),
+    "mooncake": ("eager", "eager+arc", "eager+reqlru", "eager+reqarc", "eager+lfu:64",
+                 "eager+second", "eager+refresh+arc", "eager+waiting", "eager+sessions",
+                 "eager+lfu:64+waiting"),
 }
-# The GLM-5 sample has what Mooncake has (no sessions, no hints): Mooncake's set.
+# The GLM-5 sample has what Mooncake has (no hints; sessions only as inferred): Mooncake's set.
 QUICK_TRACE_SETS["glm5"] = QUICK_TRACE_SETS["mooncake"]
 
 

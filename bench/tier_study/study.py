@@ -28,11 +28,12 @@ from kvtriton.sim.workloads import first_turns, serving_workload
 #: Every axis changed alone from the control (the ablation the benchmark runs).
 ABLATION = ("eager", "eager+restore", "eager+restore:0.5", "eager+tail", "eager+arc",
             "eager+s3fifo", "eager+lfu:64", "eager+second", "eager+refresh", "eager+hints",
-            "eager+waiting", "lazy")
+            "eager+waiting", "eager+sessions", "lazy", "eager+reqlru", "eager+reqarc")
 
 #: Combinations of the axes that pay, run beside the ablation.
 COMBINED = ("lazy+hints", "lazy+hinted", "lazy+hinted+hints", "eager+refresh+arc",
-            "eager+restore:0.5+tail+arc", "eager+lfu:64+waiting")
+            "eager+restore:0.5+tail+arc", "eager+lfu:64+waiting", "eager+sessions:60",
+            "eager+lfu:64+sessions")
 #: The combinations that use hints (the first of ``COMBINED``).
 HINTED_COMBINED = COMBINED[:3]
 

@@ -18,7 +18,10 @@ class Driver:
     ``t + report_delay`` by all ``world_size`` workers at once (``hold_stores`` keeps stores
     unreported until ``release_stores``). Tokens sampled are ``sampled`` per step, else
     ``default_token``. Works with ``KVTritonConnector`` and vLLM's SimpleCPUOffloadConnector
-    alike (their worker reports differ only in the metadata class)."""
+    alike (their worker reports differ only in the metadata class). A same-step load
+    (``KVTritonMetadata.sync_load``) is reported in the output of the step that issued it: the
+    workers wait for it before that step's forward pass (one of a request in ``failed_loads``
+    fails, its GPU blocks reported invalid)."""
 
     def __init__(self, scheduler: Any, *, report_delay: int = 1, world_size: int = 1) -> None:
         self.scheduler = scheduler
@@ -38,7 +41,8 @@ class Driver:
     def release_stores(self) -> None:
         self.hold_stores = False
 
-    def _worker_meta(self, events: list[int]) -> Any:
+    def _worker_meta(self, events: list[int], sync_event: int = -1,
+                     sync_failed: bool = False) -> Any:
         conn = self.scheduler.connector
         if conn is None:
             return None
@@ -51,13 +55,20 @@ class Driver:
             return SimpleCPUOffloadWorkerMetadata(done) if done else None
         from kvtriton.vllm.metadata import KVTritonWorkerMetadata
 
-        return KVTritonWorkerMetadata(done, bad) if done or bad else None
+        sync = {sync_event: self.world_size} if sync_event >= 0 else {}
+        if not (done or bad or sync):
+            return None
+        return KVTritonWorkerMetadata(done, bad, completed_sync_loads={} if sync_failed else sync,
+                                      failed_sync_loads=sync if sync_failed else {})
 
     def step(self, sampled: Mapping[str, Sequence[int]] | None = None) -> tuple[Any, Any]:
         """One schedule + output; returns ``(scheduler_output, engine_core_outputs)``."""
         so = self.scheduler.schedule()
         meta = so.kv_connector_metadata
         due = self.step_no + self.report_delay
+        sync = getattr(meta, "sync_load", None)
+        sync_event = sync.event if sync is not None and len(sync) else -1
+        sync_failed = sync_event >= 0 and bool(self.failed_loads & set(meta.sync_load_reqs))
         if meta is not None:
             store_ev = getattr(meta, "store_event", None)
             if store_ev is None:  # KVTritonMetadata
@@ -74,11 +85,13 @@ class Driver:
         loads = [r for d, rs in self._loads if d <= self.step_no for r in rs]
         self._loads = [(d, rs) for d, rs in self._loads if d > self.step_no]
         failed = [r for r in loads if r in self.failed_loads]
+        invalid = set(self.invalid_block_ids) if failed else set()
+        if sync_failed:
+            invalid |= set(sync.gpu_blocks)
         out = model_output(self.scheduler, so, sampled,
                            finished_loads=[r for r in loads if r not in self.failed_loads],
-                           failed_loads=failed,
-                           invalid_block_ids=self.invalid_block_ids if failed else (),
-                           worker_meta=self._worker_meta(stores))
+                           failed_loads=failed, invalid_block_ids=invalid,
+                           worker_meta=self._worker_meta(stores, sync_event, sync_failed))
         result = self.scheduler.update_from_output(so, out)
         self.step_no += 1
         return so, result

@@ -316,6 +316,17 @@ class TransferEngine:
         stream = stream if stream is not None else torch.cuda.current_stream(self.device)
         stream.wait_event(self._last_load)
 
+    def synchronize_loads(self) -> None:
+        """Block the host until every load submitted so far has landed (loads run in order on
+        one stream), for compute about to read them that no stream order covers. A no-op on
+        CPU. A copy that faulted is left to ``poll``, which reports it failed."""
+        if not self._cuda or self._last_load is None:
+            return
+        try:
+            self._last_load.synchronize()
+        except Exception:
+            log.exception("waiting for the loads in flight failed")
+
     def poll(self) -> tuple[list[int], list[str]]:
         """Completed store event ids and finished load request ids since the last poll."""
         still = []

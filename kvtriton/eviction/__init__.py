@@ -3,7 +3,9 @@
 The registry of the queues a pool is built with by name (``EVICTION_QUEUES``,
 ``make_eviction_queue``). The protocol and the building blocks the queues share live in
 ``base``; one algorithm per module: ``lru``, ``arc``, ``s3fifo``, ``lfu`` (demand counted
-over admitted requests, least-demanded first); ``protected`` wraps any of them
+over admitted requests, least-demanded first), ``request_lru`` (``reqlru``: vLLM 0.33's
+offloading LRU, recency given by requests) and ``request_arc`` (``reqarc``: vLLM 0.33's
+offloading ARC, a request's use counted at its finish); ``protected`` wraps any of them
 with the drop and protected segments of continuation hints and the waiting-queue lookahead
 (``HintedQueue``).
 """
@@ -13,6 +15,8 @@ from kvtriton.eviction.base import EvictionQueue
 from kvtriton.eviction.lfu import LFUQueue
 from kvtriton.eviction.lru import LRUQueue
 from kvtriton.eviction.protected import CLOSED, NORMAL, PROTECTED, HintedQueue
+from kvtriton.eviction.request_arc import RequestARCQueue
+from kvtriton.eviction.request_lru import RequestLRUQueue
 from kvtriton.eviction.s3fifo import S3FIFOQueue
 
 __all__ = [
@@ -25,6 +29,8 @@ __all__ = [
     "HintedQueue",
     "LFUQueue",
     "LRUQueue",
+    "RequestARCQueue",
+    "RequestLRUQueue",
     "S3FIFOQueue",
     "make_eviction_queue",
 ]
@@ -34,6 +40,8 @@ EVICTION_QUEUES: dict[str, type[EvictionQueue]] = {
     "arc": ARCQueue,
     "s3fifo": S3FIFOQueue,
     "lfu": LFUQueue,
+    "reqlru": RequestLRUQueue,
+    "reqarc": RequestARCQueue,
 }
 
 

@@ -9,7 +9,12 @@ so every queue hands them out first. Frequency-based queues (ARC, S3-FIFO) count
 repeated touch puts the block back where it was, since one running request's touches would
 otherwise count as many accesses (vLLM counts once per request for the same reason: the review
 of vLLM PR #41727, and PR #51787). A queue that sets ``observes_requests`` is also told of every
-request the planner admits (``on_request``, its distinct keys), demand the pool never sees.
+request the planner admits (``on_request``, its distinct keys), demand the pool never sees. A
+queue that sets ``observes_request_lifetimes`` orders blocks by the requests that use them, as
+vLLM 0.33's offloading policies do: the planner tells it when a request is admitted (its keys and
+their positions), when it finishes, and which keys a store is about to take blocks for
+(``on_request_admitted``, ``on_request_finished``, ``on_store_started``), reaching it through any
+wrapping queue with ``request_observer``.
 
 Building blocks: ``LinkedQueue`` (O(1) linked list over block ids), ``skip_past`` (an order from
 a given block on), ``GhostList`` (bounded keys of evicted blocks) and ``TwoListQueue`` (the
@@ -25,7 +30,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import numpy as np
 
 __all__ = ["FIRST", "SECOND", "EvictionQueue", "GhostList", "LinkedQueue", "TwoListQueue",
-           "skip_past"]
+           "request_observer", "skip_past"]
 
 
 class EvictionQueue(ABC):
@@ -35,6 +40,9 @@ class EvictionQueue(ABC):
     #: Whether the queue learns from the requests a server admits (``on_request``); the planner
     #: computes a request's distinct keys only for such queues.
     observes_requests = False
+    #: Whether the queue orders blocks by the requests that use them (``on_request_admitted``,
+    #: ``on_request_finished``, ``on_store_started``); the planner calls those only then.
+    observes_request_lifetimes = False
 
     @abstractmethod
     def reset(self, num_blocks: int) -> None:
@@ -111,6 +119,33 @@ class EvictionQueue(ABC):
         """Keys of evicted blocks this queue still remembers (ghost lists): an owner of key ids
         must not hand these out to new hashes."""
         return ()
+
+    def on_request_admitted(self, request_id: str, keys: np.ndarray,  # noqa: B027 - optional
+                            positions: np.ndarray) -> None:
+        """``request_id`` was admitted (once: not again when it resumes after a preemption).
+        ``keys``: its primary keys, every positional group's, group after group and head to tail
+        within one; ``positions``: the token each key's block ends at (int64 arrays of one
+        length). Called only when ``observes_request_lifetimes`` is set."""
+
+    def on_request_finished(self, request_id: str,  # noqa: B027 - optional hook
+                            num_tokens: int) -> None:
+        """``request_id`` finished or was aborted with ``num_tokens`` computed (its keys up to
+        that position are those it used), after its finish flush took its CPU blocks."""
+
+    def on_store_started(self, keys: Sequence[int]) -> None:  # noqa: B027 - optional hook
+        """A store of ``keys`` is taking its CPU blocks: the next ``len(keys)`` blocks handed
+        out (by ``pop``, or by a wrapping queue: ``forget_block``) will hold them in this order
+        once it completes; a block pushed back unhashed instead means its store failed."""
+
+
+def request_observer(queue: EvictionQueue) -> EvictionQueue | None:
+    """The queue to tell of request lifetimes: ``queue``, or the queue a wrapping queue keeps as
+    ``base`` (``HintedQueue``), whichever sets ``observes_request_lifetimes``; None if none."""
+    while not queue.observes_request_lifetimes:
+        queue = getattr(queue, "base", None)
+        if not isinstance(queue, EvictionQueue):
+            return None
+    return queue
 
 
 class LinkedQueue:

@@ -225,6 +225,28 @@ class HintedQueue(EvictionQueue):
                 self._fresh[b] = True  # this hint's block now: a new age, a new entry
             self._place(b, k)
 
+    def let_go(self, keys: np.ndarray, free_block_of) -> None:
+        """Protection over: the free blocks of ``keys`` go first now (the drop segment, where
+        their age put them in a recency order: older than anything used since they were
+        protected), and ``keys`` return to the plain order for any later free."""
+        keys = np.asarray(keys, dtype=np.int64)
+        if not len(keys):
+            return
+        self.hint(keys, CLOSED, free_block_of)
+        self._level[keys] = NORMAL
+
+    @property
+    def last_hint(self) -> int:
+        """The serial of the last ``hint`` that protected keys (the epoch it gave them)."""
+        return self._hints
+
+    def epochs(self, keys: np.ndarray) -> np.ndarray:
+        """The serial of the ``hint`` that last protected each key (0: never)."""
+        out = np.zeros(len(keys), dtype=np.int64)
+        inside = keys < len(self._epoch)
+        out[inside] = self._epoch[keys[inside]]
+        return out
+
     def __len__(self) -> int:
         return len(self._unhashed) + len(self._closed) + len(self.base) + len(self._protected)
 

@@ -194,6 +194,7 @@ class OffloadPlanner:
             self._stores.admit(req)
         else:
             self._lazy.note_admitted(req.keys)
+            self._stores.note_admitted(req)
 
     # ---- 3. per step ----------------------------------------------------------------------
 
@@ -285,6 +286,7 @@ class OffloadPlanner:
         if self.config.lazy:
             computed = req.keys[:, :req.num_computed_tokens // self.layout.hash_block_size]
             self._lazy.note_finished(computed, hint)
+            self._stores.note_finished(req)
         self._requests.pop(rid, None)
 
     def preempted(self, req_id: str) -> None:
@@ -324,6 +326,7 @@ class OffloadPlanner:
         (only possible when no transfer is in flight)."""
         self._stores.reset()
         self._loads.reset()
+        self._stores.note_forgotten(list(self._requests))
         self._requests.clear()
         self._running.clear()
         self._lazy.reset()

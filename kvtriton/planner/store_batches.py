@@ -188,6 +188,9 @@ class StoreBatches:
         selector = self._selector
         listened = getattr(selector, "listen_s", 0.0)
         t0 = time.perf_counter()
+        if self._lifetimes is not None:
+            # Keys in the order the blocks are handed out (vLLM's ARC adapts before evicting).
+            self._lifetimes.on_store_started(job.keys[start:])
         job.cpu += self._cpu_pool.get_new_blocks(n)
         t1 = time.perf_counter()
         gpu, keys = arrays if arrays is not None else (job.gpu[start:], job.keys[start:])

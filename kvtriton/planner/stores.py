@@ -10,7 +10,10 @@
    then registered in the CPU pool under every key of their GPU block and freed in the configured
    order. A failed store releases its pins and caches nothing.
 4. ``finish``: a finished request's confirmed blocks the scan has not stored are queued as the
-   finish flush; its state is dropped once none of its stores is in flight or queued. With
+   finish flush; its state is dropped once none of its stores is in flight or queued. A CPU
+   eviction queue that orders blocks by request lifetimes (``request_observer``) is told of the
+   request's admission and of its finish once its flush is queued (``note_admitted``,
+   ``note_finished``), and of each store's keys before it takes their blocks (``allocate``). With
    ``hold_finished`` a request finishing with stores in flight or queued keeps its GPU table
    referenced until then, and releases it tail first (see ``PlannerConfig``).
 5. ``reset``: issued batches become abandoned (their pins are released at their reports), the
@@ -29,6 +32,7 @@ from itertools import chain
 
 import numpy as np
 
+from kvtriton.eviction.base import request_observer
 from kvtriton.planner.admission import SecondSight
 from kvtriton.planner.config import PlannerConfig
 from kvtriton.planner.selection import StoreSelector
@@ -91,6 +95,8 @@ class Stores(StoreBatches):
         # A CPU eviction that learns from demand hears of every admitted request's keys.
         eviction = cpu_pool.eviction
         self._demand = eviction.on_request if eviction.observes_requests else None
+        # A CPU eviction that orders blocks by request lifetimes (vLLM 0.33's) hears of them.
+        self._lifetimes = request_observer(eviction)
 
     # ---- rows -------------------------------------------------------------------------------
 
@@ -133,6 +139,29 @@ class Stores(StoreBatches):
         del self._row_req[st.row]
         self._free_rows.append(st.row)
 
+    def note_admitted(self, req: Request) -> None:
+        """Tell a CPU eviction that follows request lifetimes of ``req``'s admission: its
+        primary keys and the token each one's block ends at (it ignores a request it knows)."""
+        if self._lifetimes is None:
+            return
+        pkeys = self._primary_keys(req)
+        positions = [(np.arange(len(k), dtype=np.int64) + 1) * spec.block_size
+                     for k, spec in zip(pkeys, self._layout.groups, strict=True)]
+        self._lifetimes.on_request_admitted(req.request_id, np.concatenate(pkeys),
+                                            np.concatenate(positions))
+
+    def note_finished(self, req: Request) -> None:
+        """Tell a CPU eviction that follows request lifetimes of ``req``'s finish."""
+        if self._lifetimes is not None:
+            self._lifetimes.on_request_finished(req.request_id, req.num_computed_tokens)
+
+    def note_forgotten(self, rids: list[str]) -> None:
+        """A reset forgot ``rids``: a CPU eviction that follows request lifetimes drops them
+        without a commit (a finish having used no key), as vLLM's reset forgets its ranks."""
+        if self._lifetimes is not None:
+            for rid in rids:
+                self._lifetimes.on_request_finished(rid, 0)
+
     def admit(self, req: Request) -> None:
         """Give ``req`` a row (once: a request keeps its row until it finishes)."""
         rid = req.request_id
@@ -144,6 +173,7 @@ class Stores(StoreBatches):
         self._states[rid] = st
         self._row_req[row] = rid
         self._admit_row(req, st)
+        self.note_admitted(req)
         if self._admission is not None or self._demand is not None:
             keys = np.unique(np.concatenate(self._primary_keys(req)))
             if self._admission is not None:
@@ -229,6 +259,9 @@ class Stores(StoreBatches):
                         self._selector.append_blocks(st.row, g, table[have:])
                         self._table_len[g, st.row] = len(table)
             self._queue_flush(rid, req, st)
+        # After the flush took its CPU blocks (and evicted for them), as vLLM's scheduler
+        # signals a finish after the finish's last store.
+        self.note_finished(req)
         if self._config.hold_finished and (st.events or rid in self._flush.req_ids):
             self._hold(st, tables)
         st.finished = True

@@ -23,10 +23,11 @@ from collections.abc import Callable, Iterable, Mapping
 from kvtriton.lookup import Hit
 from kvtriton.planner import OffloadPlanner
 from kvtriton.pool import NULL_BLOCK, BlockPool
-from kvtriton.records import PlannerMeta
+from kvtriton.records import PlannerMeta, Transfer
 from kvtriton.sim.hooks import IntegrityHook
 from kvtriton.sim.scheduler import KVScheduler, SeqBlocks
 from kvtriton.specs import KVLayout
+from kvtriton.sync_loads import SyncLoadBudget, split_sync_loads
 
 __all__ = ["BatchScheduler"]
 
@@ -62,6 +63,11 @@ class BatchScheduler(KVScheduler):
       CPU lookup (vLLM asks the connector before it tries to allocate), then allocation. A CPU
       hit allocates its blocks and waits for its load; GPU-hit pages its CPU hit leaves out of
       a sliding window are not taken (vLLM skips them).
+    - Same-step loads (``sync_load_budget_bytes``, ``kvtriton.sync_loads``): a CPU hit whose
+      bytes fit what is left of the step's budget is computed in the step that admits it,
+      like a GPU hit, once its load landed before the step's compute (the loop puts that load
+      on the step's critical path: ``sync_load``); it takes no in-flight reservation and never
+      waits in ``loading``.
     - ``reserve_full_isl`` (vLLM's ``scheduler_reserve_full_isl``, on by default there and
       here): a waiting request, or a landed load's request, is scheduled only if the blocks
       its whole sequence needs are free, not only its first chunk's. False: the first chunk
@@ -79,12 +85,20 @@ class BatchScheduler(KVScheduler):
     def __init__(self, layout: KVLayout, gpu: BlockPool, planner: OffloadPlanner | None, *,
                  token_budget: int, max_running: int, null_out_of_window: bool = True,
                  count_recomputed: bool = False, integrity: IntegrityHook | None = None,
-                 reserve_full_isl: bool = True) -> None:
+                 reserve_full_isl: bool = True, sync_load_budget_bytes: int = 0) -> None:
         super().__init__(layout, gpu, planner, null_out_of_window=null_out_of_window,
                          count_recomputed=count_recomputed, integrity=integrity)
         self.token_budget = token_budget
         self.max_running = max_running
         self.reserve_full_isl = reserve_full_isl
+        self.sync_budget = SyncLoadBudget(layout, sync_load_budget_bytes)
+        #: The last ``schedule_step``'s same-step loads (their pairs; event -1 when none), and
+        #: how many requests were loaded so, all steps together.
+        self.sync_load = Transfer()
+        self.sync_loads = 0
+        # Admitted this step on a same-step load, with the token its load starts at.
+        self._sync_seqs: list[tuple[SeqBlocks, int]] = []
+        self._sync_landed: list[str] = []  # landed, not yet reported to the planner
         self.seqs: dict[str, SeqBlocks] = {}  # every request not finished, in arrival order
         self.waiting: deque[SeqBlocks] = deque()
         self.running: list[SeqBlocks] = []
@@ -193,9 +207,14 @@ class BatchScheduler(KVScheduler):
         if ext is None:
             return SKIP  # vLLM skips it this step: its blocks from the store are on their way
         computed = local + ext
+        rid = req.request_id
+        sync = bool(ext) and self.sync_budget.reserve(rid, local, ext, req.num_tokens)
         if ext:
             hit = self._past_window(hit, computed)
-        target = computed if ext else local + min(req.num_tokens - local, budget)
+        if sync:
+            target = computed + min(req.num_tokens - computed, budget)
+        else:
+            target = computed if ext else local + min(req.num_tokens - local, budget)
         hit_blocks = [b for blocks in hit.blocks for b in blocks if b != NULL_BLOCK]
         # Touching a free cached hit block takes it out of the free queue: it counts as taken
         # (vLLM's num_evictable_blocks).
@@ -203,18 +222,20 @@ class BatchScheduler(KVScheduler):
         free = self.gpu.num_free_blocks
         if self.reserve_full_isl and \
                 sum(self.blocks_to_hold(hit.blocks, req.num_tokens, computed)) + touched > free:
+            self.sync_budget.release(rid)
             return None
-        if ext:
+        if ext and not sync:
             # An async load holds its blocks for the whole transfer and cannot be preempted:
             # vLLM admits it only into the free blocks in-flight prefills do not need
             # (reserved_blocks = _inflight_prefill_reserved_blocks()).
             free -= self._inflight_reserved(scheduled)
         if sum(self.blocks_needed(hit.blocks, target, computed=computed)) + touched > free:
+            self.sync_budget.release(rid)
             return None
         self.install_hit(seq, hit)
         self.grow(seq, target, computed=computed)
         self.after_alloc(seq, ext)
-        req.num_computed_tokens = local
+        req.num_computed_tokens = computed if sync else local
         if not seq.admitted_once:
             seq.admitted_once = True
             self.prompt_tokens += req.num_prompt_tokens
@@ -223,6 +244,10 @@ class BatchScheduler(KVScheduler):
             self.first_admit_tokens[req.request_id] = (req.num_prompt_tokens, local, ext)
             if self.on_first_admit is not None:
                 self.on_first_admit(seq)
+        if sync:
+            self._sync_seqs.append((seq, local))
+            self.running.append(seq)
+            return target - computed
         if ext:
             seq.pending_ext = ext
             self.loading[req.request_id] = seq
@@ -310,16 +335,40 @@ class BatchScheduler(KVScheduler):
                 budget -= n
         self.waiting.extendleft(reversed(skipped))
 
-    def schedule_step(self) -> tuple[dict[str, int], PlannerMeta | None]:
+    def schedule_step(self, step_no: int = -1) -> tuple[dict[str, int], PlannerMeta | None]:
         """Tokens scheduled per request id this step, and the planner's transfers for it (None
-        without a planner). ``build_meta`` runs before the step's tokens count as computed."""
+        without a planner). ``build_meta`` runs before the step's tokens count as computed.
+        The step's same-step loads are taken out of the returned load into ``sync_load``; they
+        have landed when this returns (their blocks are in the GPU prefix cache). ``step_no``
+        names the step in integrity errors."""
         scheduled, preempted = self._schedule()
         self.last_preempted = preempted
         finished, self._finished_last = self._finished_last, set()
         step = self.step_output(self.seqs.values(), scheduled, preempted=preempted,
                                 finished=finished)
+        queued = self.planner.queued_loads() if self._sync_seqs else {}
         meta = self.build_meta(step) if self.planner is not None else None
+        self.sync_budget.new_step()
+        self.sync_load = Transfer()
+        if self._sync_seqs:
+            sync = [seq.req.request_id for seq, _ in self._sync_seqs]
+            meta, self.sync_load = split_sync_loads(meta, queued, sync)
+            for seq, start in self._sync_seqs:
+                self._sync_landed_now(seq, start, step_no)
+            self.sync_loads += len(sync)
+            self._sync_seqs = []
         return scheduled, meta
+
+    def _sync_landed_now(self, seq: SeqBlocks, start: int, step_no: int) -> None:
+        """``seq``'s same-step load (tokens ``start`` to its computed ones) landed: its blocks
+        join the GPU prefix cache (not computed here), as a landed asynchronous load's do; the
+        planner hears of it in the step's ``deliver``."""
+        req = seq.req
+        if self.integrity is not None:
+            self.integrity.check_load(req.request_id, req.keys, seq.tables, start,
+                                      req.num_computed_tokens, step_no)
+        self.cache_computed(seq, computed_here=False)
+        self._sync_landed.append(req.request_id)
 
     # ---- after the step's compute -----------------------------------------------------------
 
@@ -359,7 +408,8 @@ class BatchScheduler(KVScheduler):
         stays in ``loading``, holding its blocks, until the waiting phase of a later step
         reaches it and its first chunk fits (see ``_schedule_loaded``); it does not join
         ``running`` here, so it can neither preempt nor be preempted before then."""
-        if not finished_loads and not completed_stores:
+        landed, self._sync_landed = self._sync_landed, []
+        if not finished_loads and not completed_stores and not landed:
             return
         if self.integrity is not None:
             for rid in finished_loads:
@@ -367,7 +417,9 @@ class BatchScheduler(KVScheduler):
                 start = seq.req.num_computed_tokens
                 self.integrity.check_load(rid, seq.req.keys, seq.tables, start,
                                           start + seq.pending_ext, step)
-        self.apply_reports(finished_loads=finished_loads, completed_stores=completed_stores)
+        # Same-step loads after the others, in the order the connector hands them over.
+        self.apply_reports(finished_loads=[*finished_loads, *landed],
+                           completed_stores=completed_stores)
         for rid in finished_loads:
             seq = self.loading[rid]
             seq.req.num_computed_tokens += seq.pending_ext

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from math import inf
 
-from kvtriton.records import PlannerMeta
+from kvtriton.records import PlannerMeta, Transfer
 from kvtriton.sim.cost import ServingCost
 from kvtriton.sim.metrics import RunMetrics
 from kvtriton.sim.workload import Workload, WorkloadRequest
@@ -116,6 +116,16 @@ class ServingClock(ABC):
             done = self._h2d.submit(self.now, nbytes, self.cost.h2d_s(nbytes))
             self._push_completion(done, "load", meta.load.event,
                                   meta.load_event_to_reqs[meta.load.event])
+
+    def _submit_sync_load(self, load: Transfer) -> float:
+        """The step's same-step loads (``kvtriton.sync_loads``), on the host link ahead of the
+        step's other transfers: when they have landed, which is when the step's compute can
+        start (``now`` when there are none). Their requests are computed in this step, so no
+        completion is queued: the scheduler reports them to the planner itself."""
+        if not len(load):
+            return self.now
+        nbytes = sum(self.layout.group_block_bytes[g] for g in load.groups)
+        return self._h2d.submit(self.now, nbytes, self.cost.h2d_s(nbytes))
 
     def _push_completion(self, at: float, kind: str, event: int, reqs: list[str]) -> None:
         self._seq_no += 1

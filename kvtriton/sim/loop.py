@@ -5,7 +5,9 @@ running requests first (decode, or the next chunk of a prefill), then requests w
 landed, then waiting ones in arrival order while the token budget, the GPU blocks and
 ``max_running`` allow. A new request is looked up in the GPU prefix cache, then in the CPU tier;
 a CPU hit allocates its blocks and waits for the load (asynchronous, as in vLLM: it is computed
-from a later step on, once the waiting phase reaches it and its chunk fits). With
+from a later step on, once the waiting phase reaches it and its chunk fits), unless its bytes
+fit the step's ``sync_load_budget_bytes`` (``kvtriton.sync_loads``): then it is computed in the
+step that admits it, which starts its compute once that load landed on the host link. With
 ``reserve_full_isl`` (the default, as vLLM's ``scheduler_reserve_full_isl``) a request is
 admitted only when its whole sequence fits. When the GPU runs out of blocks for a running
 request the newest running request is preempted (recompute: its blocks are freed and it starts
@@ -53,7 +55,7 @@ from kvtriton.sim.second_tier import (
     StoreCost,
     StoreTier,
 )
-from kvtriton.sim.workload import Workload, WorkloadRequest
+from kvtriton.sim.workload import Workload, WorkloadRequest, causal_sessions
 from kvtriton.specs import KVLayout
 from kvtriton.tier_signals import SignalBook, cpu_queue
 
@@ -94,7 +96,7 @@ class ServingLoop(ServingClock):
                  progress: Callable[[int, int], None] | None = None,
                  reserve_full_isl: bool = True, store_blocks: int | None = None,
                  store_cost: StoreCost = LOOPBACK_TCP, fetch_timeout_s: float = 5.0,
-                 store_tier: StoreTier | None = None) -> None:
+                 store_tier: StoreTier | None = None, sync_load_budget_bytes: int = 0) -> None:
         super().__init__(workload, layout, cost, RunMetrics(setup=setup.name),
                          gpu_blocks=gpu_blocks, progress=progress)
         self.setup = setup
@@ -104,6 +106,7 @@ class ServingLoop(ServingClock):
         self._index = {wr.request_id: i for i, wr in enumerate(workload.requests)}
         self._next_use: NextUse | None = None
         self._signals: SignalBook | None = None
+        self._session_of: list[str] = []
         if setup.planner is not None:
             if setup.infinite_cpu:
                 cpu_blocks = num_keys(keys)
@@ -120,7 +123,8 @@ class ServingLoop(ServingClock):
         self.sched = BatchScheduler(layout, self.gpu, self.planner, token_budget=token_budget,
                                     max_running=max_running, null_out_of_window=True,
                                     count_recomputed=True, integrity=integrity,
-                                    reserve_full_isl=reserve_full_isl)
+                                    reserve_full_isl=reserve_full_isl,
+                                    sync_load_budget_bytes=sync_load_budget_bytes)
         self.sched.on_first_admit = self._first_admit
         self._keys = keys
         self.step_no = 0
@@ -161,7 +165,10 @@ class ServingLoop(ServingClock):
         queue, hinted = cpu_queue(setup, oracle)
         if hinted is not None:
             self._signals = SignalBook(hinted, self._free_cpu_block, hints=setup.hints,
-                                       lookahead=setup.lookahead)
+                                       lookahead=setup.lookahead,
+                                       session_idle_s=setup.session_idle_s)
+            if setup.sessions:
+                self._session_of = causal_sessions(self.workload)
         return queue
 
     def _first_admit(self, seq: _Seq) -> None:
@@ -176,6 +183,12 @@ class ServingLoop(ServingClock):
         """The free CPU block caching ``key`` (a hint moves it now), or None."""
         b = self.cpu.get_cached_block(key)
         return b if b is not None and self.cpu.is_free(b) else None
+
+    def _end_turn(self, seq: _Seq) -> None:
+        """A finished turn's blocks are protected for its session's next turn
+        (``SignalBook.turn_ended``; the session as the server knows it: ``causal_sessions``)."""
+        i = self._index[seq.req.request_id]
+        self._signals.turn_ended(self._session_of[i], self._keys[i], self.now)
 
     def _apply_hint(self, seq: _Seq) -> None:
         """A finished turn's hint reaches the CPU tier (``SignalBook.finished``)."""
@@ -240,19 +253,25 @@ class ServingLoop(ServingClock):
         if not self._has_work() and not self._completions:
             return self._wait_for_next_event(False, 0)
         self._finished_unsent = False
-        scheduled, meta = sched.schedule_step()
+        if self.setup.sessions:
+            self._signals.expire(self.now)
+        scheduled, meta = sched.schedule_step(self.step_no)
+        ready = self._submit_sync_load(sched.sync_load)
         if meta is not None:
             self.metrics.build_meta_ms.append(sched.last_build_meta_s * 1e3)
             self._submit_transfers(meta)
         if sched.second_tier is not None:
             self._submit_fetches()
         if scheduled:
-            self.now += self._step_seconds(self._chunks(scheduled))
+            # The step's compute starts once its same-step loads landed.
+            self.now = max(self.now, ready) + self._step_seconds(self._chunks(scheduled))
             for seq in sched.advance(scheduled, self._sampled):
                 self._finished_unsent = True
                 self.metrics.finished += 1
                 if self.setup.hints:
                     self._apply_hint(seq)
+                elif self.setup.sessions:
+                    self._end_turn(seq)
                 self._release_successors(seq.req.request_id)
             self.metrics.steps += 1
         elif sched.last_preempted:
@@ -315,9 +334,12 @@ class ServingLoop(ServingClock):
         m.gpu_hit_tokens, m.cpu_hit_tokens = sched.gpu_hit_tokens, sched.cpu_hit_tokens
         m.tokens_by_request = sched.first_admit_tokens
         m.recomputed_tokens, m.preemptions = sched.recomputed_tokens, sched.preemptions
+        m.sync_loads = sched.sync_loads
         m.planner_s = sched.planner_s
         if self.planner is not None:
             m.planner = self.planner.stats.as_dict()
             m.planner["running_evictions"] = self.planner.selector.running_evictions
         if self._signals is not None:
             m.planner["protect_overflow"] = self._signals.queue.protect_overflow
+            if self.setup.sessions:
+                m.planner["sessions_expired"] = self._signals.sessions_expired

@@ -53,10 +53,12 @@ class SetupRow(TypedDict, total=False):
     restored_blocks: int
     restore_thrash: int
     loaded_blocks: int
+    sync_loads: int  # CPU hits computed in the step that loaded them (sync_load_budget_bytes)
     handoff_stored: int
     lazy_stored: int
     admission_skipped: int
     protect_overflow: int
+    sessions_expired: int
     hints_applied: dict[str, int]
     bytes_d2h: int
     bytes_h2d: int
@@ -106,6 +108,8 @@ class RunMetrics:
     prefill_tokens: int = 0
     recomputed_tokens: int = 0
     preemptions: int = 0
+    #: CPU hits loaded and computed in the same step (``sync_load_budget_bytes``).
+    sync_loads: int = 0
     bytes_d2h: int = 0
     bytes_h2d: int = 0
     planner_s: float = 0.0
@@ -132,7 +136,8 @@ class RunMetrics:
         for m in runs:
             for name in ("requests", "finished", "rejected", "steps", "prompt_tokens",
                          "gpu_hit_tokens", "cpu_hit_tokens", "prefill_tokens",
-                         "recomputed_tokens", "preemptions", "bytes_d2h", "bytes_h2d",
+                         "recomputed_tokens", "preemptions", "sync_loads", "bytes_d2h",
+                         "bytes_h2d",
                          "planner_s", "wall_s"):
                 setattr(out, name, getattr(out, name) + getattr(m, name))
             out.makespan_s = max(out.makespan_s, m.makespan_s)
@@ -192,10 +197,12 @@ class RunMetrics:
             "restored_blocks": p.get("scan_restored", 0),
             "restore_thrash": p.get("restore_thrash", 0),
             "loaded_blocks": p.get("blocks_loaded", 0),
+            "sync_loads": self.sync_loads,
             "handoff_stored": p.get("handoff_stored", 0),
             "lazy_stored": p.get("lazy_stored", 0),
             "admission_skipped": p.get("admission_skipped", 0),
             "protect_overflow": p.get("protect_overflow", 0),
+            "sessions_expired": p.get("sessions_expired", 0),
             "hints_applied": dict(self.hints),
             "bytes_d2h": self.bytes_d2h,
             "bytes_h2d": self.bytes_h2d,

@@ -267,6 +267,7 @@ def simulate(
     parts: Mapping[str, str] | None = None,
     store_blocks: int | None = None,
     store_cost: StoreCost | None = None,
+    sync_load_budget_bytes: int = 0,
 ) -> SimulationResult:
     """Replay ``workload`` through the serving loop once per setup.
 
@@ -315,11 +316,19 @@ def simulate(
     ``store_blocks``: the capacity of the second tier of setups with ``shared``
     (``kvtriton.sim.second_tier``), blocks; ``store_cost`` its link (default ``LOOPBACK_TCP``,
     measured here). A setup with ``shared`` and no ``store_blocks`` is a ``ValueError``.
+
+    ``sync_load_budget_bytes``: bytes of CPU hits per step loaded and computed in the step that
+    admits them (``kvtriton.sync_loads``, the connector's key of that name), their load on the
+    host link ahead of the step's compute; every row counts them in ``sync_loads``. 0 (the
+    default): every CPU hit waits for its asynchronous load, as before.
     """
     if not is_int(token_budget) or token_budget < 1:
         raise ValueError(f"token_budget must be a positive int, got {token_budget!r}")
     if not is_int(max_running) or max_running < 1:
         raise ValueError(f"max_running must be a positive int, got {max_running!r}")
+    if not is_int(sync_load_budget_bytes) or sync_load_budget_bytes < 0:
+        raise ValueError(f"sync_load_budget_bytes must be a non-negative int (bytes per step), "
+                         f"got {sync_load_budget_bytes!r}")
     if not len(workload):
         raise ValueError(f"workload {workload.name!r} has no requests")
     if scheduler_overrides and engine != "vllm":
@@ -331,6 +340,10 @@ def simulate(
     _check_engine(engine, chosen, layout, model, integrity, integrity_backend, token_budget,
                   max_running)
     vllm_engine = engine == "vllm"
+    if vllm_engine and sync_load_budget_bytes and layout.num_groups > 1:
+        raise ValueError(f"sync_load_budget_bytes: the connector loads in the same step only "
+                         f"for a model with one KV cache group, {model!r} has "
+                         f"{layout.num_groups}: use the kvtriton engine")
     oracles = [tier_setup(p) for p in references] if bound and not vllm_engine else []
     if oracles and not any(p.composition == CONTROL for p in chosen):
         oracles.insert(0, tier_setup(CONTROL))
@@ -356,6 +369,8 @@ def simulate(
         "requests": len(workload), "rejected": len(rejected),
         "reserve_full_isl": reserve_full_isl, "cost_model": cost.conditions(),
     }
+    if sync_load_budget_bytes:
+        conditions["sync_load_budget_bytes"] = int(sync_load_budget_bytes)
     shared = [p.name for p in chosen if p.second_tier]
     if shared:
         if store_blocks is None or not is_int(store_blocks) or store_blocks <= 0:
@@ -375,7 +390,8 @@ def simulate(
         result = _simulate_on_vllm(workload, layout, cost, chosen, n_gpu, n_cpu, conditions,
                                    token_budget=token_budget, max_running=max_running,
                                    progress=progress, scheduler_overrides=scheduler_overrides,
-                                   reserve_full_isl=reserve_full_isl, parts=parts)
+                                   reserve_full_isl=reserve_full_isl, parts=parts,
+                                   sync_load_budget_bytes=int(sync_load_budget_bytes))
         if bound:
             result.bound = belady_bound(workload, layout, n_gpu, n_cpu, rejected)
         result.references = add_references(result.rows, result.bound)
@@ -398,7 +414,8 @@ def simulate(
                            token_budget=token_budget, max_running=max_running,
                            integrity=checker, reserve_full_isl=reserve_full_isl,
                            store_blocks=store_blocks, store_cost=store_cost or LOOPBACK_TCP,
-                           progress=Progress(f"{pol.name:>20s}", enabled=progress))
+                           progress=Progress(f"{pol.name:>20s}", enabled=progress),
+                           sync_load_budget_bytes=int(sync_load_budget_bytes))
         metrics = loop.run()
         row = metrics.summary()
         if loop.store is not None:
@@ -429,7 +446,8 @@ def _simulate_on_vllm(workload: Workload, layout: KVLayout, cost: ServingCost,
                       token_budget: int, max_running: int, progress: bool,
                       scheduler_overrides: dict[str, Any] | None,
                       reserve_full_isl: bool,
-                      parts: Mapping[str, str] | None = None) -> SimulationResult:
+                      parts: Mapping[str, str] | None = None,
+                      sync_load_budget_bytes: int = 0) -> SimulationResult:
     """Every setup of ``chosen`` through ``VllmLoop`` (arguments checked by ``simulate``)."""
     import tempfile
 
@@ -453,7 +471,8 @@ def _simulate_on_vllm(workload: Workload, layout: KVLayout, cost: ServingCost,
                             token_budget=token_budget, max_running=max_running,
                             model_dir=model_dir, max_model_len=max_model_len,
                             progress=Progress(f"{pol.name:>20s} (vllm)", enabled=progress),
-                            scheduler_overrides=overrides or None)
+                            scheduler_overrides=overrides or None,
+                            sync_load_budget_bytes=sync_load_budget_bytes)
             metrics = loop.run()
             row = metrics.summary()
             if parts is not None:

@@ -30,10 +30,10 @@ from kvtriton.setups import TierSetup
 from kvtriton.sim.clock import ServingClock
 from kvtriton.sim.cost import ServingCost
 from kvtriton.sim.metrics import RunMetrics
-from kvtriton.sim.workload import Workload, WorkloadRequest
+from kvtriton.sim.workload import Workload, WorkloadRequest, causal_sessions
 from kvtriton.specs import KVLayout
 from kvtriton.vllm.config import extra_config_for
-from kvtriton.vllm.signals import HINT_KEY
+from kvtriton.vllm.releases import HINT_KEY, SESSION_KEY
 
 __all__ = ["VllmLoop"]
 
@@ -113,24 +113,30 @@ class VllmLoop(ServingClock):
                  cost: ServingCost, *, gpu_blocks: int, cpu_blocks: int, token_budget: int,
                  max_running: int, model_dir: str, max_model_len: int,
                  progress: Any = None,
-                 scheduler_overrides: dict[str, Any] | None = None) -> None:
+                 scheduler_overrides: dict[str, Any] | None = None,
+                 sync_load_budget_bytes: int = 0) -> None:
         from kvtriton.sim.vllm_scheduler import make_scheduler
 
         super().__init__(workload, layout, cost, RunMetrics(setup=setup.name),
                          gpu_blocks=gpu_blocks, progress=progress)
         self.setup = setup
         connector = setup.planner is not None
+        extra = extra_config_for(setup) if connector else None
+        if extra is not None and sync_load_budget_bytes:
+            extra["sync_load_budget_bytes"] = sync_load_budget_bytes
         self.scheduler = make_scheduler(
             model_dir, list(layout.groups), num_gpu_blocks=gpu_blocks + 1,
             kv_connector="KVTritonConnector" if connector else None,
             kv_connector_module_path="kvtriton.vllm" if connector else None,
-            extra_config=extra_config_for(setup) if connector else None,
+            extra_config=extra,
             cpu_blocks=cpu_blocks if connector else None, max_num_seqs=max_running,
             max_num_batched_tokens=token_budget, max_model_len=max_model_len,
             scheduler_overrides=scheduler_overrides)
         self.side = self.scheduler.connector.scheduler_side if connector else None
         if connector:
             _time_connector_calls(self.scheduler.connector, self.metrics)
+            self.side.signals.clock = lambda: self.now  # sessions age by modeled time
+        self._session_of = causal_sessions(workload) if setup.sessions else []
         self.tokens = _TokenSource(workload.hash_block_size)
         self._live: dict[str, tuple[WorkloadRequest, list[int], float]] = {}
         self._first_token: set[str] = set()
@@ -143,14 +149,19 @@ class VllmLoop(ServingClock):
     def _admit_arrivals(self) -> None:
         from kvtriton.sim.vllm_scheduler import vllm_request
 
-        for at, _, wr in self._due_arrivals():
+        for at, i, wr in self._due_arrivals():
             seq = self.tokens.sequence(wr)
             self._live[wr.request_id] = (wr, seq, at)
             req = vllm_request(wr.request_id, seq[:wr.prompt_len], max(1, wr.output_len),
                                self.workload.hash_block_size, arrival_time=at)
+            # As a server passes them: the request's kv_transfer_params (kvtriton.vllm.releases).
+            params = {}
             if wr.hint is not None:
-                # As a server passes it: the request's kv_transfer_params (kvtriton.vllm.signals).
-                req.kv_transfer_params = {HINT_KEY: wr.hint}
+                params[HINT_KEY] = wr.hint
+            if self._session_of:
+                params[SESSION_KEY] = self._session_of[i]
+            if params:
+                req.kv_transfer_params = params
             self.scheduler.add_request(req)
 
     def _note_admissions(self, so: Any) -> None:
@@ -201,7 +212,8 @@ class VllmLoop(ServingClock):
                 else:
                     self._ever_computed.add(key)
 
-    def _output(self, so: Any, loads: list[str], stores: dict[int, int]) -> Any:
+    def _output(self, so: Any, loads: list[str], stores: dict[int, int],
+                sync_event: int = -1) -> Any:
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
         from kvtriton.vllm.metadata import KVTritonWorkerMetadata
@@ -218,9 +230,12 @@ class VllmLoop(ServingClock):
                 self._first_token.add(rid)
                 self.metrics.ttft_s.append(self.now - self._live[rid][2])
                 self.metrics.ttft_by_request[rid] = self.now - self._live[rid][2]
+        # A same-step load landed before the step's compute: reported with its output.
+        sync = {sync_event: self.world_size} if sync_event >= 0 else {}
         kv = KVConnectorOutput(
             finished_recving=_CompletionOrderSet(loads) or None,
-            kv_connector_worker_meta=KVTritonWorkerMetadata(stores) if stores else None)
+            kv_connector_worker_meta=KVTritonWorkerMetadata(stores, completed_sync_loads=sync)
+            if stores or sync else None)
         return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
                                  sampled_token_ids=sampled, kv_connector_output=kv)
 
@@ -236,11 +251,18 @@ class VllmLoop(ServingClock):
             return self._wait_for_next_event(False, 0)
         so = s.schedule()
         self.metrics.preemptions += len(so.preempted_req_ids or ())
-        if so.kv_connector_metadata is not None:
-            self._submit_transfers(so.kv_connector_metadata)
+        meta = so.kv_connector_metadata
+        ready, sync_event = self.now, -1
+        if meta is not None:
+            ready = self._submit_sync_load(meta.sync_load)
+            if len(meta.sync_load):
+                sync_event = meta.sync_load.event
+                self.metrics.sync_loads += len(meta.sync_load_reqs)
+            self._submit_transfers(meta)
         self._note_admissions(so)
         if so.total_num_scheduled_tokens:
-            self.now += self._step_seconds(self._chunks(so))
+            # The step's compute starts once its same-step loads landed.
+            self.now = max(self.now, ready) + self._step_seconds(self._chunks(so))
             self.metrics.steps += 1
         elif so.preempted_req_ids:
             pass  # a step that only preempted: the next one schedules into the room it freed
@@ -248,7 +270,7 @@ class VllmLoop(ServingClock):
             return False
         loads, stores = self._due_reports()
         finished_before = set(self._live)
-        s.update_from_output(so, self._output(so, loads, stores))
+        s.update_from_output(so, self._output(so, loads, stores, sync_event))
         for rid in finished_before - set(s.requests):
             self._finish(rid)
         return bool(self._pending() or s.has_requests())
@@ -264,3 +286,5 @@ class VllmLoop(ServingClock):
             m.planner = self.side.planner.stats.as_dict()
             m.planner["running_evictions"] = self.side.planner.selector.running_evictions
             m.planner["key_collisions"] = self.side.keys.collisions
+            m.planner["protect_overflow"] = self.side.signals.protect_overflow
+            m.planner["sessions_expired"] = self.side.signals.counters["sessions_expired"]

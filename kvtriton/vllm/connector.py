@@ -166,7 +166,9 @@ class KVTritonConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker().start_load_kv()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        pass  # loads are asynchronous: a request runs only once its load was reported
+        # A request runs only once its asynchronous load was reported; same-step loads
+        # (sync_load_budget_bytes) landed in start_load_kv, which vLLM calls before the forward.
+        pass
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
                       **kwargs: Any) -> None:

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from kvtriton.planner import OffloadPlanner, StepOutput
+from kvtriton.sync_loads import SyncLoadBudget, split_sync_loads
 from kvtriton.vllm.config import ConnectorConfig
 from kvtriton.vllm.gpu_pool import VllmGpuPool
 from kvtriton.vllm.keys import KeyIds, group_suffixes
@@ -53,6 +54,18 @@ class SchedulerSide:
                              f"(decode_context_parallel_size={pc.decode_context_parallel_size})"
                              " is not supported; use 1")
         self.world_size = pc.world_size
+        if config.sync_load_budget_bytes and self.layout.num_groups > 1:
+            raise ValueError(
+                "KVTritonConnector: kv_connector_extra_config['sync_load_budget_bytes'] = "
+                f"{config.sync_load_budget_bytes} needs a model with one KV cache group, this "
+                f"one has {self.layout.num_groups}: vLLM recomputes a failed same-step load only "
+                "by block ids, which repeat across groups; set it to 0")
+        # Same-step loads: the budget, and per load event the requests of its same-step part
+        # until every worker reported it ([completed, failed] reports).
+        self.sync_budget = SyncLoadBudget(self.layout, config.sync_load_budget_bytes)
+        self._sync_events: dict[int, list[str]] = {}
+        self._sync_reports: dict[int, list[int]] = {}
+        self.sync_stats = {"sync_loads": 0, "sync_load_bytes": 0}
         self.num_cpu_blocks = cpu_blocks_for_bytes(kv_cache_config, config.cpu_bytes_per_rank)
         self.max_model_len = vllm_config.model_config.max_model_len
         ev = vllm_config.kv_events_config
@@ -145,6 +158,8 @@ class SchedulerSide:
         rid = vreq.request_id
         if self.store is not None and self.store.still_waiting(rid):
             return None, False  # for the store: nothing to look up again until it answers
+        if rid in self._sync_pending():
+            return None, False  # its same-step load is not reported yet (one load at a time)
         if rid in self._preemptions and self._preemptions[rid] != vreq.num_preemptions:
             # Preempted before a step said so (a reset that preempts every running request).
             planner.preempted(rid)
@@ -161,6 +176,8 @@ class SchedulerSide:
         hit, is_async = planner.get_num_new_matched_tokens(req, num_computed_tokens)
         if self.store is not None and self.store.extend(req, num_computed_tokens, hit):
             return None, False  # vLLM asks again next step, once the fetch has landed
+        if self.sync_budget.reserve(rid, num_computed_tokens, hit, vreq.num_tokens):
+            return hit, False  # loaded before this step's forward pass, computed in it
         return hit, is_async
 
     # ---- 2. after allocation -------------------------------------------------------------------
@@ -183,6 +200,8 @@ class SchedulerSide:
             m.refresh()
         self._lookups.pop(rid, None)
         self._known.add(rid)
+        if not num_external_tokens:
+            self.sync_budget.release(rid)
         planner.update_state_after_alloc(m.req, tuple(blocks.get_block_ids()),
                                          num_external_tokens)
         self.signals.admitted(rid, m.req.keys[:, :m.bound])
@@ -224,6 +243,7 @@ class SchedulerSide:
 
     def build_connector_meta(self, so: Any) -> KVTritonMetadata:
         planner = self._planner()
+        self.signals.tick()
         step = self._step_output(so)
         for rid in step.preempted_req_ids:
             m = self._mirrors.get(rid)
@@ -249,7 +269,17 @@ class SchedulerSide:
             self._remember_payloads(meta.store.gpu_blocks, self._mirrors.values())
         if self.auto_recycle and self.keys.num_bound >= self._sweep_at:
             self.recycle_keys()
+        sync = [rid for rid in self.sync_budget.reserved if rid in queued]
+        self.sync_budget.new_step()
+        meta, now = split_sync_loads(meta, queued, sync)
         out = KVTritonMetadata.from_planner(meta)
+        if sync:
+            out.sync_load, out.sync_load_reqs = now, sync
+            self._sync_events[now.event] = sync
+            self._sync_reports[now.event] = [0, 0]
+            per = self.layout.group_block_bytes
+            self.sync_stats["sync_loads"] += len(sync)
+            self.sync_stats["sync_load_bytes"] += sum(per[g] for g in now.groups)
         if self.store is not None:
             out.store_hashes = self.gpu_pool.block_hash_bytes(meta.store.gpu_blocks)
             hash_of = self.keys.hash_of
@@ -330,12 +360,38 @@ class SchedulerSide:
                 self.store.apply(wm.fetch_reports, wm.fetch_failed, self.world_size)
         elif wm is not None:
             raise TypeError(f"KVTritonConnector: worker metadata of type {type(wm).__name__}")
+        if isinstance(wm, KVTritonWorkerMetadata):
+            landed, broken = self._sync_landed(wm)
+            finished += landed + broken
+            failed |= set(broken)
         for rid in finished:
             self._load_blocks.pop(rid, None)
         planner.update_connector_output(finished_loads=[r for r in finished if r not in failed],
                                         completed_stores=done_stores,
                                         failed_stores=failed_stores,
                                         failed_loads=[r for r in finished if r in failed])
+
+    def _sync_landed(self, wm: KVTritonWorkerMetadata) -> tuple[list[str], list[str]]:
+        """The requests whose same-step loads every worker has now reported: those that landed
+        everywhere, and those that failed on some worker (the worker reported their blocks
+        invalid, so vLLM recomputes them)."""
+        landed: list[str] = []
+        broken: list[str] = []
+        for reports, i in ((wm.completed_sync_loads, 0), (wm.failed_sync_loads, 1)):
+            for ev, n in reports.items():
+                if ev in self._sync_reports:
+                    self._sync_reports[ev][i] += n
+        for ev, (done, bad) in list(self._sync_reports.items()):
+            if done + bad >= self.world_size:
+                del self._sync_reports[ev]
+                (broken if bad else landed).extend(self._sync_events.pop(ev))
+        return landed, broken
+
+    def _sync_pending(self) -> set[str]:
+        """Requests whose same-step load some worker has not reported yet."""
+        if not self._sync_events:
+            return set()
+        return {rid for rids in self._sync_events.values() for rid in rids}
 
     # ---- 5. finish -----------------------------------------------------------------------------
 
@@ -385,6 +441,7 @@ class SchedulerSide:
         self._preemptions.clear()
         self._lookups.clear()
         self._known.clear()
+        self.sync_budget.new_step()
         return ok
 
     # ---- events, stats, state ------------------------------------------------------------------
@@ -422,6 +479,7 @@ class SchedulerSide:
         now["key_ids_recycled"] = self.keys.recycled
         now.update(self.signals.counters)
         now["protect_overflow"] = self.signals.protect_overflow
+        now.update(self.sync_stats)
         if self.store is not None:
             now.update(self.store.stats)
             now.update(self.store.faults.as_stats())
@@ -433,4 +491,5 @@ class SchedulerSide:
         return {"cpu_cached_blocks": self.cpu_pool.num_cached_blocks,
                 "cpu_blocks_pinned_by_transfers": self.cpu_pool.num_used_blocks,
                 "pending_store_blocks": self._planner().pending_store_blocks(),
-                "key_ids_bound": self.keys.num_bound}
+                "key_ids_bound": self.keys.num_bound,
+                "live_sessions": self.signals.live_sessions}

@@ -24,6 +24,15 @@ of a waiting request's prompt blocks are protected while some waiting request ho
 newest arrival let go first when the protected share is full; as in the simulator, a request
 counts once, from its arrival to its first admission (a preempted request is not counted again).
 
+Sessions. Under the ``sessions`` axis a finished request with a session id
+(``Request.session_id``: the OpenAI body's ``session_id`` or the ``X-Session-ID`` header;
+``kv_transfer_params["session_id"]`` on any release: ``kvtriton.vllm.releases``) has its blocks
+protected for the session's next turn, until the session is silent for the setup's idle time
+(``SignalBook.turn_ended``/``expire``, the rules the simulator applies to a trace's sessions).
+The clock is ``time.monotonic`` (``clock``: a simulator driving vLLM's scheduler sets its own).
+A session id that is not a string of 1 to ``MAX_SESSION_CHARS`` characters is counted in
+``malformed_sessions`` and warned about once; the request is served without one.
+
 Key ids are recycled (``kvtriton.vllm.keys``): the keys held here are reported by
 ``referenced_keys`` and recycled ones return to the plain order (``forget``).
 """
@@ -31,6 +40,8 @@ Key ids are recycled (``kvtriton.vllm.keys``): the keys held here are reported b
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -40,14 +51,18 @@ from kvtriton.records import HINTS
 from kvtriton.setups import TierSetup
 from kvtriton.tier_signals import SignalBook, cpu_queue
 from kvtriton.vllm.keys import KeyIds
+from kvtriton.vllm.releases import (
+    HINT_KEY,
+    MAX_SESSION_CHARS,
+    SESSION_KEY,
+    request_hint_value,
+    request_session,
+)
 from kvtriton.vllm.requests import lookup_request
 
 __all__ = ["HINTS", "HINT_KEY", "LOGGED_CHARS", "TierSignals", "request_hint", "shorten"]
 
 logger = logging.getLogger(__name__)
-
-#: The ``kv_transfer_params`` key of a request's continuation hint (its values: ``HINTS``).
-HINT_KEY = "kvtriton_hint"
 
 #: How much of one client-supplied value a log line shows.
 LOGGED_CHARS = 200
@@ -63,16 +78,16 @@ def shorten(text: str, limit: int = LOGGED_CHARS) -> str:
 
 
 def request_hint(vreq: Any) -> tuple[str | None, bool]:
-    """``vreq``'s continuation hint (None: none) and whether a malformed one was dropped."""
-    params = getattr(vreq, "kv_transfer_params", None)
-    if not isinstance(params, dict) or params.get(HINT_KEY) is None:
+    """``vreq``'s continuation hint (None: none) and whether a malformed one was dropped
+    (``kvtriton.vllm.releases.request_hint_value``: the params, or 0.33's ``kv_hints``)."""
+    hint, where = request_hint_value(vreq)
+    if hint is None:
         return None, False
-    hint = params[HINT_KEY]
     if isinstance(hint, str) and hint in HINTS:
         return hint, False
-    logger.warning("KVTritonConnector: request %s: kv_transfer_params[%r] = %s is not one of "
-                   "%s; served without a hint", shorten(str(vreq.request_id)), HINT_KEY,
-                   shorten(repr(hint)), ", ".join(map(repr, HINTS)))
+    logger.warning("KVTritonConnector: request %s: %s = %s is not one of %s; served without a "
+                   "hint", shorten(str(vreq.request_id)), where, shorten(repr(hint)),
+                   ", ".join(map(repr, HINTS)))
     return None, True
 
 
@@ -83,6 +98,10 @@ class TierSignals:
     def __init__(self, setup: TierSetup, keys: KeyIds, suffixes: list[bytes]) -> None:
         self.hints_on = setup.hints
         self.lookahead_on = setup.lookahead
+        self.sessions_on = setup.sessions
+        #: Seconds, for the sessions' idle time (monotonic; a simulator sets its modeled clock).
+        self.clock: Callable[[], float] = time.monotonic
+        self._warned_session = False
         #: Whether the setup does anything with a hint: the hints axis or hinted admission.
         self.uses_hints = self.hints_on or (setup.planner is not None
                                             and setup.planner.admission == "hinted")
@@ -95,12 +114,14 @@ class TierSignals:
         self.book: SignalBook | None = None
         if hinted is not None:
             self.book = SignalBook(hinted, self._free_block, hints=self.hints_on,
-                                   lookahead=self.lookahead_on)
+                                   lookahead=self.lookahead_on,
+                                   session_idle_s=setup.session_idle_s)
         self.pool: BlockPool | None = None
         # hints_continue / hints_close: hints the setup applied; hints_ignored: well-formed hints
         # a setup without hints received (kvtriton.vllm.stats.STATS says what each counts).
         self.counters = {"hints_continue": 0, "hints_close": 0, "hints_ignored": 0,
-                         "malformed_hints": 0}
+                         "malformed_hints": 0, "session_turns": 0, "sessions_expired": 0,
+                         "malformed_sessions": 0}
 
     def cpu_pool(self, num_blocks: int, *, enable_events: bool) -> BlockPool:
         """The CPU tier's pool, with the hinted queue when a setup uses one."""
@@ -139,7 +160,34 @@ class TierSignals:
                 self._ignored(rid, hint)
         if self.book is not None:
             self.book.finished(rid, keys, hint)
+            if self.sessions_on:
+                self._end_turn(vreq, keys)
         return hint
+
+    def _end_turn(self, vreq: Any, keys: np.ndarray | None) -> None:
+        session, malformed = request_session(vreq)
+        if malformed:
+            self.counters["malformed_sessions"] += 1
+            if not self._warned_session:
+                self._warned_session = True
+                logger.warning(
+                    "KVTritonConnector: request %s: its session id (Request.session_id or "
+                    "kv_transfer_params[%r]) is not a string of 1 to %d characters; served "
+                    "without a session (counted in malformed_sessions, warned once)",
+                    shorten(str(vreq.request_id)), SESSION_KEY, MAX_SESSION_CHARS)
+        if session is None:
+            return
+        self.counters["session_turns"] += 1
+        self.book.turn_ended(session, keys, self.clock())
+
+    def tick(self) -> None:
+        """Once per scheduler step: age out the sessions silent past the idle time."""
+        if self.sessions_on:
+            self.counters["sessions_expired"] += self.book.expire(self.clock())
+
+    @property
+    def live_sessions(self) -> int:
+        return self.book.live_sessions if self.sessions_on else 0
 
     def _ignored(self, rid: str, hint: str) -> None:
         self.counters["hints_ignored"] += 1

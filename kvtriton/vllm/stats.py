@@ -59,6 +59,9 @@ STATS: dict[str, Stat] = {
         "completed, abandoned ones (after a reset) included"),
     "key_ids_bound": _gauge(
         "key ids", "vLLM block hashes interned as key ids now (recycled ones excluded)"),
+    "live_sessions": _gauge(
+        "sessions", "sessions heard from within the setup's idle time, their last turn's "
+        "blocks protected (sessions; 0 otherwise)"),
     # ---- stores (scheduler role) ----
     "blocks_stored": _counter("CPU blocks", "blocks of stores every worker completed"),
     "stores_completed": _counter("store events", "stores every worker completed"),
@@ -109,6 +112,10 @@ STATS: dict[str, Stat] = {
     "lookups_with_holes": _counter("lookups", "lookups with at least one such block"),
     "loads_issued": _counter("load events", "loads issued to the workers"),
     "blocks_loaded": _counter("GPU blocks", "blocks of loads the workers completed"),
+    "sync_loads": _counter(
+        "requests", "CPU hits loaded in the step that scheduled them, before its forward pass "
+        "(within sync_load_budget_bytes; issued)"),
+    "sync_load_bytes": _counter("bytes", "bytes of those same-step loads, per rank (issued)"),
     "gpu_hit_refreshed": _counter(
         "CPU blocks", "free CPU copies of a request's GPU prefix hit moved to the far end of "
         "the tier's eviction order, used again (refresh_on_gpu_hit)"),
@@ -128,8 +135,16 @@ STATS: dict[str, Stat] = {
         "requests", "finished requests whose hint was neither continue nor close (served "
         "without one)"),
     "protect_overflow": _counter(
-        "CPU blocks", "blocks let go of the protected segment (hints, waiting) because it was "
-        "full"),
+        "CPU blocks", "blocks let go of the protected segment (hints, waiting, sessions) "
+        "because it was full"),
+    "session_turns": _counter(
+        "requests", "finished requests with a session id whose blocks were protected for the "
+        "session's next turn (sessions)"),
+    "sessions_expired": _counter(
+        "sessions", "sessions silent past the setup's idle time, their protection let go"),
+    "malformed_sessions": _counter(
+        "requests", "finished requests whose session id was not a string of 1 to 256 "
+        "characters (served without one)"),
     "key_collisions": _counter(
         "positions", "positions whose hash another request interned first while this one ran "
         "(never stored for it)"),
@@ -141,6 +156,9 @@ STATS: dict[str, Stat] = {
     "worker_blocks_loaded": _counter("GPU blocks", "blocks of the loads this rank started"),
     "worker_failed_stores": _counter("store events", "stores that failed on this rank"),
     "worker_failed_loads": _counter("load events", "loads that failed on this rank"),
+    "worker_sync_loads_issued": _counter(
+        "load events", "same-step loads this rank started and waited for before the forward "
+        "pass (counted in worker_loads_issued too)"),
     "worker_store_bytes": _counter("bytes", "bytes this rank's completed stores copied"),
     "worker_load_bytes": _counter("bytes", "bytes this rank's completed loads copied"),
     "worker_store_s": _counter(

@@ -7,6 +7,12 @@ transfers the scheduler side planned (``KVTritonMetadata``), block ids identical
   and vLLM schedules it only after ``get_finished`` reported the load, so attention never reads
   a block before its copy landed; the engine still orders a load after the compute queued so
   far, which may read the destination blocks' previous contents (vLLM #47282);
+- same-step loads (``sync_load_budget_bytes``: requests this step computes on top of their CPU
+  hit) start first in ``start_load_kv``, which vLLM then calls before the forward pass
+  (``has_sync_kv_loads``), and the host waits there until they landed. They are reported to the
+  scheduler side in ``KVTritonWorkerMetadata``, never in ``finished_recving`` (vLLM waits for
+  no load of a running request); one that failed has its GPU blocks reported invalid, so vLLM
+  recomputes them and drops the step's token for the request;
 - stores start in ``wait_for_save``, after the step's forward pass was queued: the engine
   orders them after a compute-done event recorded then, so a store never reads a block the
   forward pass is still writing (vLLM #45704);
@@ -104,6 +110,9 @@ class WorkerSide:
         self._done_stores: dict[int, int] = {}
         self._failed_stores: dict[int, int] = {}
         self._load_blocks: dict[str, list[int]] = {}  # rid -> GPU blocks of its load in flight
+        self._sync_rids: dict[str, int] = {}  # rid -> load event of its same-step load
+        self._done_sync: dict[int, int] = {}
+        self._failed_sync: dict[int, int] = {}
         self._load_errors: set[int] = set()
         self._num_groups = 0
         self._stats_before: dict[str, int | float] = {}
@@ -111,7 +120,8 @@ class WorkerSide:
         self._puts: dict[int, tuple[list[int], list[int], list[bytes]]] = {}  # store event ->
         self._fetch_reports: dict[int, list[int]] = {}  # fetch event -> failed indices
         self.stats = {"stores_issued": 0, "loads_issued": 0, "blocks_stored": 0,
-                      "blocks_loaded": 0, "failed_stores": 0, "failed_loads": 0}
+                      "blocks_loaded": 0, "failed_stores": 0, "failed_loads": 0,
+                      "sync_loads_issued": 0}
 
     # ---- registration --------------------------------------------------------------------------
 
@@ -170,6 +180,8 @@ class WorkerSide:
         if meta is not None and meta.fetches and self.store_io is not None:
             for event, cpu, groups, hashes in meta.fetches:
                 self.store_io.fetch(event, cpu, groups, hashes)
+        if meta is not None and len(meta.sync_load):
+            self._load_now(meta.sync_load, meta.sync_load_reqs)
         if meta is None or meta.load.event < 0 or not len(meta.load):
             return
         t = meta.load
@@ -178,6 +190,18 @@ class WorkerSide:
         for rid in req_ids:
             self._load_blocks[rid] = list(t.gpu_blocks)
         self.stats["loads_issued"] += 1
+        self.stats["blocks_loaded"] += len(t)
+
+    def _load_now(self, t: Any, req_ids: list[str]) -> None:
+        """The loads of requests this step computes: issued, then waited for on the host."""
+        engine = self._engine()
+        engine.load(t.event, req_ids, t.gpu_blocks, t.cpu_blocks, t.groups)
+        engine.synchronize_loads()
+        for rid in req_ids:
+            self._load_blocks[rid] = list(t.gpu_blocks)
+            self._sync_rids[rid] = t.event
+        self.stats["loads_issued"] += 1
+        self.stats["sync_loads_issued"] += 1
         self.stats["blocks_loaded"] += len(t)
 
     def wait_for_save(self) -> None:
@@ -220,15 +244,29 @@ class WorkerSide:
         done, failed = set(loads) - set(bad_loads), set(bad_loads)
         for rid in done | failed:
             self._load_blocks.pop(rid, None)
+        if self._sync_rids:
+            # Same-step loads go to the scheduler side in the worker metadata, once per event.
+            for rid in list((done | failed) & self._sync_rids.keys()):
+                ev = self._sync_rids.pop(rid)
+                if rid in failed:
+                    self._failed_sync[ev] = 1
+                    self._done_sync.pop(ev, None)
+                elif ev not in self._failed_sync:
+                    self._done_sync[ev] = 1
+                done.discard(rid)
+                failed.discard(rid)
         return done, failed
 
     def build_connector_worker_meta(self) -> KVTritonWorkerMetadata | None:
-        if not self._done_stores and not self._failed_stores and not self._fetch_reports:
+        if not (self._done_stores or self._failed_stores or self._fetch_reports
+                or self._done_sync or self._failed_sync):
             return None
         meta = KVTritonWorkerMetadata(self._done_stores, self._failed_stores,
                                       dict.fromkeys(self._fetch_reports, 1),
-                                      {ev: bad for ev, bad in self._fetch_reports.items() if bad})
+                                      {ev: bad for ev, bad in self._fetch_reports.items() if bad},
+                                      self._done_sync, self._failed_sync)
         self._done_stores, self._failed_stores, self._fetch_reports = {}, {}, {}
+        self._done_sync, self._failed_sync = {}, {}
         return meta
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from kvtriton.plots import plot_gain_over_control
-from kvtriton.setups import UPPER_BOUND_SETUPS
+from kvtriton.setups import NATIVE_SETUPS, UPPER_BOUND_SETUPS
 from paper.format import machine_line, md_table, pct, points, share_pct
 from paper.results import FIGURES, setup_docs
 
@@ -71,7 +71,8 @@ def setups_section(v: dict) -> None:
     docs = setup_docs()
     if not docs:
         for k in ("setups_text", "ablation_table", "setups_tables", "fig_gap",
-                  "targets_text", "bounds_text", "hints_text", "split_text", "provenance_text"):
+                  "targets_text", "bounds_text", "hints_text", "split_text", "provenance_text",
+                  "native_text", "sessions_text"):
             v[k] = "*Pending: `python -m bench.tier_study.setups` has not been run.*"
         v["abstract_setups"] = "the setup benchmark has not been run"
         return
@@ -85,6 +86,8 @@ def setups_section(v: dict) -> None:
     v["provenance_text"] = _provenance_text(docs, labels)
     _bounds(v, docs, labels)
     _signals(v, docs, labels)
+    _native(v, docs, labels)
+    _sessions(v, docs, labels)
     _abstract(v, docs, labels)
 
 
@@ -301,3 +304,88 @@ def _abstract(v: dict, docs: dict, labels: dict) -> None:
                   f"the {labels[tag]}" + ("'s test part" if split else "")
                   + f" at CPU {t['cpu_ratio']}x" + _overload_note(doc, t))
     v["abstract_setups"] = "; ".join(ab) if ab else "no online setup beat the control"
+
+
+def _test_points(row: dict | None) -> float | None:
+    """A row's gain over the control on the test part (None: not run, or no parts)."""
+    if row is None or "parts" not in row:
+        return None
+    return row["parts"]["test"].get("gain_points")
+
+
+def _native(v: dict, docs: dict, labels: dict) -> None:
+    """kvtriton's choice against vLLM 0.33's own offloading connector (``NATIVE_SETUPS``), per
+    run on the test part: where kvtriton's train choice beats the better native policy."""
+    lines, wins, runs = [], 0, 0
+    for tag, doc in docs.items():
+        for run, t in zip(doc["runs"], doc["targets"], strict=True):
+            rows = {r["composition"]: r for r in run["rows"]}
+            native = {c: _test_points(rows.get(c)) for c in NATIVE_SETUPS}
+            native = {c: g for c, g in native.items() if g is not None}
+            if not native or not doc.get("split"):
+                continue
+            runs += 1
+            best_native = max(native.values())
+            cells = "; ".join(f"{NATIVE_SETUPS[c]} (`{c}`) {points(g)}"
+                              for c, g in native.items())
+            if t["best"] is None:
+                verdict = ("kvtriton chose nothing on the train part (the control), "
+                           f"{points(-best_native)} against the better native policy")
+                delta = -best_native
+            else:
+                chosen = t["judged_gain_points"]
+                delta = chosen - best_native
+                verdict = (f"kvtriton's train choice `{t['best']}`"
+                           + (" (a native policy itself)" if t["best"] in NATIVE_SETUPS
+                              else "") + f" {points(chosen)}, "
+                           + (f"{points(delta)} over the better native policy" if delta > 0
+                              else f"{points(delta)} against the better native policy"))
+            wins += delta > 0
+            lines.append(f"- {labels[tag]}, CPU {run['cpu_ratio']}x: {cells}; {verdict}.")
+    v["native_text"] = (
+        "vLLM 0.33's `OffloadingConnector` is what a user would turn on instead. Its two "
+        "eviction policies run as setups in the same loop (eager stores of every computed block, "
+        "as it stores them, and its policy's order: `kvtriton/eviction/request_lru.py`, "
+        "checked against vLLM's own policy classes by `bench/vllm/native_policies.py`). Gains "
+        "in points over the control on each run's test part:\n\n" + "\n".join(lines)
+        + f"\n\nkvtriton's train choice beats the better native policy on the test part in "
+        f"{wins} of {runs} runs." if lines else
+        "*Pending: no setup study ran the native connector's setups.*")
+
+
+#: The sessions rows and what each is compared with in ``sessions_text``.
+SESSION_ROWS = ("eager+sessions", "eager+sessions:60", "eager+lfu:64+sessions")
+SESSION_PEERS = ("eager+hints", "eager+lfu:64")
+
+
+def _sessions(v: dict, docs: dict, labels: dict) -> None:
+    """The ``sessions`` axis beside ``hints`` (which needs the client) and ``lfu``, train and
+    test points per run, with whether its TTFT passed the rule."""
+    lines = []
+    for tag, doc in docs.items():
+        if not doc.get("split"):
+            continue
+        for run in doc["runs"]:
+            rows = {r["composition"]: r for r in run["rows"]}
+            cells = []
+            for c in SESSION_ROWS + SESSION_PEERS:
+                r = rows.get(c)
+                if r is None or "parts" not in r:
+                    continue
+                ok = "" if r.get("ttft_no_worse", True) else ", TTFT worse"
+                cells.append(f"`{c}` {points(r['parts']['train'].get('gain_points'))} / "
+                             f"{points(r['parts']['test'].get('gain_points'))}{ok}")
+            if any(c.startswith("`eager+sessions") or "+sessions" in c for c in cells):
+                lines.append(f"- {labels[tag]}, CPU {run['cpu_ratio']}x (train / test points): "
+                             + "; ".join(cells) + ".")
+    v["sessions_text"] = (
+        "**Sessions.** A server that knows each request's session (vLLM 0.33's `session_id`, "
+        "or `kv_transfer_params`) can keep a finished turn's blocks for the session's next "
+        "turn without any hint from the client: `sessions` protects them in up to half the "
+        "tier, lets the session silent longest go first, and drops a session silent for 300 "
+        "s (`sessions:60`: 60 s). Traces without sessions (Mooncake, GLM-5) get them inferred "
+        "as a server could on arrival: a prompt that extends an earlier request's whole prompt "
+        "joins its session (`kvtriton.sim.workload.causal_sessions`). Train and test gains "
+        "over the control, beside `hints` (which needs the client) and `lfu`:\n\n"
+        + "\n".join(lines)) if lines else (
+        "**Sessions.** *Pending: no setup study ran the `sessions` setups.*")

@@ -3,6 +3,9 @@
 ``inject("corrupt_loads")`` is the negative control: each CPU load's destination blocks get the
 wrong (valid) KV once the load landed, so outputs that depend on loaded KV must change.
 ``inject("fail_loads")`` makes each load fail half-way, as a copy that dies would.
+``inject("corrupt_sync_cpu")`` is the negative control of same-step loads
+(``sync_load_budget_bytes``): the CPU copy each of them reads is scrambled while it loads (and
+put back after, so later loads of those blocks read valid KV).
 ``inject("late_reports")`` reports each finished transfer ``LATE_POLLS`` polls after it finished,
 as a GPU's asynchronous copies are (on CPU a copy completes within its step, so no store would
 outlive a step otherwise). Pass ``patch=lambda: inject(fault)`` to
@@ -14,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-FAULTS = ("corrupt_loads", "fail_loads", "late_reports")
+FAULTS = ("corrupt_loads", "fail_loads", "late_reports", "corrupt_sync_cpu")
 #: How many polls ``late_reports`` holds a finished transfer back.
 LATE_POLLS = 3
 
@@ -40,6 +43,8 @@ def inject(fault: str) -> Callable[[], None]:
 
     if fault not in FAULTS:
         raise ValueError(f"fault {fault!r}: expected one of {FAULTS}")
+    if fault == "corrupt_sync_cpu":
+        return _corrupt_sync_cpu()
     load, copy, poll = TransferEngine.load, TransferEngine._copy, TransferEngine.poll
     held: list[list] = []  # [polls left, store events, load request ids]
 
@@ -75,5 +80,30 @@ def inject(fault: str) -> Callable[[], None]:
 
     def undo() -> None:
         TransferEngine.load, TransferEngine._copy, TransferEngine.poll = load, copy, poll
+
+    return undo
+
+
+def _corrupt_sync_cpu() -> Callable[[], None]:
+    """Patch ``WorkerSide._load_now`` (same-step loads): the CPU rows it reads are rotated by
+    one (one row alone is zeroed) for the load, then restored."""
+    from kvtriton.vllm.worker_side import WorkerSide
+
+    load_now = WorkerSide._load_now
+
+    def corrupted(self, t, req_ids):
+        pool = self.engine.cpu_pool
+        rows = list(dict.fromkeys(t.cpu_blocks))
+        saved = pool[rows].clone()
+        pool[rows] = saved[[*range(1, len(rows)), 0]] if len(rows) > 1 else 0
+        try:
+            load_now(self, t, req_ids)
+        finally:
+            pool[rows] = saved
+
+    WorkerSide._load_now = corrupted
+
+    def undo() -> None:
+        WorkerSide._load_now = load_now
 
     return undo

@@ -27,6 +27,7 @@ def workload():
 SETUPS = ["none", "eager", "eager+restore:0.5+tail+arc"]
 
 
+@pytest.mark.scheduler_role
 def test_rows_have_simulates_shape_and_everything_finishes(workload):
     # A GPU too small for the conversations' histories: next turns hit in the CPU tier.
     kw = {"gpu_tokens": 2048, "cpu_tokens": 16384, "setups": SETUPS, "bound": False}
@@ -48,6 +49,7 @@ def test_rows_have_simulates_shape_and_everything_finishes(workload):
         100 * (control["token_hit_rate"] - ref.rows[1]["token_hit_rate"]))
 
 
+@pytest.mark.scheduler_role
 def test_ample_gpu_gives_the_serving_loops_hits_exactly(workload):
     # Nothing is ever evicted and every turn waits for the previous one: both loops must see
     # the same prefix hits, token for token, and recompute nothing.
@@ -65,6 +67,7 @@ def test_ample_gpu_gives_the_serving_loops_hits_exactly(workload):
                 {k: b["parts"][part][k] for k in HIT_KEYS}
 
 
+@pytest.mark.scheduler_role
 def test_bad_input(workload):
     with pytest.raises(ValueError, match="integrity"):
         simulate(workload, engine="vllm", integrity=True)
@@ -78,6 +81,7 @@ def test_bad_input(workload):
 _MEASURED = {"wall_s", "planner_ms_per_step", "build_meta_ms_mean", "build_meta_ms_p99"}
 
 
+# Not scheduler_role (the second lane, on vLLM 0.33): 25 s, and the serving loop models 0.32.
 @pytest.mark.parametrize("full_isl", [True, False], ids=["vllm-defaults", "first-chunk"])
 def test_under_gpu_pressure_the_serving_loop_is_vllms_step_for_step(full_isl):
     # A GPU too small for the conversations: preemptions, CPU loads that land while the GPU is
@@ -98,6 +102,7 @@ def test_under_gpu_pressure_the_serving_loop_is_vllms_step_for_step(full_isl):
             {k: v for k, v in b.items() if k not in _MEASURED}
 
 
+@pytest.mark.scheduler_role
 def test_serving_loop_options_follow_vllms_settings():
     assert serving_loop_options(None) == {"reserve_full_isl": True}  # vLLM 0.32's default
     assert serving_loop_options({"scheduler_reserve_full_isl": False}) == {
@@ -105,6 +110,7 @@ def test_serving_loop_options_follow_vllms_settings():
     assert serving_loop_options({"watermark": 0.0}) == {"reserve_full_isl": True}
 
 
+@pytest.mark.scheduler_role
 def test_finished_loads_reach_vllm_in_completion_order():
     # vLLM types finished_recving a set, and the connector hands the ids to the planner in its
     # iteration order (the order the loaded CPU blocks rejoin the CPU queue). A plain set would
@@ -122,6 +128,7 @@ def test_finished_loads_reach_vllm_in_completion_order():
                             ).kv_connector_output.finished_recving is None
 
 
+@pytest.mark.scheduler_role
 def test_sliding_window_admission_cap_is_vllms():
     # ServingLoop's whole-prompt rule counts a sliding window's pages as vLLM caps them
     # (max_admission_blocks_per_request at this step budget); full attention is not capped.

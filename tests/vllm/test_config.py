@@ -46,6 +46,9 @@ BAD = [
     ("lazy_target_blocks", 0, "the lazy tier would store nothing"),
     ("scan", "vectorized", "'fused', 'loop'"),
     ("scan_idle", None, "true or false"),
+    ("sync_load_budget_bytes", -1, "non-negative int (bytes per scheduler step"),
+    ("sync_load_budget_bytes", 1.5e6, "non-negative int (bytes per scheduler step"),
+    ("sync_load_budget_bytes", True, "non-negative int (bytes per scheduler step"),
 ]
 
 

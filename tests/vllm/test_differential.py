@@ -24,6 +24,8 @@ from bench.vllm.differential import MUTATIONS, mutation_table, run_seed, summari
 from bench.vllm.differential_models import HashOrigins, TierModel, expected_flush
 from kvtriton.sim.vllm_scheduler import tiny_model_dir
 
+pytestmark = pytest.mark.scheduler_role
+
 SEEDS = int(os.environ.get("KVTRITON_DIFF_SEEDS", "100"))
 #: Per bug class, seeds where it changes an answer planted from the start and where, planted at
 #: the first recognised difference, it is caught while apart (the first of each in

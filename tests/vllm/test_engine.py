@@ -108,6 +108,27 @@ def test_negative_control_corrupted_loads_change_the_outputs(multi_turn):
     assert not same_outputs(ref, bad)
 
 
+def test_same_step_loads_give_the_recompute_outputs(model_dir, multi_turn):
+    """With ``sync_load_budget_bytes`` (1 MiB: 32 blocks a step) a CPU hit that fits is loaded
+    before the forward pass of the step that schedules it and computed in that step; the rest
+    wait for their load as before. Outputs are the recompute's. The negative control scrambles
+    the CPU copy each same-step load reads (only while it reads it): outputs must change."""
+    tier = {**TIER, "sync_load_budget_bytes": 1 << 20}
+    ref = multi_turn["recompute"]
+    run = run_turns(model_dir, conversations(), connector=tier)
+    stats, worker = run.connector_stats, run.worker_stats
+    assert stats["sync_loads"] > 0 and stats["sync_load_bytes"] > 0
+    # Both kinds ran: the budget left some hits to asynchronous loads.
+    assert 0 < worker["sync_loads_issued"] < worker["loads_issued"]
+    assert worker["blocks_loaded"] == stats["blocks_loaded"] > 0
+    assert worker["failed_loads"] == 0 and stats["failed_transfers"] == 0
+    assert same_outputs(ref, run), f"max logprob diff {max_logprob_diff(ref, run)}"
+    bad = run_turns(model_dir, conversations(), connector=tier,
+                    patch=lambda: inject("corrupt_sync_cpu"))
+    assert bad.connector_stats["sync_loads"] == stats["sync_loads"]
+    assert not same_outputs(ref, bad)
+
+
 def restore_turns(seed: int = 1) -> list:
     """A (10 prompt blocks) decodes 150 tokens while four fresh prompts fill the 24-block CPU
     tier behind it, evicting A's blocks while A still runs. After A finished and the GPU prefix

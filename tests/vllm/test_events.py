@@ -15,6 +15,8 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 from helpers.vllm_driver import BS, build, gpu_hash_list, run, tokens
 from kvtriton.sim.vllm_scheduler import tiny_model_dir, vllm_request
 
+pytestmark = pytest.mark.scheduler_role
+
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):

@@ -14,6 +14,8 @@ from bench.vllm.vs_vllm_variants import _hash, _VllmRequest
 from kvtriton.vllm.gpu_pool import VllmGpuPool
 from kvtriton.vllm.keys import KeyIds
 
+pytestmark = pytest.mark.scheduler_role
+
 BLOCK = 16
 
 

@@ -27,8 +27,10 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 from bench.vllm.engine_run import run_turns, tiny_llama
 from bench.vllm.scheduler_driver import Driver
 from helpers.faults import inject
-from helpers.vllm_driver import FULL, tokens
+from helpers.vllm_driver import FULL, needs_engine, tokens
 from kvtriton.sim.vllm_scheduler import make_scheduler, tiny_model_dir, vllm_request
+
+pytestmark = pytest.mark.scheduler_role
 
 BS_ENGINE = 32
 BLOCK_BYTES = 2 * 2 * BS_ENGINE * 32 * 4 * 2
@@ -48,6 +50,7 @@ def _conversations() -> list[list[list[int]]]:
     return out
 
 
+@needs_engine()
 def test_late_reports_in_the_engine_end_idle_with_every_store_registered(tmp_path_factory):
     model = tiny_llama(tmp_path_factory.mktemp("tiny-llama-late"))
     turns = _conversations()

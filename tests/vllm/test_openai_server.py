@@ -141,9 +141,10 @@ class Server:
             time.sleep(0.5)
         raise AssertionError(f"no /health within {START_TIMEOUT_S} s:\n{_tail(self.log)}")
 
-    def complete(self, request_id: str, prompt: str, params: dict | None) -> dict:
+    def complete(self, request_id: str, prompt: str, params: dict | None, **fields) -> dict:
+        """``fields``: more of the body (``session_id``, say)."""
         body = {"model": self.model, "prompt": prompt, "max_tokens": MAX_TOKENS,
-                "temperature": 0, "ignore_eos": True, "request_id": request_id}
+                "temperature": 0, "ignore_eos": True, "request_id": request_id, **fields}
         if params is not None:
             body["kv_transfer_params"] = params
         req = urllib.request.Request(f"{self.url}/v1/completions", json.dumps(body).encode(),

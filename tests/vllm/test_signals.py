@@ -24,6 +24,8 @@ from kvtriton.setups import tier_setup
 from kvtriton.sim.vllm_scheduler import tiny_model_dir, vllm_request
 from kvtriton.vllm.signals import HINT_KEY, LOGGED_CHARS, shorten
 
+pytestmark = pytest.mark.scheduler_role
+
 PROMPT_BLOCKS = 4
 TIER_BLOCKS = 2 * PROMPT_BLOCKS  # holds two finished prompts, nothing more
 

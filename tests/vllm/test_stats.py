@@ -16,6 +16,8 @@ from helpers.vllm_driver import BS, build, run, tokens
 from kvtriton.sim.vllm_scheduler import tiny_model_dir, vllm_request
 from kvtriton.vllm.stats import GAUGES, STATS
 
+pytestmark = pytest.mark.scheduler_role
+
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
