@@ -66,6 +66,7 @@ _EVICT_SHARE = ("--evict", "0.01", "--sizes", "128", "256", "--variants", "vllm_
                 "kvt_fused_control", "kvt_fused_restore", "--name", "vs_vllm_evict_share")
 _DIFFERENTIAL = ("--seeds", "3000", "--json", "{results}/differential.json")
 _MUTATIONS = ("--seeds", "300", "--mutations", "--json", "{results}/differential_mutations.json")
+_NATIVE = ("--sequences", "500", "--json", "{results}/native_policies.json")
 
 STUDIES: tuple[Study, ...] = (
     Study("kernel_check", "bench.kernels.check", "kernel correctness", (), (), "cpu",
@@ -130,6 +131,10 @@ STUDIES: tuple[Study, ...] = (
           "the differential's negative control: every known bug class planted from the start "
           "and at the first recognised difference, over 300 seeds", _MUTATIONS, _MUTATIONS,
           "vllm", ("differential_mutations.json",), run_in=()),
+    Study("native_policies", "bench.vllm.native_policies",
+          "reqlru and reqarc against vLLM 0.33's own OffloadingConnector policy classes, eviction "
+          "order over 500 random sequences each", _NATIVE, _NATIVE, "vllm",
+          ("native_policies.json",), run_in=()),
     Study("hole_rewind", "bench.tier_study.hole_rewind",
           "the allocation hole: hit rates with and without keeping the cursor at it",
           _HOLE_REWIND, _HOLE_REWIND, "cpu", ("hole_rewind_800.json",), run_in=()),

@@ -20,12 +20,13 @@ from kvtriton.tier_signals import SignalBook
 CHAINS = {"ascending": [3, 5, 7, 9], "descending": [9, 7, 5, 3], "shuffled": [7, 3, 9, 5]}
 
 
-def _tier(chain: list[int]) -> tuple[BlockPool, HintedQueue, SignalBook]:
-    queue = HintedQueue(LRUQueue(), 1.0)  # the whole tier may be protected
-    pool = BlockPool(len(chain) + 1, eviction=queue, medium="CPU")
-    # Cached in reverse chain order: the plain queue holds them tail first.
-    blocks = pool.get_new_blocks(len(chain))
-    for b, k in zip(blocks, reversed(chain), strict=True):
+def _cached_tier(keys: list[int], **book) -> tuple[BlockPool, HintedQueue, SignalBook]:
+    """A CPU pool of ``len(keys)`` blocks, each caching one of ``keys`` in that order and free,
+    under an LRU whose whole tier may be protected; the book over it (``book``: its axes)."""
+    queue = HintedQueue(LRUQueue(), 1.0)
+    pool = BlockPool(len(keys) + 1, eviction=queue, medium="CPU")
+    blocks = pool.get_new_blocks(len(keys))
+    for b, k in zip(blocks, keys, strict=True):
         pool.cache_block(b, k)
     pool.free_blocks(blocks)
 
@@ -33,7 +34,12 @@ def _tier(chain: list[int]) -> tuple[BlockPool, HintedQueue, SignalBook]:
         b = pool.get_cached_block(key)
         return b if b is not None and pool.is_free(b) else None
 
-    return pool, queue, SignalBook(queue, free_block, hints=True, lookahead=False)
+    return pool, queue, SignalBook(queue, free_block, **book)
+
+
+def _tier(chain: list[int]) -> tuple[BlockPool, HintedQueue, SignalBook]:
+    # Cached in reverse chain order: the plain queue holds them tail first.
+    return _cached_tier(list(reversed(chain)), hints=True, lookahead=False)
 
 
 @pytest.mark.parametrize("hint, segment", [("continue", PROTECTED), ("close", CLOSED)])
@@ -95,18 +101,8 @@ def _reference_levels(events) -> tuple[dict[int, int], int]:
 @settings(max_examples=150, deadline=None)
 @given(_events)
 def test_sessions_protect_and_age_out_as_the_per_key_rule_says(events):
-    queue = HintedQueue(LRUQueue(), 1.0)
-    pool = BlockPool(N_KEYS + 1, eviction=queue, medium="CPU")
-    blocks = pool.get_new_blocks(N_KEYS)
-    for b, k in zip(blocks, range(N_KEYS), strict=True):
-        pool.cache_block(b, k)
-    pool.free_blocks(blocks)
-
-    def free_block(key: int) -> int | None:
-        b = pool.get_cached_block(key)
-        return b if b is not None and pool.is_free(b) else None
-
-    book = SignalBook(queue, free_block, hints=False, lookahead=False, session_idle_s=IDLE_S)
+    pool, queue, book = _cached_tier(list(range(N_KEYS)), hints=False, lookahead=False,
+                                     session_idle_s=IDLE_S)
     now, expired = 0.0, 0
     for dt, session, keys in events:
         now += dt

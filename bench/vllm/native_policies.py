@@ -54,6 +54,8 @@ from typing import Any
 
 import numpy as np
 
+from bench.common import OneLineParser
+
 __all__ = ["POLICY_QUEUES", "KvtritonSide", "VllmSide", "compare", "differential",
            "first_difference",
            "random_events", "replay_kvtriton", "replay_vllm", "vllm033_path", "vllm033_problem"]
@@ -484,7 +486,8 @@ def differential(policy: str, seeds: Sequence[int], *, num_events: int = 200,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(prog="python -m bench.vllm.native_policies",
+                           description=__doc__.split("\n\n")[0])
     parser.add_argument("--sequences", type=int, default=200)
     parser.add_argument("--events", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)

@@ -245,7 +245,9 @@ def _provenance_text(docs: dict, labels: dict) -> str:
         "`eager+lfu:64` and `eager+lfu:64+waiting` entered the ablation (`c97a823`) 37 minutes "
         "after the conversational-gap study recorded their gains on Mooncake's test half "
         "(`41f4b4d`; Section {{sec_what}}). Judged without them, each target they won: "
-        + ("; ".join(late) if late else "none (no target chose them)") + ".")
+        + ("; ".join(late) if late else "none (no target chose them)") + ". The `sessions` "
+        "setups and vLLM 0.33's own connector (`eager+reqlru`, `eager+reqarc`) joined on "
+        "2026-12-07 (`7378d7f`), before any figure of theirs existed, on the same splits.")
 
 
 def _bounds(v: dict, docs: dict, labels: dict) -> None:

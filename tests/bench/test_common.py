@@ -195,7 +195,7 @@ def test_the_quick_run_writes_every_input_the_paper_needs():
         "restore_map_mooncake",
         "replay_cc_agentic", "vs_vllm", "vs_vllm_quick", "vs_vllm_evict_share", "vllm_engine",
         "tune_shares",
-        "conversational_gap", "lfu_recency", "second_tier", "fleet", "vllm_predict"}
+        "conversational_gap", "lfu_recency", "second_tier", "fleet", "vllm_predict", "sync_loads"}
 
 
 def test_list_and_unknown_studies(capsys):

@@ -176,17 +176,25 @@ def model_dir(tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("server") / "server.log"
+@contextlib.contextmanager
+def running_server(model_dir: Path, log: Path, extra: dict):
+    """The README's server with ``extra`` merged into its ``kv_connector_extra_config``,
+    healthy, on a free loopback port; its process group ended on exit."""
     port = _free_port()
-    proc = _start(_server_args(model_dir, port, {"cpu_bytes_per_rank": CPU_TIER_BYTES}), log)
+    proc = _start(_server_args(model_dir, port, extra), log)
     try:
         srv = Server(proc, port, log, str(model_dir))
         srv.wait_healthy()
         yield srv
     finally:
         _stop(proc)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    with running_server(model_dir, log, {"cpu_bytes_per_rank": CPU_TIER_BYTES}) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

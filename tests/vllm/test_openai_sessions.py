@@ -28,12 +28,9 @@ from tests.vllm.test_openai_server import (
     BS,
     PROMPT_BLOCKS,
     Server,
-    _free_port,
     _prompt,
-    _server_args,
-    _start,
-    _stop,
     model_dir,  # noqa: F401 (the fixture)
+    running_server,
 )
 
 BLOCK_BYTES = 32 << 10  # the tiny model's KV per 32-token block (test_openai_server.SIZING)
@@ -44,15 +41,9 @@ FILLERS = 11  # 44 blocks: more than the GPU's 32, more than the tier's 8
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):  # noqa: F811
     log = tmp_path_factory.mktemp("sessions-server") / "server.log"
-    port = _free_port()
     extra = {"setup": "eager+sessions", "cpu_bytes_per_rank": (TIER_BLOCKS + 1) * BLOCK_BYTES}
-    proc = _start(_server_args(model_dir, port, extra), log)
-    try:
-        srv = Server(proc, port, log, str(model_dir))
-        srv.wait_healthy()
+    with running_server(model_dir, log, extra) as srv:
         yield srv
-    finally:
-        _stop(proc)
 
 
 def _tier_hits_on_return(server: Server, rng: random.Random, name: str, **session) -> float:

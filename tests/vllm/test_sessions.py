@@ -19,19 +19,14 @@ pytest.importorskip("vllm")
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 from helpers.vllm_driver import BS, assert_idle, build, cpu_hashes, run, tokens
-from kvtriton.sim.vllm_scheduler import tiny_model_dir, vllm_request
+from kvtriton.sim.vllm_scheduler import vllm_request
 from kvtriton.vllm.releases import SESSION_KEY
-from tests.vllm.test_signals import kvtriton_warnings
+from tests.vllm.test_signals import kvtriton_warnings, model_dir  # noqa: F401 (the fixture)
 
 pytestmark = pytest.mark.scheduler_role
 
 PROMPT_BLOCKS = 4
 TIER_BLOCKS = 2 * PROMPT_BLOCKS  # holds two finished prompts, nothing more
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"), 8192)
 
 
 class Clock:
@@ -76,8 +71,8 @@ CASES = [
 
 @pytest.mark.parametrize(("setup", "session", "silent_s", "where", "evicted"), CASES,
                          ids=[f"{c[0]}-{c[1]}-{c[2]}s-{c[3]}" for c in CASES])
-def test_a_sessions_last_turn_is_kept_for_its_next_turn(model_dir, setup, session, silent_s,
-                                                        where, evicted):
+def test_a_sessions_last_turn_is_kept_for_its_next_turn(model_dir, setup, session,  # noqa: F811
+                                                        silent_s, where, evicted):
     s, side, drv = build(model_dir, cpu_blocks=TIER_BLOCKS, extra_config={"setup": setup})
     clock = side.signals.clock = Clock()
     with kvtriton_warnings() as records:
@@ -102,7 +97,7 @@ def test_a_sessions_last_turn_is_kept_for_its_next_turn(model_dir, setup, sessio
     assert_idle(s, side)
 
 
-def test_a_sessions_next_turn_renews_its_protection(model_dir):
+def test_a_sessions_next_turn_renews_its_protection(model_dir):  # noqa: F811
     """A second turn of the session, late in the first turn's idle time, protects the session
     again from its own end: the first turn's idle time passing no longer lets it go."""
     s, side, drv = build(model_dir, cpu_blocks=TIER_BLOCKS,
