@@ -54,7 +54,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import OneLineParser
+from bench.common import OneLineParser, machine_info, record_output
 
 __all__ = ["POLICY_QUEUES", "KvtritonSide", "VllmSide", "compare", "differential",
            "first_difference",
@@ -518,7 +518,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{wall:.1f} s")
     if args.json:
         args.json.write_text(json.dumps({"vllm": str(vllm033_path()), "wall_s": round(wall, 2),
-                                         "rows": rows}, indent=1))
+                                         "machine": machine_info(), "rows": rows}, indent=1))
+        record_output(args.json)
     return 0 if not rows[0]["differences"] and not rows[1]["differences"] else 1
 
 
