@@ -464,4 +464,4 @@ def tier_setup(name: str) -> TierSetup:
 #: The connector's setup when ``kv_connector_extra_config`` names none: the study's choice for a
 #: workload nobody characterised (``bench/tier_study/default_setup.py`` states the rule and
 #: ``paper/build.py`` checks that the results still choose it).
-DEFAULT_SETUP = "eager"
+DEFAULT_SETUP = "eager+reqarc"
