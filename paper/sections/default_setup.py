@@ -34,8 +34,10 @@ def default_section(v: dict) -> None:
         "control itself, vLLM's own connector's behaviour; a user who knows the workload turns "
         "on the setup the study found for it (hints on coding agents, Section {{sec_what}})."
         if DEFAULT_SETUP == CONTROL else
-        f"`{best['setup']}` loses nothing in any cell it ran in (worst "
-        f"{best['worst_points']:+.2f} points, mean {best['mean_points']:+.2f}).")
+        f"`{best['setup']}` loses nothing in any train part it ran in (worst "
+        f"{best['worst_points']:+.2f} points, mean {best['mean_points']:+.2f}); on the test "
+        f"parts its worst is {got['test'][0]['worst_points']:+.2f} points and its mean "
+        f"{got['test'][0]['mean_points']:+.2f}.")
     v["default_text"] = (
         f"A connector started without a `setup` runs `{DEFAULT_SETUP}`. The candidates are the "
         "setups it runs with nothing from the client or the scheduler (no hints, no waiting-"

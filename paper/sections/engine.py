@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kvtriton.setups import DEFAULT_SETUP
 from paper.format import machine_line, md_table, pct, run_range, verdict_word
 from paper.results import load, not_run
 
@@ -31,9 +32,13 @@ def engine_section(v: dict) -> None:
         "`bench/vllm/engine.py` says how the traces are shrunk). The simulator then replays the "
         "same workload at the same sizes on a clock fitted to this engine's own steps "
         "(`MeasuredCost`, least squares over every step of every system). The connector's "
-        f"default setup, `{c.get('default_setup', 'default')}`, is the row of that name"
+        f"default setup when this ran, `{c.get('default_setup', 'default')}`, is the row of "
+        "that name"
         + (" (`default`)" if any(m["system"] == "default" for r in doc["runs"].values()
-                                 for m in r["measured"]) else "") + "."
+                                 for m in r["measured"]) else "")
+        + ("" if c.get("default_setup") in (None, DEFAULT_SETUP) else
+           f"; the default is now `{DEFAULT_SETUP}` (Section {{{{sec_default}}}}), which this "
+           "run did not include") + "."
         + (f" Each system ran {c['repeats']} times: the tables give the mean, and the range "
            "over runs in brackets." if c.get("repeats", 1) > 1 else
            " Each system ran once; repeated runs (`--repeats`) give the engine's own spread.")]

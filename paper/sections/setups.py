@@ -347,9 +347,11 @@ def _native(v: dict, docs: dict, labels: dict) -> None:
     v["native_text"] = (
         "vLLM 0.33's `OffloadingConnector` is what a user would turn on instead. Its two "
         "eviction policies run as setups in the same loop (eager stores of every computed block, "
-        "as it stores them, and its policy's order: `kvtriton/eviction/request_lru.py`, "
-        "checked against vLLM's own policy classes by `bench/vllm/native_policies.py`). Gains "
-        "in points over the control on each run's test part:\n\n" + "\n".join(lines)
+        "as it stores them, and its policy's order: `kvtriton/eviction/request_lru.py` and "
+        "`request_arc.py`, whose eviction order matched vLLM's own policy classes on every "
+        "random sequence of `python -m bench --only native_policies`). Its ARC is also "
+        "kvtriton's default (Section {{sec_default}}). Gains in points over the control on "
+        "each run's test part:\n\n" + "\n".join(lines)
         + f"\n\nkvtriton's train choice beats the better native policy on the test part in "
         f"{wins} of {runs} runs." if lines else
         "*Pending: no setup study ran the native connector's setups.*")
@@ -381,11 +383,12 @@ def _sessions(v: dict, docs: dict, labels: dict) -> None:
                 lines.append(f"- {labels[tag]}, CPU {run['cpu_ratio']}x (train / test points): "
                              + "; ".join(cells) + ".")
     v["sessions_text"] = (
-        "**Sessions.** A server that knows each request's session (vLLM 0.33's `session_id`, "
-        "or `kv_transfer_params`) can keep a finished turn's blocks for the session's next "
-        "turn without any hint from the client: `sessions` protects them in up to half the "
-        "tier, lets the session silent longest go first, and drops a session silent for 300 "
-        "s (`sessions:60`: 60 s). Traces without sessions (Mooncake, GLM-5) get them inferred "
+        "**Sessions.** A server that knows each request's session (the request's "
+        "`session_id`, or `kv_transfer_params`) can keep a finished turn's blocks for the "
+        "session's next turn without any hint from the client: `sessions` protects them in up "
+        "to half the tier, lets the session silent longest go first, and drops a session "
+        "silent for 300 s (`sessions:60`: 60 s). Traces without sessions (Mooncake, GLM-5) "
+        "get them inferred "
         "as a server could on arrival: a prompt that extends an earlier request's whole prompt "
         "joins its session (`kvtriton.sim.workload.causal_sessions`). Train and test gains "
         "over the control, beside `hints` (which needs the client) and `lfu`:\n\n"

@@ -13,7 +13,7 @@ def sync_loads_section(v: dict) -> None:
         v["sync_loads_text"] = (f"**Same-step loads.** *Pending: `sync_loads.json` is "
                                 f"{not_run('sync_loads.json')}.*")
         return
-    budgets = ", ".join(f"{b['budget_mib']:g} MiB ({b['link_ms']:g} ms of the link)"
+    budgets = ", ".join(f"{b['budget_mib']:g} MiB ({b['link_ms']:.0f} ms of the link)"
                         for b in doc["budgets"] if b["budget_bytes"])
     rows = []
     for c in doc["cells"]:
@@ -24,6 +24,8 @@ def sync_loads_section(v: dict) -> None:
                      f"{pct(off['token_hit_rate'])} / {pct(on['token_hit_rate'])}",
                      "yes" if c["test_ttft_no_worse"] else "**no**"])
     overall = doc["overall"]
+    worse = [c["workload"] for c in doc["cells"]
+             if c["test_chosen"]["ttft_p50_s"] > c["test_budget_0"]["ttft_p50_s"]]
     v["sync_loads_text"] = (
         "**Same-step loads.** vLLM 0.33's offloading connector can load a small CPU hit in the "
         "step that schedules it, within a per-step byte budget, instead of a step later; the "
@@ -35,4 +37,8 @@ def sync_loads_section(v: dict) -> None:
         + md_table(["workload", "chosen (MiB/step)", "TTFT p50 off / chosen",
                     "TTFT p90 off / chosen", "hit rate off / chosen", "no worse on test"], rows)
         + f"\n\nOne budget for every workload, on the train parts: {overall['budget_mib']:g} "
-        f"MiB per step (mean train p50 {overall['mean_train_p50_ratio']:.3f}x budget 0's).")
+        f"MiB per step (mean train p50 {overall['mean_train_p50_ratio']:.3f}x budget 0's). "
+        + (f"The train choice raised the test part's TTFT p50 on {', '.join(worse)}: the "
+           "budget does not carry from one part to the other here, and the connector leaves "
+           "it off by default." if worse else
+           "The train choice lowered or kept the test part's TTFT p50 everywhere."))
