@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtriton.setups import tier_setup
+from kvtriton.setups import DEFAULT_SETUP, tier_setup
 from kvtriton.sim import agent_workload, simulate
 from kvtriton.sim.second_tier import LOOPBACK_TCP, SimStore, StoreCost
 from kvtriton.vllm.config import parse_extra_config
@@ -62,7 +62,9 @@ def test_shared_needs_a_capacity_and_the_kvtriton_engine():
 
 def test_shared_means_the_same_setup_in_the_connector():
     assert tier_setup("eager+shared").second_tier and not tier_setup("eager").second_tier
-    assert parse_extra_config({"second_tier": STORE}).setup == "eager+shared"
+    # No setup named: the default's, with the store's tier on.
+    assert parse_extra_config({"second_tier": STORE}).setup == \
+        tier_setup(f"{DEFAULT_SETUP}+shared").composition
     assert parse_extra_config({"setup": "lazy+hints", "second_tier": STORE}).setup == \
         "lazy+hints+shared"
     with pytest.raises(ValueError, match="'second_tier' is not set"):
