@@ -65,6 +65,7 @@ class SchedulerSide:
         self.sync_budget = SyncLoadBudget(self.layout, config.sync_load_budget_bytes)
         self._sync_events: dict[int, list[str]] = {}
         self._sync_reports: dict[int, list[int]] = {}
+        self._sync_pending: set[str] = set()  # the requests of those events, kept beside them
         self.sync_stats = {"sync_loads": 0, "sync_load_bytes": 0}
         self.num_cpu_blocks = cpu_blocks_for_bytes(kv_cache_config, config.cpu_bytes_per_rank)
         self.max_model_len = vllm_config.model_config.max_model_len
@@ -158,7 +159,7 @@ class SchedulerSide:
         rid = vreq.request_id
         if self.store is not None and self.store.still_waiting(rid):
             return None, False  # for the store: nothing to look up again until it answers
-        if rid in self._sync_pending():
+        if rid in self._sync_pending:
             return None, False  # its same-step load is not reported yet (one load at a time)
         if rid in self._preemptions and self._preemptions[rid] != vreq.num_preemptions:
             # Preempted before a step said so (a reset that preempts every running request).
@@ -276,6 +277,7 @@ class SchedulerSide:
         if sync:
             out.sync_load, out.sync_load_reqs = now, sync
             self._sync_events[now.event] = sync
+            self._sync_pending.update(sync)
             self._sync_reports[now.event] = [0, 0]
             per = self.layout.group_block_bytes
             self.sync_stats["sync_loads"] += len(sync)
@@ -384,14 +386,10 @@ class SchedulerSide:
         for ev, (done, bad) in list(self._sync_reports.items()):
             if done + bad >= self.world_size:
                 del self._sync_reports[ev]
-                (broken if bad else landed).extend(self._sync_events.pop(ev))
+                rids = self._sync_events.pop(ev)
+                self._sync_pending.difference_update(rids)
+                (broken if bad else landed).extend(rids)
         return landed, broken
-
-    def _sync_pending(self) -> set[str]:
-        """Requests whose same-step load some worker has not reported yet."""
-        if not self._sync_events:
-            return set()
-        return {rid for rids in self._sync_events.values() for rid in rids}
 
     # ---- 5. finish -----------------------------------------------------------------------------
 
