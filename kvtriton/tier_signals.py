@@ -25,13 +25,37 @@ session's last turn; a session silent ``idle_s`` seconds (by the caller's clock:
 simulator's modeled time, the connector's monotonic clock) ages out: ``expire`` lets go of the
 keys it protected last and that nobody protected since (their free blocks go first, as the
 oldest in a recency order would: ``HintedQueue.let_go``), and forgets the session.
-Memory: one entry per session heard from within ``idle_s``.
+
+Claims: what one client may take. A session's turn and a ``continue`` hint each *claim* the
+protected segment for their keys, and both are client input: a client sending a fresh session
+id, or ``continue``, with every request would otherwise fill the segment (half the tier) with
+blocks nobody comes back for, pushing every other client's prefixes out. So a claim is bounded
+by what its client has shown:
+- *came back*: a session's turn is proven when the session ended a turn before (within the
+  idle time, and among the last ``seen`` sessions) and this turn holds that turn's head key
+  (the context came back); a ``continue`` is proven when the request holds the deepest key of an
+  earlier ``continue`` (the hinted context came back whole). Keys are salted per tenant
+  (vLLM's ``cache_salt``), so one tenant never proves another's claim.
+- *probation*: unproven claims together hold at most ``PROBATION_SHARE`` of the protected
+  segment, or the newest one alone where it is larger; past it the oldest unproven claim is
+  let go (its blocks go first: it showed nothing).
+- *tenants*: when the claims hold more keys than the segment and more than one tenant holds
+  some, the tenant holding the most lets go of its oldest claim until they fit, so one tenant
+  cannot push another's protection out: each keeps at least its fair share of the segment.
+  With one tenant, the segment's own order decides, block by block (``HintedQueue``).
+- *memory*: the book tracks claims of at most ``TRACKED_SEGMENTS`` segments' worth of keys,
+  and remembers at most a segment's worth (in blocks) of sessions it has seen; past either the
+  oldest goes (a claim is let go). So its memory is bounded by the tier's size
+  (``book_bytes``), whatever number of session ids clients send.
+A claim replaced by its session's (or chain's) next one lets go of the keys the new one does
+not hold.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -52,7 +76,42 @@ if TYPE_CHECKING:
 #: share of the protecting axes).
 DEFAULT_PROTECT_SHARE = 0.5
 
-__all__ = ["SignalBook", "cpu_queue"]
+#: The share of the protected segment that unproven claims (a session's first turn, a
+#: ``continue`` whose context nobody came back to yet) may hold together: a quarter, so a client
+#: that claims with every request takes at most an eighth of the tier at the default share.
+PROBATION_SHARE = 0.25
+#: Claims tracked, in protected segments' worth of keys: the segment's own order demotes the
+#: blocks of older claims block by block before that, so the book forgets only what it let go.
+TRACKED_SEGMENTS = 2
+#: Host bytes per tracked claim besides its keys (its record, array header, dictionary entries),
+#: and per remembered session besides its id: what ``book_bytes`` counts (measured with
+#: ``tracemalloc`` at about 400 and 150; rounded up).
+CLAIM_OVERHEAD_BYTES = 512
+SEEN_OVERHEAD_BYTES = 256
+
+__all__ = ["PROBATION_SHARE", "SignalBook", "book_bytes", "cpu_queue"]
+
+
+def book_bytes(protect_blocks: int, max_session_chars: int = 256) -> int:
+    """The most host memory a ``SignalBook``'s claims and remembered sessions take for a
+    protected segment of ``protect_blocks`` blocks, bytes (its per-key-id arrays aside, which
+    every setup with hints or the lookahead has): at most ``TRACKED_SEGMENTS`` segments' worth of
+    keys (8 bytes each) in at most as many claims, and a segment's worth of sessions with ids of
+    up to ``max_session_chars`` characters."""
+    tracked = TRACKED_SEGMENTS * max(1, protect_blocks)
+    return (tracked * (8 + CLAIM_OVERHEAD_BYTES)
+            + max(1, protect_blocks) * (SEEN_OVERHEAD_BYTES + max_session_chars))
+
+
+@dataclass(slots=True, eq=False)
+class _Claim:
+    """One claim on the protected segment: a session's turn or a ``continue`` hint."""
+    owner: Hashable | None  # (tenant, session); None: a hint's chain
+    tenant: Hashable
+    keys: np.ndarray  # distinct, in chain order: the head first, the deepest last
+    epoch: int  # the ``HintedQueue.hint`` call that protected them
+    at: float  # when the turn ended, seconds (the caller's clock)
+    proven: bool  # its context came back before
 
 
 def cpu_queue(setup: TierSetup, next_use: EvictionQueue | None = None
@@ -111,11 +170,27 @@ class SignalBook:
         self.lookahead = lookahead
         #: Seconds a session may stay silent before its protection ages out (None: off).
         self.session_idle_s = session_idle_s
-        # session -> (when its last turn ended, the keys it protected, the epoch it gave them),
-        # the longest-silent first.
-        self._sessions: OrderedDict[Hashable, tuple[float, np.ndarray, int]] = OrderedDict()
+        # Claims by serial, the oldest first (for sessions: the longest-silent first).
+        self._claims: OrderedDict[int, _Claim] = OrderedDict()
+        self._next_claim = 0
+        self._session_claim: dict[Hashable, int] = {}  # (tenant, session) -> its live claim
+        # (tenant, session) -> (the head key of its last turn, when it ended), least recent first
+        self._seen: OrderedDict[Hashable, tuple[int, float]] = OrderedDict()
+        self._tail_claim = np.full(0, -1, dtype=np.int64)  # key -> live hint claim ending there
+        self._tail = np.zeros(0, dtype=bool)  # key -> the deepest key of an earlier continue
+        self._probation: OrderedDict[int, None] = OrderedDict()  # unproven claims, oldest first
+        self._probation_keys = 0
+        self._tracked_keys = 0
+        self._tenant_keys: dict[Hashable, int] = {}
+        self._tenant_claims: dict[Hashable, OrderedDict[int, None]] = {}
         #: Sessions aged out by ``expire`` (a count).
         self.sessions_expired = 0
+        #: Claims let go before their time, by why: ``unproven`` (probation full),
+        #: ``over_share`` (their tenant over its fair share), ``tracked`` (the book's bound).
+        self.claims_let_go = {"unproven": 0, "over_share": 0, "tracked": 0}
+        #: Claims made, and those of them proven (their context came back).
+        self.claims_made = 0
+        self.claims_proven = 0
         self._holder = np.full(0, -1, dtype=np.int64)  # key -> serial of its last admitted holder
         self._serial: dict[Hashable, int] = {}  # holder -> its serial, from admission to finish
         self._next_serial = 0
@@ -164,14 +239,26 @@ class SignalBook:
             self._holder = _grown(self._holder, int(flat.max()) + 1, -1)
         self._holder[flat] = serial
 
-    def finished(self, holder: Hashable, keys: np.ndarray | None, hint: str | None) -> None:
+    def finished(self, holder: Hashable, keys: np.ndarray | None, hint: str | None, *,
+                 tenant: Hashable = None) -> None:
         """``holder`` finished holding ``keys`` (``(groups, positions)``; None: it never had
-        any) with ``hint``: apply it."""
+        any) with ``hint``: apply it. ``tenant``: whose claim a ``continue`` is (vLLM's
+        ``cache_salt``; None: the one tenant)."""
         self.left_waiting(holder)
         serial = self._serial.pop(holder, None)
         if not self.hints or keys is None or not keys.size:
             return
         uniq, depths = _distinct_by_depth(keys)
+        # The claims this request continues (it holds their deepest key): replaced by its own
+        # claim on ``continue``, no longer tracked otherwise (their keys take this hint).
+        before = [self._untrack(c) for c in self._claims_ending_in(uniq)]
+        if hint == "continue":
+            inside = uniq[uniq < len(self._tail)]
+            self._claim(None, tenant, uniq, depths, 0.0,
+                        proven=bool(self._tail[inside].any()))
+            for old in before:
+                self._let_go(old)
+            return
         if hint == "close":
             # Keys a later admitted request holds are its future, not this closed session's.
             self._holder = _grown(self._holder, int(uniq.max()) + 1, -1)
@@ -180,45 +267,138 @@ class SignalBook:
                 (holder_of == serial) | (holder_of == -1)
             self._set(uniq[mine], CLOSED, depths[mine])
         else:
-            self._set(uniq, PROTECTED if hint == "continue" else NORMAL, depths)
+            self._set(uniq, NORMAL, depths)
 
     @property
     def sessions(self) -> bool:
         return self.session_idle_s is not None
 
-    def turn_ended(self, session: Hashable, keys: np.ndarray | None, now: float) -> None:
-        """A turn of ``session`` ended at ``now`` (seconds) holding ``keys``
-        (``(groups, positions)``; None: none): protect them for the session's next turn."""
-        if not self.sessions:
+    def turn_ended(self, session: Hashable, keys: np.ndarray | None, now: float, *,
+                   tenant: Hashable = None) -> None:
+        """A turn of ``session`` (of ``tenant``: vLLM's ``cache_salt``, None: the one tenant)
+        ended at ``now`` (seconds) holding ``keys`` (``(groups, positions)``; None: none):
+        protect them for the session's next turn. A turn without keys changes nothing."""
+        if not self.sessions or keys is None or not keys.size:
             return
-        self._sessions.pop(session, None)
-        if keys is None or not keys.size:
-            return
+        owner = (tenant, session)
         uniq, depths = _distinct_by_depth(keys)
-        self._set(uniq, PROTECTED, depths)
-        self._sessions[session] = (now, uniq, self.queue.last_hint)
+        last = self._seen.pop(owner, None)
+        proven = (last is not None and last[1] > now - self.session_idle_s
+                  and bool(np.any(uniq == last[0])))
+        self._seen[owner] = (int(uniq[0]), now)
+        while len(self._seen) > max(1, self.queue.protect_capacity):
+            self._seen.popitem(last=False)
+        serial = self._session_claim.get(owner)
+        before = None if serial is None else self._untrack(serial)
+        self._claim(owner, tenant, uniq, depths, now, proven)
+        if before is not None:
+            self._let_go(before)
 
     def expire(self, now: float) -> int:
         """Age out the sessions silent for ``idle_s`` by ``now``: their keys that no later
         protection renewed return to the plain order. Returns how many sessions aged out."""
-        if not self._sessions:
-            return 0
         limit = now - self.session_idle_s
         expired = 0
-        while self._sessions:
-            session, (ended, keys, epoch) = next(iter(self._sessions.items()))
-            if ended > limit:
+        while self._claims:
+            serial, claim = next(iter(self._claims.items()))
+            if claim.at > limit:
                 break
-            del self._sessions[session]
+            self._let_go(self._untrack(serial))
+            self._seen.pop(claim.owner, None)
             expired += 1
-            self.queue.let_go(keys[self.queue.epochs(keys) == epoch], self._free_block)
         self.sessions_expired += expired
         return expired
 
     @property
     def live_sessions(self) -> int:
-        """Sessions heard from within the idle time (their protection still on)."""
-        return len(self._sessions)
+        """Sessions heard from within the idle time whose protection is still on."""
+        return len(self._session_claim)
+
+    # ---- claims (the bounds on what one client may take) ---------------------------------------
+
+    def _claim(self, owner: Hashable | None, tenant: Hashable, uniq: np.ndarray,
+               depths: np.ndarray, now: float, proven: bool) -> None:
+        """Protect ``uniq`` as one claim and keep every bound (the module's "Claims")."""
+        self._set(uniq, PROTECTED, depths)
+        serial = self._next_claim
+        self._next_claim += 1
+        self._claims[serial] = _Claim(owner, tenant, uniq, self.queue.last_hint, now, proven)
+        n = len(uniq)
+        self._tracked_keys += n
+        self._tenant_keys[tenant] = self._tenant_keys.get(tenant, 0) + n
+        self._tenant_claims.setdefault(tenant, OrderedDict())[serial] = None
+        if owner is not None:
+            self._session_claim[owner] = serial
+        else:
+            tail = int(uniq[-1])
+            self._tail_claim = _grown(self._tail_claim, tail + 1, -1)
+            self._tail = _grown(self._tail, tail + 1, False)
+            self._tail_claim[tail] = serial
+            self._tail[tail] = True
+        self.claims_made += 1
+        self.claims_proven += proven
+        if not proven:
+            self._probation[serial] = None
+            self._probation_keys += n
+        self._bound()
+
+    def _bound(self) -> None:
+        cap = max(1, self.queue.protect_capacity)
+        # The newest unproven claim stays whatever its size (up to the segment): a tier too
+        # small for its share still keeps the last turn for the next one.
+        while self._probation_keys > int(PROBATION_SHARE * cap) and len(self._probation) > 1:
+            self._drop(next(iter(self._probation)), "unproven")
+        while len(self._tenant_keys) > 1 and self._tracked_keys > cap:
+            # The tenant holding the most keys (of two, the one whose oldest claim is older):
+            # over its fair share whenever the claims hold more than the segment.
+            oldest = {t: next(iter(c)) for t, c in self._tenant_claims.items()}
+            tenant = max(oldest, key=lambda t: (self._tenant_keys[t], -oldest[t]))
+            self._drop(oldest[tenant], "over_share")
+        while self._tracked_keys > TRACKED_SEGMENTS * cap:
+            self._drop(next(iter(self._claims)), "tracked")
+
+    def _drop(self, serial: int, why: str) -> None:
+        self.claims_let_go[why] += 1
+        self._let_go(self._untrack(serial))
+
+    def _untrack(self, serial: int) -> _Claim:
+        """Stop tracking claim ``serial`` (the queue keeps what it has); returns it."""
+        claim = self._claims.pop(serial)
+        n = len(claim.keys)
+        self._tracked_keys -= n
+        self._tenant_keys[claim.tenant] -= n
+        of_tenant = self._tenant_claims[claim.tenant]
+        del of_tenant[serial]
+        if not of_tenant:
+            del self._tenant_claims[claim.tenant], self._tenant_keys[claim.tenant]
+        if self._probation.pop(serial, 0) is None:
+            self._probation_keys -= n
+        if claim.owner is not None:
+            if self._session_claim.get(claim.owner) == serial:
+                del self._session_claim[claim.owner]
+        elif self._tail_claim[claim.keys[-1]] == serial:
+            self._tail_claim[claim.keys[-1]] = -1
+        return claim
+
+    def _let_go(self, claim: _Claim) -> None:
+        """``claim``'s keys that no later claim renewed go first now (``HintedQueue.let_go``)."""
+        keys = claim.keys
+        self.queue.let_go(keys[self.queue.epochs(keys) == claim.epoch], self._free_block)
+
+    def _claims_ending_in(self, uniq: np.ndarray) -> list[int]:
+        """The live hint claims whose deepest key is among ``uniq``."""
+        serials = self._tail_claim[uniq[uniq < len(self._tail_claim)]]
+        return [int(c) for c in np.unique(serials[serials >= 0])]
+
+    @property
+    def claimed_keys(self) -> int:
+        """Keys the tracked claims hold (a key two claims hold counted twice)."""
+        return self._tracked_keys
+
+    @property
+    def unproven_keys(self) -> int:
+        """Keys the unproven claims hold."""
+        return self._probation_keys
 
     def last_holder(self, keys: np.ndarray) -> np.ndarray:
         """The serial of each key's last admitted holder (-1: none since it was forgotten)."""
@@ -242,3 +422,6 @@ class SignalBook:
             self.queue.hint(keys, NORMAL, lambda _key: None)
         inside = keys[keys < len(self._holder)]
         self._holder[inside] = -1
+        inside = keys[keys < len(self._tail)]
+        self._tail[inside] = False
+        self._tail_claim[inside] = -1

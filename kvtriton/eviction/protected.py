@@ -271,3 +271,8 @@ class HintedQueue(EvictionQueue):
     @property
     def protected_blocks(self) -> int:
         return len(self._protected)
+
+    @property
+    def protect_capacity(self) -> int:
+        """The most blocks the protected segment holds (0 before ``reset`` sizes the pool)."""
+        return getattr(self, "_cap", 0)

@@ -33,6 +33,14 @@ The clock is ``time.monotonic`` (``clock``: a simulator driving vLLM's scheduler
 A session id that is not a string of 1 to ``MAX_SESSION_CHARS`` characters is counted in
 ``malformed_sessions`` and warned about once; the request is served without one.
 
+What a client may claim. A session id and a ``continue`` hint are the client's word, so each
+claim on the protected segment is bounded (``kvtriton.tier_signals``, "Claims"): a claim whose
+context has not come back yet (a session's first turn, a ``continue`` nobody continued) is on
+probation, where all such claims together hold at most ``PROBATION_SHARE`` of the segment, the
+oldest let go first; and where several tenants (``cache_salt``) hold claims, none keeps more
+than its fair share of the segment. One client sending a fresh session id or ``continue`` with
+every request takes at most the probation share, not half the tier.
+
 Key ids are recycled (``kvtriton.vllm.keys``): the keys held here are reported by
 ``referenced_keys`` and recycled ones return to the plain order (``forget``).
 """
@@ -159,12 +167,13 @@ class TierSignals:
             else:
                 self._ignored(rid, hint)
         if self.book is not None:
-            self.book.finished(rid, keys, hint)
+            tenant = getattr(vreq, "cache_salt", None)
+            self.book.finished(rid, keys, hint, tenant=tenant)
             if self.sessions_on:
-                self._end_turn(vreq, keys)
+                self._end_turn(vreq, keys, tenant)
         return hint
 
-    def _end_turn(self, vreq: Any, keys: np.ndarray | None) -> None:
+    def _end_turn(self, vreq: Any, keys: np.ndarray | None, tenant: str | None) -> None:
         session, malformed = request_session(vreq)
         if malformed:
             self.counters["malformed_sessions"] += 1
@@ -178,7 +187,7 @@ class TierSignals:
         if session is None:
             return
         self.counters["session_turns"] += 1
-        self.book.turn_ended(session, keys, self.clock())
+        self.book.turn_ended(session, keys, self.clock(), tenant=tenant)
 
     def tick(self) -> None:
         """Once per scheduler step: age out the sessions silent past the idle time."""

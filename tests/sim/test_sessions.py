@@ -55,11 +55,11 @@ def test_sessions_are_inferred_from_the_past_only():
         assert causal_sessions(head) == full[:cut]
 
 
-@pytest.mark.parametrize("idle", [0.001, 1e6])
+@pytest.mark.parametrize("idle", [0.001, 86400])
 def test_the_loop_ages_sessions_out_by_modeled_time(idle):
     wl = agent_workload(**SMALL)
     setup = f"eager+sessions:{idle}"
     r = simulate(wl, gpu_tokens=2048, cpu_tokens=2048, setups=[setup], bound=False)
     expired = r.rows[0]["sessions_expired"]
-    # Think times exceed a millisecond: each session ages out between its turns; never at 1e6 s.
+    # Think times exceed a millisecond: each session ages out between its turns; never in a day.
     assert expired >= len({q.session for q in wl.requests}) if idle < 1 else expired == 0
