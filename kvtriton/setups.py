@@ -48,15 +48,19 @@ write. The grammar is written once, as data: ``AXES`` (the axes, their values an
 defaults, from which the CLI's help is generated) and ``REFUSED`` (the combinations that mean
 nothing, each with its reason, e.g. ``lazy`` with ``restore``: a lazy tier stores only blocks
 on the GPU free queue, where a running request's blocks never are). A share ``F`` (in [0, 1]),
-a window ``W`` (>= 0) and seconds ``S`` (> 0) are written with digits and a point only; a
-composition has no spaces. The canonical name writes each number the same way
-(``canonical_number``: the shortest decimal that reads back as the same float, never an
-exponent), so every name printed parses back to the setup it names:
-``eager+restore:0.00001``, not ``restore:1e-05``.
+a window ``W`` (>= 0, finite) and seconds ``S`` (in (0, ``MAX_SESSION_IDLE_S``], one day) are
+written in the one number syntax the CLI's flags read too (``NUMBER``, ``read_number``):
+digits, an optional point and an optional exponent ``e`` with digits and no sign (``1000``,
+``0.5``, ``1e3``; ``1e+3`` could not be written, '+' joins axes); a composition has no spaces.
+The canonical name writes each number one way (``canonical_number``: the shortest decimal that
+reads back as the same float, never an exponent), so every name printed parses back to the
+setup it names: ``eager+sessions:1e3`` is ``eager+sessions:1000``, ``restore:0.00001`` never
+``restore:1e-05``.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from decimal import Decimal
@@ -69,8 +73,11 @@ __all__ = [
     "CONTROL",
     "DEFAULT_SETUP",
     "DEFAULT_SETUPS",
+    "MAX_SESSION_IDLE_S",
     "NATIVE_SETUPS",
     "NEXT_USE_REFERENCES",
+    "NUMBER",
+    "NUMBER_SYNTAX",
     "REFERENCES",
     "REFUSED",
     "REMOVED_PRESETS",
@@ -79,6 +86,7 @@ __all__ = [
     "canonical_number",
     "grammar_help",
     "parse_setup",
+    "read_number",
     "tier_setup",
 ]
 
@@ -90,6 +98,15 @@ DEFAULT_PROTECT_SHARE = 0.5
 #: How long a session may stay silent before ``sessions`` lets its blocks go: the 5 minutes of
 #: Anthropic's default prompt-cache TTL (``cache_control``), the retention clients already know.
 DEFAULT_SESSION_IDLE_S = 300.0
+#: The longest idle time ``sessions:S`` may name: one day. A session silent longer is gone, and
+#: a larger S would keep a closed session's blocks protected for the whole run.
+MAX_SESSION_IDLE_S = 86400.0
+
+#: How a number is written, in a composition and on the command line alike: digits, an optional
+#: point and an optional exponent ``e`` with digits, no sign (a '+' joins axes), space or ``_``.
+NUMBER = re.compile(r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:e[0-9]+)?")
+NUMBER_SYNTAX = ("a number is digits, an optional point and an optional exponent e<digits>, "
+                 "no sign or space: 1000, 0.5, 1e3")
 
 
 @dataclass(frozen=True)
@@ -135,7 +152,6 @@ _TOKENS = {v.split(":")[0]: axis for axis in AXES for v in axis.values}
 _TAKES_SHARE = {v.split(":")[0] for axis in AXES for v in axis.values if v.endswith(":F")}
 _TAKES_WINDOW = {v.split(":")[0] for axis in AXES for v in axis.values
                  if v.endswith((":W", ":S"))}
-_SHARE = re.compile(r"(?:\d+(?:\.\d*)?|\.\d+)")
 
 #: Compositions refused, each as the axis values that together mean nothing (an axis left out
 #: counts at its default), and why.
@@ -247,22 +263,38 @@ def canonical_number(value: float) -> str:
     return text.rstrip("0").rstrip(".") if "." in text else text
 
 
-def _share(token: str, value: str) -> float:
-    """``value`` as a share in [0, 1]: digits and a point only (no sign, space or exponent)."""
-    f = float(value) if _SHARE.fullmatch(value) else float("nan")
-    if not 0.0 <= f <= 1.0:
-        raise ValueError(f"setup axis {token!r}: the share must be a number in [0, 1], "
-                         f"got {value!r}")
+def read_number(text: str) -> Decimal:
+    """``text`` written in the one number syntax (``NUMBER``), exactly; ``ValueError`` naming
+    ``text`` and the syntax otherwise."""
+    if not isinstance(text, str) or not NUMBER.fullmatch(text):
+        raise ValueError(f"{text!r} is not a number ({NUMBER_SYNTAX})")
+    return Decimal(text)
+
+
+def _axis_number(token: str, value: str, what: str, low: float, high: float,
+                 low_open: bool = False) -> float:
+    """``value``, the number of the axis value ``token``, as a float in [low, high] ((low, high]
+    with ``low_open``); ``ValueError`` naming the token, ``what`` it must be and the value."""
+    try:
+        f = float(read_number(value))
+    except ValueError:
+        raise ValueError(f"setup axis {token!r}: {what}, got {value!r} ({NUMBER_SYNTAX})") \
+            from None
+    if not (low < f if low_open else low <= f) or not f <= high or not math.isfinite(f):
+        raise ValueError(f"setup axis {token!r}: {what}, got {value!r}")
     return f
 
 
+def _share(token: str, value: str) -> float:
+    return _axis_number(token, value, "the share must be a number in [0, 1]", 0.0, 1.0)
+
+
 def _window(token: str, value: str) -> float:
-    """``value`` as a window >= 0: digits and a point only (no sign, space or exponent)."""
-    if not _SHARE.fullmatch(value):
-        what = "the idle time in seconds" if token.startswith("sessions") else "the window"
-        raise ValueError(f"setup axis {token!r}: {what} must be a number >= 0, "
-                         f"got {value!r}")
-    return float(value)
+    if token.startswith("sessions"):
+        return _axis_number(token, value, "the idle time must be seconds in (0, "
+                            f"{canonical_number(MAX_SESSION_IDLE_S)}] (MAX_SESSION_IDLE_S: one "
+                            "day)", 0.0, MAX_SESSION_IDLE_S, low_open=True)
+    return _axis_number(token, value, "the window must be a finite number >= 0", 0.0, math.inf)
 
 
 def _canonical(store: str, restore: bool, share: float | None, free: str, eviction: str,
@@ -390,9 +422,6 @@ def parse_setup(spec: str, name: str | None = None) -> TierSetup:
     shared = resolved["second tier"] is not None
     sessions = (windows.get("sessions", DEFAULT_SESSION_IDLE_S)
                 if resolved["sessions"] is not None else None)
-    if sessions is not None and sessions <= 0:
-        raise ValueError(f"setup {spec!r}: 'sessions:S' needs S > 0 seconds, got "
-                         f"{canonical_number(sessions)}")
     args = (store, restore, share, free, eviction, admission, protect, infinite, refresh, waiting,
             shared, sessions)
     canonical = _canonical(*args)

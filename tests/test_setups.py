@@ -17,11 +17,14 @@ from kvtriton.eviction.lfu import DEFAULT_WINDOW_TIERS
 from kvtriton.planner import PlannerConfig
 from kvtriton.setups import (
     AXES,
+    MAX_SESSION_IDLE_S,
+    NUMBER,
     REFERENCES,
     REFUSED,
     REMOVED_PRESETS,
     canonical_number,
     parse_setup,
+    read_number,
     tier_setup,
 )
 
@@ -139,10 +142,106 @@ def test_spaces_inside_a_composition_are_refused_alike(spec):
         tier_setup(spec)
 
 
-@pytest.mark.parametrize("share", ["-0", "-0.0", "1e-1", "nan", "inf", "0x1", "1.5"])
-def test_a_share_is_digits_and_a_point_in_range(share):
+@pytest.mark.parametrize("share", ["-0", "-0.0", "1e-1", "nan", "inf", "0x1", "1.5", "1E0",
+                                   "1_0", "1e"])
+def test_a_share_is_written_in_the_number_syntax_and_in_range(share):
     with pytest.raises(ValueError, match=f"got {share!r}"):
         tier_setup(f"eager+restore:{share}")
+
+
+# ---- one number syntax for the grammar and the CLI (issue 50, item 5) ----------------------------
+
+
+@pytest.mark.parametrize(("spec", "canonical"), [
+    ("eager+sessions:1e3", "eager+sessions:1000"),
+    ("eager+sessions:3e2", "eager+sessions"),  # the default, written without it
+    ("eager+sessions:8.64e4", "eager+sessions:86400"),
+    ("eager+lfu:1e9", "eager+lfu:1000000000"),
+    ("eager+lfu:1.6e1", "eager+lfu"),
+    ("eager+restore:.5e0", "eager+restore:0.5"),
+    ("lazy+hints:0.25e0", "lazy+hints:0.25"),
+    ("eager+waiting:1e0", "eager+waiting:1"),
+])
+def test_exponents_without_sign_are_numbers_and_print_in_digits(spec, canonical):
+    """``1e3`` is a number in a composition as on the command line; the name has no exponent."""
+    setup = parse_setup(spec)
+    assert setup.composition == canonical and setup.name == canonical
+    assert parse_setup(canonical) == setup
+
+
+@pytest.mark.parametrize(("token", "what"), [
+    ("lfu:1E9", "the window"), ("lfu:-1", "the window"), ("lfu:1e", "the window"),
+    ("lfu:e3", "the window"), ("sessions:1_000", "the idle time"), ("hints:5e-1", "the share"),
+])
+def test_a_bad_spelling_names_the_axis_the_value_and_the_syntax(token, what):
+    with pytest.raises(ValueError) as e:
+        tier_setup(f"eager+{token}")
+    message = str(e.value)
+    assert f"setup axis {token!r}: {what}" in message and f"got {token.partition(':')[2]!r}" \
+        in message and "1e3" in message, message
+
+
+def test_a_signed_exponent_cannot_be_written_in_a_composition():
+    """'+' joins axes: ``lfu:1e+9`` is the token ``lfu:1e`` (refused as a number) and ``9``."""
+    with pytest.raises(ValueError, match=r"setup axis 'lfu:1e': the window .* got '1e'"):
+        tier_setup("eager+lfu:1e+9")
+
+
+def test_an_infinite_window_is_refused():
+    with pytest.raises(ValueError, match=r"'lfu:1e400': the window must be a finite number"):
+        tier_setup("eager+lfu:1e400")
+
+
+@pytest.mark.parametrize(("text", "value"), [("0", 0), ("1000", 1000), ("1e3", 1000),
+                                             (".5", Decimal("0.5")), ("1.", 1),
+                                             ("2.5e1", 25), ("1e0", 1)])
+def test_read_number_reads_the_one_syntax_exactly(text, value):
+    assert NUMBER.fullmatch(text) and read_number(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "-1", "+1", "1e+3", "1e-3", "1E3", " 1", "1 ", "1_000",
+                                  "inf", "nan", "0x10", "\u0661", "1e", "e3", ".", "1.2.3"])
+def test_read_number_refuses_every_other_spelling(text):
+    with pytest.raises(ValueError, match=rf"^{re.escape(repr(text))} is not a number \(.*1e3"):
+        read_number(text)
+
+
+# ---- sessions:S is bounded (issue 50, item 2) ----------------------------------------------------
+
+
+@pytest.mark.parametrize("seconds", ["99999999999", "86400.5", "86401", "1e5", "0", "0.0"])
+def test_session_idle_time_is_bounded_by_a_day(seconds):
+    """``sessions:S`` with S past MAX_SESSION_IDLE_S would never age a session out."""
+    assert MAX_SESSION_IDLE_S == 86400
+    with pytest.raises(ValueError) as e:
+        tier_setup(f"eager+sessions:{seconds}")
+    message = str(e.value)
+    assert f"setup axis 'sessions:{seconds}'" in message and f"got {seconds!r}" in message
+    assert "(0, 86400]" in message and "MAX_SESSION_IDLE_S" in message
+
+
+def test_session_idle_time_up_to_a_day_is_taken():
+    assert parse_setup("eager+sessions:86400").session_idle_s == MAX_SESSION_IDLE_S
+    assert parse_setup("eager+sessions:0.5").session_idle_s == 0.5
+
+
+def test_the_connector_refuses_an_unbounded_session_idle_time():
+    from kvtriton.vllm.config import parse_extra_config
+
+    with pytest.raises(ValueError, match=r"'sessions:99999999999'.*\(0, 86400\]"):
+        parse_extra_config({"setup": "eager+sessions:99999999999"})
+
+
+# ---- the unknown-axis message is the grammar (issue 50, item 5) ----------------------------------
+
+
+def test_an_unknown_axis_value_lists_every_axis_value():
+    with pytest.raises(ValueError) as e:
+        tier_setup("eager+fancy")
+    known = str(e.value).partition("known: ")[2].split(", ")
+    assert known == [v for axis in AXES for v in axis.values]
+    for value in ("hints", "waiting", "sessions", "sessions:S", "shared"):
+        assert value in known
 
 
 @pytest.mark.parametrize(("share", "canonical"), [("0", "eager+restore:0"),
@@ -228,7 +327,13 @@ _SHARES = st.one_of(st.floats(0, 1).map(_written),
                     st.sampled_from(["0.00001", "0.0000001", "1", "0", "0.1234567"]))
 _WINDOWS = st.one_of(st.floats(0, 1e20).map(_written),
                      st.integers(0, 10**12).map(str),
-                     st.sampled_from(["1000000", "0.00001", "16", "16.0", "64"]))
+                     st.builds("{}e{}".format, st.integers(0, 999), st.integers(0, 12)),
+                     st.sampled_from(["1000000", "0.00001", "16", "16.0", "64", "1e3", ".5e1"]))
+#: Seconds of ``sessions:S``: in (0, MAX_SESSION_IDLE_S].
+_SECONDS = st.one_of(st.floats(0, MAX_SESSION_IDLE_S, exclude_min=True).map(_written),
+                     st.integers(1, int(MAX_SESSION_IDLE_S)).map(str),
+                     st.builds("{}e{}".format, st.integers(1, 864), st.integers(0, 2)),
+                     st.sampled_from(["300", "86400", "0.001", "3e2", "8.64e4"]))
 
 
 @st.composite
@@ -243,8 +348,8 @@ def _setups(draw) -> str:
             value = value[:-1] + draw(_SHARES)
         elif value.endswith(":W"):
             value = value[:-1] + draw(_WINDOWS)
-        elif value.endswith(":S"):  # seconds: > 0
-            value = value[:-1] + draw(_WINDOWS.filter(lambda w: float(w) > 0))
+        elif value.endswith(":S"):
+            value = value[:-1] + draw(_SECONDS)
         tokens.append(value)
     return "+".join(draw(st.permutations(tokens)))
 
