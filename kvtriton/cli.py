@@ -25,8 +25,14 @@ class _Parser(argparse.ArgumentParser):
         raise _UsageError(message)
 
 
+#: The largest integer a flag takes: what a 64-bit count can hold.
+_MAX_INT = (1 << 63) - 1
+
+
 def _number(kind: type, allow_zero: bool):
-    """An argparse type: a finite ``kind`` above 0 (or at least 0), named in its error."""
+    """An argparse type: a finite ``kind`` above 0 (or at least 0), named in its error, written
+    in the one number syntax of the setup grammar (``kvtriton.setups.NUMBER``: ``1e6`` is a
+    count, ``1e+6``, ``1_000`` and ``inf`` are not numbers; an integer must be whole)."""
     noun = "an integer" if kind is int else "a number"
     if kind is int:
         rule = "must be >= 0" if allow_zero else "must be positive"
@@ -34,20 +40,25 @@ def _number(kind: type, allow_zero: bool):
         rule = "must be a finite number >= 0" if allow_zero else "must be a positive finite number"
 
     def parse(text: str):
+        from kvtriton.setups import NUMBER_SYNTAX, read_number
+
+        negative = text.startswith("-")  # named by its rule, not as a bad spelling
         try:
-            v = kind(text)
-        except (ValueError, OverflowError):
-            v = None
-        if v is None and kind is int:
-            # "1e6" is a fine way to write an integer count, "2.5e0" is not an integer.
-            try:
-                f = float(text)
-            except ValueError:
-                f = math.nan
-            v = int(f) if math.isfinite(f) and f.is_integer() else None
-        if v is None:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {noun}")
-        if not math.isfinite(v) or v < 0 or (v == 0 and not allow_zero):
+            d = read_number(text[1:] if negative else text)
+        except ValueError:
+            d = None
+        if d is None or (negative and not d):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {noun} ({NUMBER_SYNTAX})")
+        if kind is int and d != d.to_integral_value():
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer")
+        if negative or (d == 0 and not allow_zero):
+            raise argparse.ArgumentTypeError(f"{text!r} {rule}")
+        if kind is int:
+            if d.adjusted() > 18 or int(d) > _MAX_INT:  # sized before a huge int is built
+                raise argparse.ArgumentTypeError(f"{text!r} is too large (at most 2**63 - 1)")
+            return int(d)
+        v = float(d)
+        if not math.isfinite(v):
             raise argparse.ArgumentTypeError(f"{text!r} {rule}")
         return v
 
@@ -93,9 +104,13 @@ class _RenamedFlag(argparse.Action):
 
 
 def _csv(text: str) -> list[str]:
-    items = [t.strip() for t in text.split(",") if t.strip()]
-    if not items:
+    items = [t.strip() for t in text.split(",")]
+    if not any(items):
         raise argparse.ArgumentTypeError("expected a comma-separated list")
+    if not all(items):
+        empty = [i for i, t in enumerate(items, 1) if not t]
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: entry {', '.join(map(str, empty))} of {len(items)} is empty")
     twice = sorted({t for t in items if items.count(t) > 1})
     if twice:
         raise argparse.ArgumentTypeError(f"{', '.join(twice)} listed more than once")
@@ -218,6 +233,12 @@ def _cmd_simulate(args) -> int:
                           f"its group block sizes ({sizes} tokens) must all be multiples of it")
     _check_output("--json", args.json)
     _check_output("--plot", args.plot)
+    if args.store_blocks is not None:
+        from kvtriton.setups import tier_setup
+
+        if not any(tier_setup(s).second_tier for s in args.setups):
+            raise _UsageError(f"--store-blocks {args.store_blocks}: no setup in --setups has "
+                              "'shared', the second tier it sizes")
     wl = load_workload(args)
     kw = {**_capacity(args, "gpu"), **_capacity(args, "cpu")}
     vllm = args.engine == "vllm"
@@ -343,7 +364,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"{tier.upper()} capacity in blocks")
     s.add_argument("--store-blocks", type=_positive_int, default=None,
                    help="capacity of the shared second tier of setups with 'shared', blocks "
-                        "(its link: Mooncake Store over loopback TCP as measured here)")
+                        "(its link: Mooncake Store over loopback TCP as measured here); refused "
+                        "when no setup in --setups has 'shared'")
     s.add_argument("--setups", type=_setups, default=list(DEFAULT_SETUPS),
                    help="comma-separated tier setups, e.g. eager+restore:0.5+tail, lazy+hints: "
                         + grammar_help().replace("%", "%%"))

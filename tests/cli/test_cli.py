@@ -288,12 +288,13 @@ ARG_ERRORS = {
     "turns-zero": (["simulate", "--turns", "0", "3"], "--turns: '0' must be positive"),
     "turns-one-value": (["simulate", "--turns", "5"], "--turns: expected 2 arguments"),
     "think-negative": (["simulate", "--think-s", "-1"], "--think-s: '-1' must be a finite"),
-    "think-nan": (["simulate", "--think-s", "nan"], "--think-s: 'nan' must be a finite"),
+    "think-nan": (["simulate", "--think-s", "nan"], "--think-s: 'nan' is not a number ("),
     "think-word": (["replay", "--think-s", "long"], "--think-s: 'long' is not a number"),
     "seed-negative": (["simulate", "--seed", "-1"], "--seed: '-1' must be >= 0"),
     "time-scale-zero": (["simulate", "--time-scale", "0"], "--time-scale: '0' must be a positive"),
     "time-scale-negative": (["replay", "--time-scale", "-2"], "--time-scale: '-2' must be"),
-    "time-scale-inf": (["simulate", "--time-scale", "inf"], "--time-scale: 'inf' must be"),
+    "time-scale-inf": (["simulate", "--time-scale", "inf"], "--time-scale: 'inf' is not a"),
+    "time-scale-overflow": (["simulate", "--time-scale", "1e400"], "--time-scale: '1e400' must be"),
     "capacities-word": (["replay", "--capacities", "lots"], "--capacities: 'lots' is not an int"),
     "capacities-mixed": (["replay", "--capacities", "1024,x"], "--capacities: 'x' is not an int"),
     "capacities-negative": (["replay", "--capacities", "1024,-5"], "'-5' must be positive"),
@@ -313,7 +314,7 @@ ARG_ERRORS = {
                      "'hinted' admission needs 'lazy'"),
     "gpu-below-a-block": (["simulate", "--gpu-tokens", "8", *SMALL],
                           "GPU must be at least one block, got 8 -> 0 blocks"),
-    "cpu-gib-below-a-block": (["simulate", "--cpu-gib", "1e-9", *SMALL],
+    "cpu-gib-below-a-block": (["simulate", "--cpu-gib", "0.000000001", *SMALL],
                               "CPU must be at least one block"),
     "gib-overflow": (["simulate", "--gpu-gib", "1e300"], "--gpu-gib: '1e300' GiB is too large"),
     "gib-zero": (["simulate", "--cpu-gib", "0"], "--cpu-gib: '0' must be a positive"),
@@ -444,6 +445,106 @@ def test_integer_flags_still_take_exponents(capsys):
     assert main(["simulate", "--block-size", "1.6e1", *SMALL, "--gpu-tokens", "4e3",
                  "--cpu-tokens", "8192", "--setups", "eager", "--no-bound"]) == 0
     assert "1 requests" in capsys.readouterr().out
+
+
+# ---- one number syntax for flags and setups; lists without holes (issue 50, item 5) -------------
+
+#: Whole numbers as a user may spell them: the setup grammar's syntax takes the first five.
+WHOLE_TAKEN = ["1000", "1e3", "1.0e3", "1000.", "0.1e4"]
+WHOLE_REFUSED = ["1E3", "1_000", "0x3e8", "\u0661\u0660\u0660\u0660", "inf", "1e", "1000 "]
+
+
+def _flag_takes(flag: str, text: str) -> bool:
+    from kvtriton.cli import build_parser
+
+    try:
+        build_parser().parse_args(["simulate", flag, text])
+    except Exception:  # the parser's one-line usage error (_UsageError)
+        return False
+    return True
+
+
+def _setup_takes(text: str) -> bool:
+    from kvtriton.setups import tier_setup
+
+    try:
+        tier_setup(f"eager+lfu:{text}+sessions:{text}")
+    except ValueError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("text", WHOLE_TAKEN + WHOLE_REFUSED)
+def test_integer_flags_and_setup_numbers_take_the_same_spellings(text):
+    taken = text in WHOLE_TAKEN
+    assert _setup_takes(text) is taken
+    for flag in ("--sync-load-budget", "--store-blocks", "--gpu-tokens", "--seed"):
+        assert _flag_takes(flag, text) is taken, flag
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--sync-load-budget", "1e+6"], "argument --sync-load-budget: '1e+6' is not an integer ("),
+    (["--store-blocks", "1E6"], "argument --store-blocks: '1E6' is not an integer ("),
+    (["--gpu-tokens", "1_000"], "argument --gpu-tokens: '1_000' is not an integer ("),
+    (["--think-s", "1e-3"], "argument --think-s: '1e-3' is not a number ("),
+    (["--seed", "-0"], "argument --seed: '-0' is not an integer ("),
+    (["--gpu-tokens", "1e19"], "argument --gpu-tokens: '1e19' is too large"),
+    (["--gpu-blocks", "1e999999999"], "argument --gpu-blocks: '1e999999999' is too large"),
+    (["--setups", "eager+sessions:1E3"], "setup axis 'sessions:1E3': the idle time must be"),
+    (["--setups", "eager+lfu:1e+9"], "setup axis 'lfu:1e': the window must be"),
+], ids=["signed-exponent", "capital-e", "underscore", "float-negative-exponent", "minus-zero",
+        "int-past-64-bits", "huge-exponent", "setup-capital-e", "setup-signed-exponent"])
+def test_a_misspelt_number_names_the_flag_or_axis_and_the_syntax(capsys, argv, message):
+    err = run(["simulate", *SMALL, "--no-bound", *argv], capsys)  # small, should it run
+    assert message in err
+    if "too large" not in err:
+        assert "no sign or space: 1000, 0.5, 1e3" in err
+
+
+def test_exponents_run_in_setups_and_flags_alike(capsys):
+    assert main(["simulate", *SMALL, "--gpu-tokens", "4e3", "--cpu-tokens", "8.192e3",
+                 "--sync-load-budget", "1e6", "--setups", "eager+sessions:1e3,eager+lfu:1.6e1",
+                 "--no-bound"]) == 0
+    out = capsys.readouterr().out
+    assert "eager+sessions:1000 " in out and "eager+lfu " in out  # the canonical names
+
+
+def test_store_blocks_without_a_shared_setup_is_refused(capsys):
+    for setups in (["--setups", "eager,lazy+hints"], []):  # [] : the default setups
+        err = run(["simulate", *SMALL, "--no-bound", "--store-blocks", "1000", *setups], capsys)
+        assert "--store-blocks 1000: no setup in --setups has 'shared'" in err
+
+
+def test_store_blocks_with_a_shared_setup_runs(capsys):
+    assert main(["simulate", *SMALL, "--store-blocks", "1e3", "--setups", "eager,eager+shared",
+                 "--gpu-tokens", "4096", "--cpu-tokens", "8192", "--no-bound"]) == 0
+    assert "eager+shared" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["simulate", "--setups", "eager+sessions,,lazy"],
+     "--setups: 'eager+sessions,,lazy': entry 2 of 3 is empty"),
+    (["simulate", "--setups", "eager,"], "--setups: 'eager,': entry 2 of 2 is empty"),
+    (["simulate", "--setups", ",eager, ,lazy"], "entry 1, 3 of 4 is empty"),
+    (["replay", "--capacities", "1024,,2048"], "--capacities: '1024,,2048': entry 2 of 3"),
+    (["replay", "--evictions", "lru,"], "--evictions: 'lru,': entry 2 of 2 is empty"),
+], ids=["setups-inner", "setups-trailing", "setups-two", "capacities", "evictions"])
+def test_an_empty_list_entry_is_named(capsys, argv, message):
+    assert message in run(argv, capsys)
+
+
+def test_a_session_idle_time_past_a_day_is_refused(capsys):
+    err = run(["simulate", *SMALL, "--no-bound", "--setups", "eager+sessions:99999999999"],
+              capsys)
+    assert "setup axis 'sessions:99999999999': the idle time must be seconds in (0, 86400]" in err
+
+
+def test_an_unknown_axis_value_lists_every_axis_value(capsys):
+    from kvtriton.setups import AXES
+
+    err = run(["simulate", "--setups", "eager+fancy"], capsys)
+    known = err.rstrip("\n").rstrip(")").partition("known: ")[2].split(", ")
+    assert known == [v for axis in AXES for v in axis.values]
 
 
 def test_output_that_cannot_be_written_fails(capsys):
