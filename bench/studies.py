@@ -67,6 +67,7 @@ _EVICT_SHARE = ("--evict", "0.01", "--sizes", "128", "256", "--variants", "vllm_
 _DIFFERENTIAL = ("--seeds", "3000", "--json", "{results}/differential.json")
 _MUTATIONS = ("--seeds", "300", "--mutations", "--json", "{results}/differential_mutations.json")
 _NATIVE = ("--sequences", "500", "--json", "{results}/native_policies.json")
+_CLAIMS = ("--json", "{results}/claims_attack.json")
 
 STUDIES: tuple[Study, ...] = (
     Study("kernel_check", "bench.kernels.check", "kernel correctness", (), (), "cpu",
@@ -131,6 +132,10 @@ STUDIES: tuple[Study, ...] = (
           "the differential's negative control: every known bug class planted from the start "
           "and at the first recognised difference, over 300 seeds", _MUTATIONS, _MUTATIONS,
           "vllm", ("differential_mutations.json",), run_in=()),
+    Study("claims_attack", "bench.vllm.claims_attack",
+          "one client claiming every request (fresh session ids, continue hints) in vLLM's "
+          "engine: what the other clients lose", _CLAIMS, _CLAIMS, "vllm",
+          ("claims_attack.json",), run_in=()),
     Study("native_policies", "bench.vllm.native_policies",
           "reqlru and reqarc against vLLM 0.33's own OffloadingConnector policy classes, eviction "
           "order over 500 random sequences each", _NATIVE, _NATIVE, "vllm",
