@@ -9,7 +9,9 @@ by the CPU tier's load path. Modules:
 - ``naming``: content-addressed object names (a block's chained hash and a fingerprint of all
   that makes its bytes differ);
 - ``objects``: an object's 64-byte header (its name's digest, length, checksum) and its check;
-- ``client``: Mooncake's client, with every failure mapped to a ``Fault`` kind;
+- ``client``: Mooncake's client, with every failure mapped to a ``Fault`` kind, puts that
+  tell a name another writer holds first from a stored one, and the start-up check that the
+  store holds any memory;
 - ``faults``: counting faults, warning once per kind and saying when the store is back;
 - ``fetches``: the scheduler's part (existence queries, fetches into the CPU tier);
 - ``worker_io``: a worker's part (write-through puts and fetches, on a background thread);

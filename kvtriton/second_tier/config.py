@@ -9,41 +9,65 @@ Example (a master on ``store-host``, this replica contributing 4 GiB to the stor
 Keys (``kind``, ``master_server_address`` and ``metadata_server`` are required):
 
 - ``kind``: ``"mooncake"``, the one store kind;
-- ``master_server_address``: ``HOST:PORT`` of ``mooncake_master``;
+- ``master_server_address``: ``HOST:PORT`` of ``mooncake_master`` (an IPv6 address in brackets,
+  ``[::1]:50051``; the master then listens there with ``--rpc_address=::``);
 - ``metadata_server``: the transfer engine's metadata service: ``http://HOST:PORT/metadata``
-  (the master's built-in one with ``--enable_http_metadata_server=true``), ``etcd://...`` or
-  ``P2PHANDSHAKE``;
+  (the master's built-in one with ``--enable_http_metadata_server=true``),
+  ``etcd://HOST:PORT`` (more endpoints after ``;``), ``redis://HOST:PORT`` or ``P2PHANDSHAKE``;
 - ``protocol``: ``"tcp"`` (default) or ``"rdma"``;
 - ``device_name``: the RDMA device(s) for ``"rdma"`` (Mooncake's ``device_name``; default ``""``);
 - ``local_hostname``: the address other hosts reach this replica's transfer engine at (default:
   ``127.0.0.1`` when the master is on loopback, else this host's name);
 - ``segment_bytes``: memory each worker of this replica contributes to the store, bytes
-  (Mooncake's ``global_segment_size``; default 0: the replica only uses memory that store hosts,
-  ``mooncake_client``, or other replicas contribute);
+  (Mooncake's ``global_segment_size``): 0 (the default: the replica only uses memory that store
+  hosts, ``mooncake_client``, or other replicas contribute) or from Mooncake's minimum, 16 MiB,
+  up to this host's memory;
 - ``local_buffer_bytes``: the client's transfer buffer, bytes (Mooncake's
-  ``local_buffer_size``; default 16 MiB);
+  ``local_buffer_size``; default 16 MiB), from 1 up to this host's memory;
 - ``fetch_timeout_s``: how long a request waits for its blocks from the store before it runs
-  without them (default 5.0; the fetch still completes into the CPU tier).
+  without them (default 5.0, at most ``MAX_FETCH_TIMEOUT_S``; the fetch still completes into
+  the CPU tier).
 
-Every check raises ``ValueError`` naming the key and the value, at engine start.
+Every check raises ``ValueError`` naming the key and the value, at engine start: the sizes are
+bounded here because past the bounds Mooncake's ``setup`` fails without naming them (a
+``TypeError`` past 2^64, ``MemoryError`` for a buffer larger than the host, -600 for a segment
+under 16 MiB or larger than the host can map).
 """
 
 from __future__ import annotations
 
-import math
+import ipaddress
+import os
+import re
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvtriton.validation import is_int
+from kvtriton.validation import is_finite_number, is_int
 
-__all__ = ["SecondTierConfig", "parse_second_tier"]
+__all__ = ["MAX_FETCH_TIMEOUT_S", "MIN_SEGMENT_BYTES", "SecondTierConfig", "host_memory_bytes",
+           "parse_second_tier"]
 
 _PREFIX = "KVTritonConnector: kv_connector_extra_config['second_tier']"
 _KINDS = ("mooncake",)
 _PROTOCOLS = ("tcp", "rdma")
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
+#: Mooncake's smallest segment (``client_buffer_allocation.cpp``: "Total size must be at least
+#: 16777216"; ``setup`` returns -600 below it).
+MIN_SEGMENT_BYTES = 16 << 20
+#: The longest a request may wait for its blocks from the store (ten minutes, far past the time
+#: any prefix takes to recompute): a larger value is a slip (1e300 passed, and meant never).
+MAX_FETCH_TIMEOUT_S = 600.0
+# A host name or IPv4 address: ASCII labels (no space, no other script's letters or digits).
+_HOSTNAME = re.compile(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*\.?")
+_PORT = re.compile(r"[0-9]{1,5}")
+
+
+def host_memory_bytes() -> int:
+    """This machine's physical memory, bytes (``kvtriton.vllm.config`` has its twin; this
+    package imports nothing of vLLM)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 @dataclass(frozen=True)
@@ -62,8 +86,9 @@ class SecondTierConfig:
 
     @property
     def master_host_port(self) -> tuple[str, int]:
-        host, _, port = self.master_server_address.rpartition(":")
-        return host, int(port)
+        """The master's host (an IPv6 address without its brackets) and port."""
+        host, port = _split_host_port(self.master_server_address)
+        return host.strip("[]"), int(port)
 
     @property
     def hostname(self) -> str:
@@ -81,20 +106,74 @@ def _bad(key: str, value: Any, allowed: str) -> ValueError:
     return ValueError(f"{_PREFIX}[{key!r}] = {value!r} is not allowed; expected {allowed}")
 
 
+def _split_host_port(text: str) -> tuple[str, str]:
+    """``HOST:PORT`` or ``[IPV6]:PORT`` as (host, port), the brackets kept; ("", "") when it is
+    neither (an IPv6 address without brackets among them)."""
+    if text.startswith("["):
+        host, sep, port = text.partition("]:")
+        return (host + "]", port) if sep else ("", "")
+    host, sep, port = text.rpartition(":")
+    return (host, port) if sep and ":" not in host else ("", "")
+
+
+def _host_ok(host: str) -> bool:
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            return False
+        return True
+    return _HOSTNAME.fullmatch(host) is not None
+
+
+def _host_port_ok(text: str) -> bool:
+    host, port = _split_host_port(text)
+    return (_host_ok(host) and _PORT.fullmatch(port) is not None
+            and 0 < int(port) < 65536)
+
+
 def _check_address(value: Any) -> None:
-    host, sep, port = value.rpartition(":") if isinstance(value, str) else ("", "", "")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise _bad("master_server_address", value, "'HOST:PORT' with a port in 1..65535")
+    if not isinstance(value, str) or not _host_port_ok(value):
+        raise _bad("master_server_address", value, "'HOST:PORT' (an IPv6 address in brackets, "
+                                                   "'[::1]:50051') with a port in 1..65535")
+
+
+def _metadata_ok(value: str) -> bool:
+    if value == "P2PHANDSHAKE":
+        return True
+    scheme, sep, rest = value.partition("://")
+    if not sep:
+        return False
+    if scheme in ("http", "https"):
+        netloc, slash, _ = rest.partition("/")
+        if not slash or not value.isascii() or any(c.isspace() for c in value):
+            return False
+        if not _split_host_port(netloc)[0]:  # no port: the scheme's own
+            return _host_ok(netloc)
+        return _host_port_ok(netloc)
+    if scheme == "etcd":
+        return all(_host_port_ok(e) for e in rest.split(";"))
+    if scheme == "redis":
+        return _host_port_ok(rest)
+    return False
 
 
 def _check_metadata(value: Any) -> None:
-    ok = isinstance(value, str) and (
-        value == "P2PHANDSHAKE"
-        or (value.startswith(("http://", "https://")) and len(value.split("/", 3)) == 4)
-        or value.startswith("etcd://") or value.startswith("redis://"))
-    if not ok:
+    if not isinstance(value, str) or not _metadata_ok(value):
         raise _bad("metadata_server", value, "'http://HOST:PORT/metadata', 'etcd://HOST:PORT', "
                                              "'redis://HOST:PORT' or 'P2PHANDSHAKE'")
+
+
+def _check_bytes(key: str, value: Any, least: int, host_bytes: int) -> None:
+    """``value`` in ``[least, host_bytes]`` (0 too for ``segment_bytes``)."""
+    if key == "segment_bytes" and is_int(value) and value == 0:
+        return
+    if not is_int(value) or not least <= value <= host_bytes:
+        zero = "0 or " if key == "segment_bytes" else ""
+        least_said = (f"{least} (Mooncake's smallest segment, 16 MiB)" if least > 1
+                      else str(least))
+        raise _bad(key, value, f"{zero}an int of bytes from {least_said} up to this host's "
+                               f"memory, {host_bytes} ({host_bytes / 2**30:.1f} GiB)")
 
 
 def parse_second_tier(value: Any) -> SecondTierConfig | None:
@@ -123,13 +202,13 @@ def parse_second_tier(value: Any) -> SecondTierConfig | None:
             raise _bad(key, v, " or ".join(map(repr, _PROTOCOLS)))
         if key in ("device_name", "local_hostname") and not isinstance(v, str):
             raise _bad(key, v, "a string")
-        if key == "segment_bytes" and (not is_int(v) or v < 0):
-            raise _bad(key, v, "a non-negative int (bytes)")
-        if key == "local_buffer_bytes" and (not is_int(v) or v <= 0):
-            raise _bad(key, v, "a positive int (bytes)")
-        if key == "fetch_timeout_s" and (isinstance(v, bool) or not isinstance(v, int | float)
-                                         or not math.isfinite(v) or v <= 0):
-            raise _bad(key, v, "a positive number of seconds")
+        if key == "segment_bytes":
+            _check_bytes(key, v, MIN_SEGMENT_BYTES, host_memory_bytes())
+        if key == "local_buffer_bytes":
+            _check_bytes(key, v, 1, host_memory_bytes())
+        if key == "fetch_timeout_s" and (not is_finite_number(v)
+                                         or not 0 < v <= MAX_FETCH_TIMEOUT_S):
+            raise _bad(key, v, f"a number of seconds above 0, at most {MAX_FETCH_TIMEOUT_S:g}")
     if value.get("protocol") == "rdma" and not value.get("device_name"):
         raise ValueError(f"{_PREFIX}['device_name'] is required with protocol 'rdma' (the RDMA "
                          "device, e.g. 'mlx5_0')")

@@ -16,6 +16,8 @@ FAULT_KINDS: dict[str, str] = {
     "short_read": "a read returned another length than the block's",
     "corrupt": "a block's header or checksum did not match what was asked for",
     "timeout": "a fetch took longer than fetch_timeout_s; the request ran without it",
+    "full": "the store had no room for a put: every segment full, or none at all (no replica "
+            "contributes segment_bytes and no store host has joined)",
     "error": "any other error code from Mooncake's client",
 }
 

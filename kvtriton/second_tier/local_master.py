@@ -32,16 +32,17 @@ class Master:
     (``master_server_address``, ``metadata_server``), and ``kill``/``start`` to take it down
     and bring it back on the same ports (what a restarted master looks like to its clients)."""
 
-    def __init__(self, timeout_s: float = 20.0) -> None:
+    def __init__(self, timeout_s: float = 20.0, *, ipv6: bool = False) -> None:
         # The metrics port too: its default (9003) is one per machine, and a second master
         # there (a test beside a benchmark, two test workers) exits at start.
         self.port, self.metadata_port, self.metrics_port = free_port(), free_port(), free_port()
         self.timeout_s = timeout_s
+        self.ipv6 = ipv6  # the RPC port on every address, IPv6 too, named by [::1]
         self.process: subprocess.Popen | None = None
 
     @property
     def master_server_address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"[::1]:{self.port}" if self.ipv6 else f"127.0.0.1:{self.port}"
 
     @property
     def metadata_server(self) -> str:
@@ -54,7 +55,7 @@ class Master:
             [exe, f"--port={self.port}", "--enable_http_metadata_server=true",
              "--http_metadata_server_host=127.0.0.1",
              f"--http_metadata_server_port={self.metadata_port}",
-             f"--metrics_port={self.metrics_port}"],
+             f"--metrics_port={self.metrics_port}", *(["--rpc_address=::"] * self.ipv6)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + self.timeout_s
         while not (_listening(self.port) and _listening(self.metadata_port)):
@@ -84,10 +85,11 @@ class Master:
 
 
 @contextmanager
-def mooncake_master(timeout_s: float = 20.0) -> Iterator[Master]:
+def mooncake_master(timeout_s: float = 20.0, *, ipv6: bool = False) -> Iterator[Master]:
     """Start ``mooncake_master`` (the venv's, beside this interpreter) on two free loopback
-    ports; yield it once both accept connections; stop it on exit."""
-    master = Master(timeout_s)
+    ports (``ipv6``: its RPC port reached at ``[::1]``); yield it once both accept
+    connections; stop it on exit."""
+    master = Master(timeout_s, ipv6=ipv6)
     try:
         master.start()
         yield master

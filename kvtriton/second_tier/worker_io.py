@@ -64,8 +64,8 @@ class StoreIO:
         self._results: dict[int, list[int]] = {}
         self.stats: dict[str, int | float] = {
             f"second_tier_{k}": 0 for k in ("puts", "put_blocks", "put_bytes", "put_skipped",
-                                            "fetches", "fetch_blocks", "fetch_bytes",
-                                            "fetch_failed")}
+                                            "put_already_present", "fetches", "fetch_blocks",
+                                            "fetch_bytes", "fetch_failed")}
         self.stats.update(second_tier_put_s=0.0, second_tier_fetch_s=0.0)
         self._thread = None
         if background:
@@ -175,8 +175,10 @@ class StoreIO:
                                  strict=True):
             write_header(self._headers[b], name, p, x)
         ptrs, sizes = self._buffers(cpu, groups)
-        ok = self.client.put(names, ptrs, sizes)
+        ok, present = self.client.put(names, ptrs, sizes)
         self.stats["second_tier_puts"] += 1
+        # Absent at the query, then written first by another writer: theirs is kept.
+        self.stats["second_tier_put_already_present"] += int(present.sum())
         self.stats["second_tier_put_blocks"] += int(ok.sum())
         self.stats["second_tier_put_bytes"] += int(self._group_bytes[groups][ok].sum())
         self.stats["second_tier_put_s"] += time.perf_counter() - t0

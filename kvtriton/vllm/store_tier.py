@@ -75,6 +75,8 @@ def scheduler_fetches(config: SecondTierConfig, vllm_config: Any, layout: KVLayo
     tp, pp = _parallel(vllm_config)
     faults = FaultLog("scheduler")
     client = StoreClient(config, 0, faults)
+    if config.segment_bytes == 0:  # the workers (joined first) mount nothing: is there a host?
+        client.check_memory()
     fps = rank_fingerprints(fields, tp, pp)
 
     def query(keys: list[int]) -> np.ndarray | None:
