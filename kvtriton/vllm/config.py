@@ -311,8 +311,9 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:
             if not is_int(value) or value <= 0:
                 raise _bad(key, value, "a positive int (bytes)")
         elif key == "sync_load_budget_bytes":
-            if not is_int(value) or value < 0:
-                raise _bad(key, value, "a non-negative int (bytes per scheduler step; 0: off)")
+            if not is_int(value) or not 0 <= value <= host_memory_bytes():
+                raise _bad(key, value, "a non-negative int (bytes per scheduler step; 0: off) "
+                                       f"up to this host's memory, {host_memory_bytes()}")
         elif key == "scan_idle":
             if not isinstance(value, bool):
                 raise _bad(key, value, "true or false")

@@ -193,6 +193,9 @@ STATS: dict[str, Stat] = {
         "measured)"),
     "worker_store_put_skipped": _counter(
         "blocks", "blocks not put: the store held them already (another replica's, say)"),
+    "worker_second_tier_put_already_present": _counter(
+        "blocks", "blocks not put: absent at the existence check, then another writer (another "
+        "replica) wrote or began to write them first, whose object Mooncake keeps"),
     "worker_store_fetches": _counter("fetch events", "fetches this rank ran"),
     "worker_store_fetch_blocks": _counter("blocks", "blocks this rank read and verified"),
     "worker_store_fetch_failed": _counter(
