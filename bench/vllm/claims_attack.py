@@ -114,6 +114,7 @@ def run_arm(llm: Any, side: Any, size: AttackSize, kind: str, arm: str) -> dict:
     """One arm on a reset tier: the victims' CPU-hit tokens, their outputs, the book's
     claim counts."""
     assert llm.reset_prefix_cache(reset_connector=True)
+    start = side.counters()
     rng = random.Random(size.seed)
     prompts = [[rng.randrange(1, 999) for _ in range(size.system_tokens + size.user_tokens)]
                for _ in range(size.victims)]
@@ -138,13 +139,16 @@ def run_arm(llm: Any, side: Any, size: AttackSize, kind: str, arm: str) -> dict:
             params.append(_attack_params(kind, arm, serial))
             serial += 1
         _generate(llm, attack, size, params)
-    book = side.signals.book
+    # What the bounds did, from the connector's stats (kvtriton.vllm.stats), over this arm.
+    done = {k: v - start.get(k, 0) for k, v in side.counters().items()
+            if k.startswith(("claims_", "session_turns", "hints_continue"))}
     return {"arm": arm, "victim_cpu_hit_tokens": int(victim_hits),
             "victim_cached_tokens": int(victim_cached),
             "attack_requests": serial if arm != "quiet" else 0,
-            "claims_made": book.claims_made if book else 0,
-            "claims_proven": book.claims_proven if book else 0,
-            "claims_let_go": dict(book.claims_let_go) if book else {},
+            "claims_made": done.get("session_turns", 0) + done.get("hints_continue", 0),
+            "claims_proven": done.get("claims_proven", 0),
+            "claims_let_go": {"unproven": done.get("claims_unproven_let_go", 0),
+                              "over_share": done.get("claims_over_share_let_go", 0)},
             "outputs": outputs}
 
 

@@ -476,6 +476,7 @@ class SchedulerSide:
         now["key_collisions"] = self.keys.collisions
         now["key_ids_recycled"] = self.keys.recycled
         now.update(self.signals.counters)
+        now.update(self.signals.claim_counters())
         now["protect_overflow"] = self.signals.protect_overflow
         now.update(self.sync_stats)
         if self.store is not None:

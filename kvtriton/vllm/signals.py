@@ -189,6 +189,16 @@ class TierSignals:
         self.counters["session_turns"] += 1
         self.book.turn_ended(session, keys, self.clock(), tenant=tenant)
 
+    def claim_counters(self) -> dict[str, int]:
+        """What the bounds on claims did (``SignalBook``'s counts; stats names)."""
+        book = self.book
+        if book is None:
+            return {"claims_proven": 0, "claims_unproven_let_go": 0,
+                    "claims_over_share_let_go": 0}
+        return {"claims_proven": book.claims_proven,
+                "claims_unproven_let_go": book.claims_let_go["unproven"],
+                "claims_over_share_let_go": book.claims_let_go["over_share"]}
+
     def tick(self) -> None:
         """Once per scheduler step: age out the sessions silent past the idle time."""
         if self.sessions_on:
