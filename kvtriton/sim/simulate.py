@@ -47,34 +47,39 @@ def _check_memory(layout: KVLayout, n_gpu: int, n_cpu: int, integrity: bool,
                   engine: str, setups: Sequence[TierSetup] = ()) -> None:
     """``ValueError`` naming the capacities if the pools (and integrity tensors) they need are
     more than this machine's memory, or naming the setup of ``setups`` whose eviction memory
-    (the ``lfu`` sketch) on top of them is: refused before anything is allocated. The setups
-    run one after another, so only the largest sketch is held at once."""
+    (the ``lfu`` sketch, the claims of hints or sessions) on top of them is: refused before
+    anything is allocated. The setups run one after another, so only the largest is held at
+    once."""
     need = ServingLoop.bytes_needed(n_gpu, n_cpu)
-    what = "block pools need"
+    what_needs = "block pools need"
     if engine == "vllm":
         need += n_gpu * _VLLM_BYTES_PER_GPU_BLOCK
-        what = "vLLM's block pool and the CPU tier need"
+        what_needs = "vLLM's block pool and the CPU tier need"
     if integrity:
         from kvtriton.sim.integrity import IntegrityChecker
 
         need += IntegrityChecker.bytes_needed(layout, n_gpu, n_cpu)
-        what = "block pools and integrity tensors need"
+        what_needs = "block pools and integrity tensors need"
     have = machine_memory_bytes()
     if have is None:
         return
     if need > have:
-        raise ValueError(f"GPU {n_gpu:,} blocks, CPU {n_cpu:,} blocks: the simulator's {what} "
+        raise ValueError(f"GPU {n_gpu:,} blocks, CPU {n_cpu:,} blocks: the simulator's "
+                         f"{what_needs} "
                          f"about {need / GiB:,.1f} GiB, more than this machine's "
                          f"{have / GiB:,.1f} GiB of memory")
     # The CPU pool has a null block besides the n_cpu blocks of the tier.
     sketch, pol = max(((p.eviction_bytes(n_cpu + 1), p) for p in setups),
                       default=(0, None), key=lambda t: t[0])
     if need + sketch > have:
-        raise ValueError(f"setup {pol.name!r}: its LFU sketch for the CPU tier of {n_cpu:,} "
-                         f"blocks takes {sketch / GiB:,.1f} GiB, which with the simulator's "
-                         f"{what} about {need / GiB:,.1f} GiB is more than this machine's "
+        what = pol.eviction_state(n_cpu + 1)
+        verb = "takes" if what == "LFU sketch" else "takes up to"
+        raise ValueError(f"setup {pol.name!r}: its {what} for the CPU tier of {n_cpu:,} "
+                         f"blocks {verb} {sketch / GiB:,.1f} GiB, which with the simulator's "
+                         f"{what_needs} about {need / GiB:,.1f} GiB is more than this machine's "
                          f"{have / GiB:,.1f} GiB of memory; use a smaller window W (lfu:W takes "
-                         "4 to 8 x max(W, 8) bytes per tier block)")
+                         "4 to 8 x max(W, 8) bytes per tier block) or drop hints or sessions "
+                         "(their claims take up to about 1 KiB per protected block)")
 
 
 def _admitted(workload: Workload, rejected: set[str]) -> Workload:

@@ -135,10 +135,12 @@ class ConnectorConfig:
         extra = [f"{k}={getattr(self, k)}" for k in
                  ("max_restores_per_step", "max_restores_per_key", "lazy_target_blocks")
                  if getattr(self, k) is not None]
-        sketch = self.tier.eviction_bytes(cpu_blocks) if cpu_blocks is not None else 0
+        sketch = self.tier.sketch_bytes(cpu_blocks) if cpu_blocks is not None else 0
+        claims = self.tier.claim_bytes(cpu_blocks) if cpu_blocks is not None else 0
         return (f"setup {self.setup} ({self.tier.description}), "
                 f"CPU {self.cpu_bytes_per_rank / 2**30:.2f} GiB/rank"
                 + (f" + LFU sketch {sketch / 2**20:.1f} MiB" if sketch else "")
+                + (f" + claims <= {claims / 2**20:.1f} MiB" if claims else "")
                 + f", scan {self.scan}"
                 + (" (idle too)" if self.scan_idle else "")
                 + (f", {', '.join(extra)}" if extra else "")
@@ -363,11 +365,12 @@ def check_host_memory(config: ConnectorConfig, ranks_on_host: int = 1,
     """``ValueError`` naming ``cpu_bytes_per_rank`` when the CPU tiers of ``ranks_on_host``
     ranks would not fit in the machine's memory (``total_bytes``: the machine's, by default),
     or naming ``setup`` when they fit but not with the setup's eviction memory for a tier of
-    ``cpu_blocks`` blocks (the null block included; the ``lfu`` sketch, one per engine: the
-    scheduler's). That error names ``setup_as_written``, the ``setup`` value as the user wrote
-    it, or else the canonical one. Checked at start-up, before anything is allocated: past it
-    the allocation fails deep down (``OverflowError`` from ``mmap``, a bare ``ENOMEM`` or
-    ``MemoryError``) or the machine swaps."""
+    ``cpu_blocks`` blocks (the null block included; the ``lfu`` sketch and the claims of
+    ``hints`` or ``sessions``, one per engine: the scheduler's). That error names
+    ``setup_as_written``, the ``setup`` value as the user wrote it, or else the canonical one.
+    Checked at start-up, before anything is allocated: past it the allocation fails deep down
+    (``OverflowError`` from ``mmap``, a bare ``ENOMEM`` or ``MemoryError``) or the machine
+    swaps."""
     total = host_memory_bytes() if total_bytes is None else total_bytes
     need = config.cpu_bytes_per_rank * ranks_on_host
     ranks = f" x {ranks_on_host} ranks on this host" if ranks_on_host > 1 else ""
@@ -375,12 +378,20 @@ def check_host_memory(config: ConnectorConfig, ranks_on_host: int = 1,
         raise ValueError(f"{_PREFIX}['cpu_bytes_per_rank'] = {config.cpu_bytes_per_rank} "
                          f"({config.cpu_bytes_per_rank / 2**30:.4g} GiB){ranks} exceeds this "
                          f"machine's memory ({total / 2**30:.1f} GiB); give less")
-    sketch = config.tier.eviction_bytes(cpu_blocks) if cpu_blocks is not None else 0
-    if need + sketch > total:
+    if cpu_blocks is None:
+        return
+    state = config.tier.eviction_bytes(cpu_blocks)
+    if need + state > total:
+        tier = config.tier
         written = setup_as_written or config.setup
+        what = tier.eviction_state(cpu_blocks)
+        verb = "takes" if what == "LFU sketch" else "take up to"
+        fixes = (["use a smaller window W (lfu:W takes 4 to 8 x max(W, 8) bytes per tier "
+                  "block)"] if tier.sketch_bytes(cpu_blocks) else [])
+        fixes += ([f"drop '{'hints' if tier.hints else 'sessions'}' (its claims take up to "
+                   "about 1 KiB per protected block)"] if tier.claim_bytes(cpu_blocks) else [])
         raise ValueError(
-            f"{_PREFIX}['setup'] = {written!r}: its LFU sketch for the {cpu_blocks - 1:,}-block "
-            f"CPU tier takes {sketch} bytes ({sketch / 2**30:.4g} GiB), which with the tier's "
+            f"{_PREFIX}['setup'] = {written!r}: its {what} for the {cpu_blocks - 1:,}-block "
+            f"CPU tier {verb} {state} bytes ({state / 2**30:.4g} GiB), which with the tier's "
             f"{need} bytes ({need / 2**30:.4g} GiB{ranks}) exceeds this machine's memory "
-            f"({total / 2**30:.1f} GiB); use a smaller window W (lfu:W takes 4 to 8 x max(W, "
-            "8) bytes per tier block)")
+            f"({total / 2**30:.1f} GiB); {' or '.join(fixes)}")

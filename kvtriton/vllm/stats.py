@@ -142,6 +142,15 @@ STATS: dict[str, Stat] = {
         "session's next turn (sessions)"),
     "sessions_expired": _counter(
         "sessions", "sessions silent past the setup's idle time, their protection let go"),
+    "claims_proven": _counter(
+        "requests", "finished turns or continue hints whose claim on the protected segment was "
+        "proven: their context came back (sessions, hints)"),
+    "claims_unproven_let_go": _counter(
+        "claims", "claims let go unproven: the probation share of the protected segment was "
+        "full (sessions, hints)"),
+    "claims_over_share_let_go": _counter(
+        "claims", "claims let go because their tenant (cache_salt) held the most of a full "
+        "protected segment (sessions, hints)"),
     "malformed_sessions": _counter(
         "requests", "finished requests whose session id was not a string of 1 to 256 "
         "characters (served without one)"),

@@ -11,6 +11,7 @@ import pytest
 
 from bench.tier_study.study import ABLATION, COMBINED
 from kvtriton.setups import DEFAULT_SETUP, REFERENCES, tier_setup
+from kvtriton.tier_signals import book_bytes
 from kvtriton.vllm.config import (
     DEFAULT_CPU_BYTES_PER_RANK,
     ConnectorConfig,
@@ -273,7 +274,7 @@ BLOCKS = 3001  # the tier's blocks, the null block included
 
 
 def _sketch(setup: str) -> int:
-    return tier_setup(setup).eviction_bytes(BLOCKS)
+    return tier_setup(setup).sketch_bytes(BLOCKS)
 
 
 def test_a_sketch_that_does_not_fit_beside_the_tier_names_the_setup_as_written():
@@ -308,11 +309,35 @@ def test_other_evictions_and_the_tier_alone_count_no_sketch():
     for setup in ("eager", "eager+arc", "lazy+s3fifo+hints"):
         assert _sketch(setup) == 0
         cfg = parse_extra_config({"setup": setup, "cpu_bytes_per_rank": TIER})
-        check_host_memory(cfg, 1, total_bytes=TIER, cpu_blocks=BLOCKS)
+        claims = tier_setup(setup).claim_bytes(BLOCKS)  # hints: counted as claims
+        check_host_memory(cfg, 1, total_bytes=TIER + claims, cpu_blocks=BLOCKS)
         assert "sketch" not in cfg.describe(BLOCKS)
     # Without the tier's blocks the check is the tier's bytes alone, as before.
     check_host_memory(parse_extra_config({"setup": "eager+lfu:64", "cpu_bytes_per_rank": TIER}),
                       1, total_bytes=TIER)
+
+
+def test_the_claims_of_sessions_are_counted_at_start_up_and_name_the_setup():
+    """``sessions`` and ``hints`` keep claims bounded by the protected segment
+    (``kvtriton.tier_signals.book_bytes``): counted beside the tier, named in the error, given
+    on the start-up line; a setup without either counts none."""
+    blocks = 1_000_001
+    cfg = parse_extra_config({"setup": "eager+sessions", "cpu_bytes_per_rank": TIER})
+    claims = tier_setup("eager+sessions").claim_bytes(blocks)
+    assert claims == book_bytes(500_000) > 500_000 * 1024  # about 1 KiB per protected block
+    check_host_memory(cfg, 1, total_bytes=TIER + claims, cpu_blocks=blocks)
+    with pytest.raises(ValueError) as e:
+        check_host_memory(cfg, 1, total_bytes=TIER + claims - 1, cpu_blocks=blocks)
+    msg = str(e.value)
+    assert msg.startswith("KVTritonConnector: kv_connector_extra_config['setup'] = "
+                          "'eager+sessions': its session and hint claims for the "
+                          f"1,000,000-block CPU tier take up to {claims} bytes"), msg
+    assert "drop 'sessions'" in msg and "\n" not in msg, msg
+    assert f"claims <= {claims / 2**20:.1f} MiB" in cfg.describe(blocks)
+    assert tier_setup("eager+waiting").claim_bytes(blocks) == 0
+    both = tier_setup("eager+lfu:64+hints")
+    assert both.eviction_bytes(blocks) == both.sketch_bytes(blocks) + both.claim_bytes(blocks)
+    assert both.eviction_state(blocks) == "LFU sketch and session and hint claims"
 
 
 def test_the_start_up_line_gives_the_sketch_size():
