@@ -246,37 +246,14 @@ class TierSetup:
         return self.session_idle_s is not None
 
     def eviction_bytes(self, num_blocks: int) -> int:
-        """Host bytes the CPU tier's eviction may take for a pool of ``num_blocks`` blocks (the
-        null block included) besides the blocks: the ``lfu`` sketch (``sketch_bytes``) and the
-        most the session and hint claims may take (``claim_bytes``)."""
-        return self.sketch_bytes(num_blocks) + self.claim_bytes(num_blocks)
-
-    def eviction_state(self, num_blocks: int) -> str:
-        """What ``eviction_bytes`` counts, for an error: "LFU sketch", "session and hint
-        claims", both, or "" (nothing)."""
-        parts = (["LFU sketch"] if self.sketch_bytes(num_blocks) else []) + (
-            ["session and hint claims"] if self.claim_bytes(num_blocks) else [])
-        return " and ".join(parts)
-
-    def sketch_bytes(self, num_blocks: int) -> int:
-        """Host bytes of the eviction queue's own state for a pool of ``num_blocks`` blocks: the
-        ``lfu`` sketch; 0 for the others."""
+        """Host bytes the CPU tier's eviction queue allocates for a pool of ``num_blocks`` blocks
+        (the null block included) besides the blocks: the ``lfu`` sketch; 0 for the others. The
+        claims of hints and sessions: ``kvtriton.tier_signals.claim_bytes``."""
         if self.planner is None or self.cpu_eviction in ORACLE_EVICTIONS:
             return 0
         from kvtriton.eviction import make_eviction_queue
 
         return make_eviction_queue(self.cpu_eviction).memory_bytes(num_blocks)
-
-    def claim_bytes(self, num_blocks: int) -> int:
-        """The most host bytes the claims of ``hints`` or ``sessions`` take for a pool of
-        ``num_blocks`` blocks (``kvtriton.tier_signals.book_bytes``: bounded by the protected
-        segment, whatever number of session ids clients send); 0 without either axis."""
-        if self.planner is None or not (self.hints or self.sessions):
-            return 0
-        from kvtriton.tier_signals import book_bytes
-
-        share = self.hint_protect_share if self.hints else DEFAULT_PROTECT_SHARE
-        return book_bytes(int(share * max(1, num_blocks - 1)))
 
 
 def canonical_number(value: float) -> str:

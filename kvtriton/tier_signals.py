@@ -89,7 +89,8 @@ TRACKED_SEGMENTS = 2
 CLAIM_OVERHEAD_BYTES = 512
 SEEN_OVERHEAD_BYTES = 256
 
-__all__ = ["PROBATION_SHARE", "SignalBook", "book_bytes", "cpu_queue"]
+__all__ = ["PROBATION_SHARE", "SignalBook", "book_bytes", "claim_bytes", "cpu_queue",
+           "eviction_state"]
 
 
 def book_bytes(protect_blocks: int, max_session_chars: int = 256) -> int:
@@ -101,6 +102,23 @@ def book_bytes(protect_blocks: int, max_session_chars: int = 256) -> int:
     tracked = TRACKED_SEGMENTS * max(1, protect_blocks)
     return (tracked * (8 + CLAIM_OVERHEAD_BYTES)
             + max(1, protect_blocks) * (SEEN_OVERHEAD_BYTES + max_session_chars))
+
+
+def claim_bytes(setup: TierSetup, num_blocks: int) -> int:
+    """The most host bytes the claims of ``setup``'s ``hints`` or ``sessions`` take for a CPU
+    pool of ``num_blocks`` blocks (the null block included): ``book_bytes`` of its protected
+    segment; 0 without either axis. The connector's and the simulator's memory checks count
+    it beside the tier."""
+    if setup.planner is None or not (setup.hints or setup.sessions):
+        return 0
+    share = setup.hint_protect_share if setup.hints else DEFAULT_PROTECT_SHARE
+    return book_bytes(int(share * max(1, num_blocks - 1)))
+
+
+def eviction_state(sketch: int, claims: int) -> str:
+    """What a memory error names: "LFU sketch", "session and hint claims" or both."""
+    return " and ".join((["LFU sketch"] if sketch else [])
+                        + (["session and hint claims"] if claims else []))
 
 
 @dataclass(slots=True, eq=False)

@@ -20,6 +20,7 @@ from kvtriton.sim.replay import BELADY, replay
 from kvtriton.sim.second_tier import LOOPBACK_TCP, StoreCost
 from kvtriton.sim.workload import Workload
 from kvtriton.specs import KVLayout, preset
+from kvtriton.tier_signals import claim_bytes, eviction_state
 from kvtriton.validation import is_int
 
 __all__ = ["CONTROL", "ENGINES", "SimulationResult", "capacity_blocks", "machine_memory_bytes",
@@ -69,10 +70,11 @@ def _check_memory(layout: KVLayout, n_gpu: int, n_cpu: int, integrity: bool,
                          f"about {need / GiB:,.1f} GiB, more than this machine's "
                          f"{have / GiB:,.1f} GiB of memory")
     # The CPU pool has a null block besides the n_cpu blocks of the tier.
-    sketch, pol = max(((p.eviction_bytes(n_cpu + 1), p) for p in setups),
-                      default=(0, None), key=lambda t: t[0])
+    state = {p.name: (p.eviction_bytes(n_cpu + 1), claim_bytes(p, n_cpu + 1)) for p in setups}
+    pol = max(setups, key=lambda p: sum(state[p.name]), default=None)
+    sketch = sum(state[pol.name]) if pol is not None else 0
     if need + sketch > have:
-        what = pol.eviction_state(n_cpu + 1)
+        what = eviction_state(*state[pol.name])
         verb = "takes" if what == "LFU sketch" else "takes up to"
         raise ValueError(f"setup {pol.name!r}: its {what} for the CPU tier of {n_cpu:,} "
                          f"blocks {verb} {sketch / GiB:,.1f} GiB, which with the simulator's "

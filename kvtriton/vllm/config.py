@@ -37,6 +37,7 @@ from kvtriton.setups import (
     canonical_number,
     tier_setup,
 )
+from kvtriton.tier_signals import claim_bytes, eviction_state
 from kvtriton.validation import is_int
 
 __all__ = ["DEFAULT_CPU_BYTES_PER_RANK", "DEFAULT_SETUP", "ConnectorConfig", "check_host_memory",
@@ -135,8 +136,8 @@ class ConnectorConfig:
         extra = [f"{k}={getattr(self, k)}" for k in
                  ("max_restores_per_step", "max_restores_per_key", "lazy_target_blocks")
                  if getattr(self, k) is not None]
-        sketch = self.tier.sketch_bytes(cpu_blocks) if cpu_blocks is not None else 0
-        claims = self.tier.claim_bytes(cpu_blocks) if cpu_blocks is not None else 0
+        sketch = self.tier.eviction_bytes(cpu_blocks) if cpu_blocks is not None else 0
+        claims = claim_bytes(self.tier, cpu_blocks) if cpu_blocks is not None else 0
         return (f"setup {self.setup} ({self.tier.description}), "
                 f"CPU {self.cpu_bytes_per_rank / 2**30:.2f} GiB/rank"
                 + (f" + LFU sketch {sketch / 2**20:.1f} MiB" if sketch else "")
@@ -380,16 +381,17 @@ def check_host_memory(config: ConnectorConfig, ranks_on_host: int = 1,
                          f"machine's memory ({total / 2**30:.1f} GiB); give less")
     if cpu_blocks is None:
         return
-    state = config.tier.eviction_bytes(cpu_blocks)
+    tier = config.tier
+    sketch, claims = tier.eviction_bytes(cpu_blocks), claim_bytes(tier, cpu_blocks)
+    state = sketch + claims
     if need + state > total:
-        tier = config.tier
         written = setup_as_written or config.setup
-        what = tier.eviction_state(cpu_blocks)
-        verb = "takes" if what == "LFU sketch" else "take up to"
+        what = eviction_state(sketch, claims)
+        verb = "takes" if not claims else "take up to"
         fixes = (["use a smaller window W (lfu:W takes 4 to 8 x max(W, 8) bytes per tier "
-                  "block)"] if tier.sketch_bytes(cpu_blocks) else [])
+                  "block)"] if sketch else [])
         fixes += ([f"drop '{'hints' if tier.hints else 'sessions'}' (its claims take up to "
-                   "about 1 KiB per protected block)"] if tier.claim_bytes(cpu_blocks) else [])
+                   "about 1 KiB per protected block)"] if claims else [])
         raise ValueError(
             f"{_PREFIX}['setup'] = {written!r}: its {what} for the {cpu_blocks - 1:,}-block "
             f"CPU tier {verb} {state} bytes ({state / 2**30:.4g} GiB), which with the tier's "

@@ -11,7 +11,7 @@ import pytest
 
 from bench.tier_study.study import ABLATION, COMBINED
 from kvtriton.setups import DEFAULT_SETUP, REFERENCES, tier_setup
-from kvtriton.tier_signals import book_bytes
+from kvtriton.tier_signals import book_bytes, claim_bytes
 from kvtriton.vllm.config import (
     DEFAULT_CPU_BYTES_PER_RANK,
     ConnectorConfig,
@@ -274,7 +274,7 @@ BLOCKS = 3001  # the tier's blocks, the null block included
 
 
 def _sketch(setup: str) -> int:
-    return tier_setup(setup).sketch_bytes(BLOCKS)
+    return tier_setup(setup).eviction_bytes(BLOCKS)
 
 
 def test_a_sketch_that_does_not_fit_beside_the_tier_names_the_setup_as_written():
@@ -309,7 +309,7 @@ def test_other_evictions_and_the_tier_alone_count_no_sketch():
     for setup in ("eager", "eager+arc", "lazy+s3fifo+hints"):
         assert _sketch(setup) == 0
         cfg = parse_extra_config({"setup": setup, "cpu_bytes_per_rank": TIER})
-        claims = tier_setup(setup).claim_bytes(BLOCKS)  # hints: counted as claims
+        claims = claim_bytes(tier_setup(setup), BLOCKS)  # hints: counted as claims
         check_host_memory(cfg, 1, total_bytes=TIER + claims, cpu_blocks=BLOCKS)
         assert "sketch" not in cfg.describe(BLOCKS)
     # Without the tier's blocks the check is the tier's bytes alone, as before.
@@ -323,7 +323,7 @@ def test_the_claims_of_sessions_are_counted_at_start_up_and_name_the_setup():
     on the start-up line; a setup without either counts none."""
     blocks = 1_000_001
     cfg = parse_extra_config({"setup": "eager+sessions", "cpu_bytes_per_rank": TIER})
-    claims = tier_setup("eager+sessions").claim_bytes(blocks)
+    claims = claim_bytes(tier_setup("eager+sessions"), blocks)
     assert claims == book_bytes(500_000) > 500_000 * 1024  # about 1 KiB per protected block
     check_host_memory(cfg, 1, total_bytes=TIER + claims, cpu_blocks=blocks)
     with pytest.raises(ValueError) as e:
@@ -334,10 +334,12 @@ def test_the_claims_of_sessions_are_counted_at_start_up_and_name_the_setup():
                           f"1,000,000-block CPU tier take up to {claims} bytes"), msg
     assert "drop 'sessions'" in msg and "\n" not in msg, msg
     assert f"claims <= {claims / 2**20:.1f} MiB" in cfg.describe(blocks)
-    assert tier_setup("eager+waiting").claim_bytes(blocks) == 0
+    assert claim_bytes(tier_setup("eager+waiting"), blocks) == 0
     both = tier_setup("eager+lfu:64+hints")
-    assert both.eviction_bytes(blocks) == both.sketch_bytes(blocks) + both.claim_bytes(blocks)
-    assert both.eviction_state(blocks) == "LFU sketch and session and hint claims"
+    with pytest.raises(ValueError, match="its LFU sketch and session and hint claims for the "):
+        check_host_memory(parse_extra_config({"setup": "eager+lfu:64+hints"}), 1,
+                          total_bytes=8 << 30, cpu_blocks=blocks)
+    assert both.eviction_bytes(blocks) > 0 and claim_bytes(both, blocks) > 0
 
 
 def test_the_start_up_line_gives_the_sketch_size():
