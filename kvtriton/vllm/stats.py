@@ -194,23 +194,23 @@ STATS: dict[str, Stat] = {
     **{f"second_tier_faults_{kind}": _counter("faults", f"scheduler: {what}")
        for kind, what in FAULT_KINDS.items()},
     # ---- the second tier (worker role) ----
-    "worker_store_puts": _counter("puts", "batched write-through puts this rank sent"),
-    "worker_store_put_blocks": _counter("blocks", "blocks this rank put in the store"),
-    "worker_store_put_bytes": _counter("bytes", "payload bytes this rank put"),
-    "worker_store_put_s": _counter(
+    "worker_second_tier_puts": _counter("puts", "batched write-through puts this rank sent"),
+    "worker_second_tier_put_blocks": _counter("blocks", "blocks this rank put in the store"),
+    "worker_second_tier_put_bytes": _counter("bytes", "payload bytes this rank put"),
+    "worker_second_tier_put_s": _counter(
         "seconds", "time in write-through puts, existence check included (background thread; "
         "measured)"),
-    "worker_store_put_skipped": _counter(
+    "worker_second_tier_put_skipped": _counter(
         "blocks", "blocks not put: the store held them already (another replica's, say)"),
     "worker_second_tier_put_already_present": _counter(
         "blocks", "blocks not put: absent at the existence check, then another writer (another "
         "replica) wrote or began to write them first, whose object Mooncake keeps"),
-    "worker_store_fetches": _counter("fetch events", "fetches this rank ran"),
-    "worker_store_fetch_blocks": _counter("blocks", "blocks this rank read and verified"),
-    "worker_store_fetch_failed": _counter(
+    "worker_second_tier_fetches": _counter("fetch events", "fetches this rank ran"),
+    "worker_second_tier_fetch_blocks": _counter("blocks", "blocks this rank read and verified"),
+    "worker_second_tier_fetch_failed": _counter(
         "blocks", "blocks this rank failed to read or verify"),
-    "worker_store_fetch_bytes": _counter("bytes", "payload bytes this rank fetched"),
-    "worker_store_fetch_s": _counter(
+    "worker_second_tier_fetch_bytes": _counter("bytes", "payload bytes this rank fetched"),
+    "worker_second_tier_fetch_s": _counter(
         "seconds", "time in fetches, verification included (background thread; measured)"),
     **{f"worker_second_tier_faults_{kind}": _counter("faults", f"this rank: {what}")
        for kind, what in FAULT_KINDS.items()},

@@ -117,10 +117,13 @@ def test_blocks_the_cpu_tier_evicted_come_back_from_the_store(model_dir, store):
     assert with_store.connector_stats["second_tier_blocks_fetched"] > 0
     assert same_outputs(plain, with_store), max_logprob_diff(plain, with_store)
     assert same_outputs(plain, cpu_only)
-    # With the tier on, every statistic it documents is reported.
+    # With the tier on, every statistic it documents is reported, under the name documented
+    # (the workers' store counters were documented as worker_store_*, reported as
+    # worker_second_tier_*).
     assert {k for k in STATS if k.startswith("second_tier_")} <= set(with_store.connector_stats)
     assert {k.removeprefix("worker_") for k in STATS if k.startswith("worker_second_tier_")} \
         <= set(with_store.worker_stats)
+    assert {f"worker_{k}" for k in with_store.worker_stats} <= set(STATS)
 
 
 def test_a_master_killed_mid_run_then_restarted(model_dir, store):
