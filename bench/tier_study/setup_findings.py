@@ -10,6 +10,7 @@ it runs at. Per re-store map: where each form gains and loses.
 
 from __future__ import annotations
 
+from bench.tier_study.study import best_online, figures
 from kvtriton.setups import CONTROL
 
 # The names of a results file's workload (``setups_<key>``; ``_full``: a ``--full`` run, the
@@ -78,9 +79,6 @@ def _run_findings(run: dict) -> dict:
 def _without_late(run: dict, t: dict) -> dict | None:
     """The target judged again with ``LATE_CANDIDATES`` left out of the choice, where the best
     setup is one of them (None elsewhere): the train choice without them and its test gain."""
-    from bench.tier_study.setups import best_online
-    from bench.tier_study.study import figures
-
     if t["best"] not in LATE_CANDIDATES:
         return None
     rows = [r for r in run["rows"] if r["composition"] not in LATE_CANDIDATES]

@@ -43,6 +43,7 @@ from bench.tier_study.study import (
     HINTED_COMBINED,
     SPLIT_TEXT,
     SPLITS,
+    best_online,
     cc_agentic_with_closes,
     figures,
     run_all,
@@ -122,20 +123,6 @@ def workload_traits(wl: Workload, gpu_tokens: int, ratios: tuple[int, ...]) -> d
             "sessions": len(turns),
             "turns_per_session": sum(turns.values()) / len(turns) if turns else None,
             "continue_share": sum(wr.hint == "continue" for wr in wl) / len(wl)}
-
-
-def best_online(rows: list[dict], tolerance_s: float = 0.0, part: str | None = None) -> dict | None:
-    """The online setup (not the control, not given oracle closes) that gains the most points
-    over the control, some, with modeled TTFT p50 and p90 no more than ``tolerance_s`` above
-    the control's; None if no such setup. ``part``: judged on that part of the split only (the
-    train part, when a choice is to be reported on the test part)."""
-    control = next(r for r in rows if r["composition"] == CONTROL)
-    fair = [r for r in rows if not r["oracle"] and r["composition"] not in (CONTROL, "none")
-            and r.get("hint_source") != "oracle closes"
-            and figures(r, part).get("gain_points") is not None
-            and figures(r, part)["gain_points"] > 0
-            and ttft_ok(r, control, tolerance_s, part)]
-    return max(fair, key=lambda r: figures(r, part)["gain_points"]) if fair else None
 
 
 def ablation_tasks(wl: Workload, gpu_tokens: int, setups: tuple[str, ...],

@@ -1,8 +1,10 @@
 """What the tier studies share (``bench_setups``, ``tune_shares``): the setups they run
 (``ABLATION``: each axis changed alone from the control; ``COMBINED``: combinations of axes),
 the workloads at their quick and full sizes with the hints a server has and the oracle closes,
-how each is split into train and test parts, the TTFT rule's tolerance, and the process pool
-that runs one simulation per task. Not a study: studies import it, never each other.
+how each is split into train and test parts, the TTFT rule's tolerance and the best online
+setup under it (``best_online``: the setup study's targets and its findings both choose by it),
+and the process pool that runs one simulation per task. Not a study: studies import it, never
+each other.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import os
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 
+from kvtriton.setups import CONTROL
 from kvtriton.sim import (
     CC_AGENTIC_SAMPLE,
     Workload,
@@ -110,6 +113,20 @@ def ttft_ok(row: dict, control: dict, tolerance_s: float = 0.0, part: str | None
     r, c = figures(row, part), figures(control, part)
     return (r["ttft_p50_s"] <= c["ttft_p50_s"] + tolerance_s + 1e-9
             and r["ttft_p90_s"] <= c["ttft_p90_s"] + tolerance_s + 1e-9)
+
+
+def best_online(rows: list[dict], tolerance_s: float = 0.0, part: str | None = None) -> dict | None:
+    """The online setup (not the control, not given oracle closes) that gains the most points
+    over the control, some, with modeled TTFT p50 and p90 no more than ``tolerance_s`` above
+    the control's; None if no such setup. ``part``: judged on that part of the split only (the
+    train part, when a choice is to be reported on the test part)."""
+    control = next(r for r in rows if r["composition"] == CONTROL)
+    fair = [r for r in rows if not r["oracle"] and r["composition"] not in (CONTROL, "none")
+            and r.get("hint_source") != "oracle closes"
+            and figures(r, part).get("gain_points") is not None
+            and figures(r, part)["gain_points"] > 0
+            and ttft_ok(r, control, tolerance_s, part)]
+    return max(fair, key=lambda r: figures(r, part)["gain_points"]) if fair else None
 
 
 def slim(row: dict) -> dict:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from bench.tier_study import setups
+from bench.tier_study import setups, study
 from kvtriton.sim import agent_workload, mark_session_close, without_closes
 
 
@@ -45,7 +45,7 @@ def test_ablation_and_map_write_what_the_paper_reads(tmp_path):
         assert (t["chosen_on"], t["judged_on"]) == ("train", "test")
         # Chosen on the train part, judged on the test part's figures.
         best = next((r for r in run["rows"] if r["setup"] == t["best"]), None)
-        assert best == setups.best_online(run["rows"], t["ttft_tolerance_s"], "train")
+        assert best == study.best_online(run["rows"], t["ttft_tolerance_s"], "train")
         if best is not None:
             assert t["gain_points_train"] == best["parts"]["train"]["gain_points"]
             assert t["judged_gain_points"] == best["parts"]["test"]["gain_points"]
@@ -76,13 +76,13 @@ def test_best_online_skips_oracles_and_slower_setups():
              "ttft_p50_s": 0.9, "ttft_p90_s": 2.0},
             {"composition": "eager+nextuse", "oracle": True, "gain_points": 1.0,
              "ttft_p50_s": 0.5, "ttft_p90_s": 1.0}]
-    assert setups.best_online(rows)["composition"] == "eager+arc"
-    assert setups.best_online(rows[:2]) is None
+    assert study.best_online(rows)["composition"] == "eager+arc"
+    assert study.best_online(rows[:2]) is None
     # A setup that ties the control closes nothing: it is no best setup (it was reported as
     # the best, at 0%, when every setup that closed some gap had a worse TTFT).
     tie = {"composition": "eager+restore", "oracle": False, "gain_points": 0.0,
            "ttft_p50_s": 1.0, "ttft_p90_s": 2.0}
-    assert setups.best_online([rows[0], tie, rows[1]]) is None
+    assert study.best_online([rows[0], tie, rows[1]]) is None
 
 
 def test_best_online_on_a_part_reads_that_parts_figures_only():
@@ -92,11 +92,11 @@ def test_best_online_on_a_part_reads_that_parts_figures_only():
                 "ttft_p90_s": 2.0, "parts": {"train": part, "test": dict(part)}}
 
     rows = [row("eager", 0.0, 0.0), row("eager+arc", 0.4, 0.1), row("eager+s3fifo", 0.2, 0.3)]
-    assert setups.best_online(rows)["composition"] == "eager+arc"
-    assert setups.best_online(rows, part="train")["composition"] == "eager+s3fifo"
+    assert study.best_online(rows)["composition"] == "eager+arc"
+    assert study.best_online(rows, part="train")["composition"] == "eager+s3fifo"
     # A part's TTFT decides too: slower on the train part, not eligible there.
     rows[2]["parts"]["train"]["ttft_p50_s"] = 5.0
-    assert setups.best_online(rows, part="train")["composition"] == "eager+arc"
+    assert study.best_online(rows, part="train")["composition"] == "eager+arc"
 
 
 def test_oracle_closes_and_slower_than_tolerance_are_not_best():
@@ -107,9 +107,9 @@ def test_oracle_closes_and_slower_than_tolerance_are_not_best():
     causal = {"composition": "lazy+hints", "oracle": False, "gain_points": 0.6,
               "hint_source": "causal", "ttft_p50_s": 1.2, "ttft_p90_s": 1.5}
     rows = [control, oracle_close, causal]
-    assert setups.best_online(rows) is None  # p50 0.2 s above the control's
-    assert setups.best_online(rows, tolerance_s=0.25) is causal
-    assert setups.best_online(rows, tolerance_s=0.1) is None
+    assert study.best_online(rows) is None  # p50 0.2 s above the control's
+    assert study.best_online(rows, tolerance_s=0.25) is causal
+    assert study.best_online(rows, tolerance_s=0.1) is None
 
 
 def test_ttft_tolerance_is_one_full_budget_step():
