@@ -5,9 +5,9 @@ The registry of the queues a pool is built with by name (``EVICTION_QUEUES``,
 ``base``; one algorithm per module: ``lru``, ``arc``, ``s3fifo``, ``lfu`` (demand counted
 over admitted requests, least-demanded first), ``request_lru`` (``reqlru``: vLLM 0.33's
 offloading LRU, recency given by requests) and ``request_arc`` (``reqarc``: vLLM 0.33's
-offloading ARC, a request's use counted at its finish); ``protected`` wraps any of them
-with the drop and protected segments of continuation hints and the waiting-queue lookahead
-(``HintedQueue``).
+offloading ARC, a request's use counted at its finish), both on the skeleton in
+``request_scoped`` (``RequestScopedQueue``); ``protected`` wraps any of them with the drop and
+protected segments of continuation hints and the waiting-queue lookahead (``HintedQueue``).
 """
 
 from kvtriton.eviction.arc import ARCQueue
@@ -17,6 +17,7 @@ from kvtriton.eviction.lru import LRUQueue
 from kvtriton.eviction.protected import CLOSED, NORMAL, PROTECTED, HintedQueue
 from kvtriton.eviction.request_arc import RequestARCQueue
 from kvtriton.eviction.request_lru import RequestLRUQueue
+from kvtriton.eviction.request_scoped import RequestScopedQueue
 from kvtriton.eviction.s3fifo import S3FIFOQueue
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "LRUQueue",
     "RequestARCQueue",
     "RequestLRUQueue",
+    "RequestScopedQueue",
     "S3FIFOQueue",
     "make_eviction_queue",
 ]

@@ -32,7 +32,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 
 from kvtriton.eviction.base import GhostList
-from kvtriton.eviction.request_lru import Lifetime, RequestScopedQueue
+from kvtriton.eviction.request_scoped import Lifetime, RequestScopedQueue
 
 __all__ = ["RequestARCQueue"]
 
