@@ -7,9 +7,8 @@ the string ``kvtriton simulate --setups`` takes, parsed by the same code. The ot
 what a setup does not: the tier's size, the scan and the re-store caps.
 
 The per-axis keys of earlier versions (``offload``, ``restore``, ``restore_share``,
-``cpu_free_order``, ``cpu_eviction``) are refused at start-up, with the ``setup`` that says what
-they said (without ``setup`` they meant re-store on, tail first, LRU, eager for the axes left
-out, which is why ``{}`` and ``{"cpu_eviction": "lru"}`` ran different setups).
+``cpu_free_order``, ``cpu_eviction``) are refused at start-up: one error names them and asks for
+``setup`` (their defaults were ``eager+restore+tail``, not today's default setup).
 
 Parsing is strict: an unknown key, a value outside its allowed set, keys that contradict each
 other or a setup axis the connector cannot honour in vLLM is one ``ValueError`` at start-up that
@@ -21,20 +20,17 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from kvtriton.eviction import EVICTION_QUEUES
 from kvtriton.planner import PlannerConfig
 from kvtriton.second_tier.config import SecondTierConfig, parse_second_tier
 from kvtriton.setups import (
     DEFAULT_SETUP,
     ORACLE_EVICTIONS,
     TierSetup,
-    canonical_number,
     tier_setup,
 )
 from kvtriton.tier_signals import claim_bytes, eviction_state
@@ -87,28 +83,6 @@ class ConnectorConfig:
     def tier(self) -> TierSetup:
         """The setup, parsed (``kvtriton.setups.TierSetup``)."""
         return tier_setup(self.setup)
-
-    # The setup's axes under the names of the per-axis keys, which the adapters read.
-
-    @property
-    def cpu_eviction(self) -> str:
-        return self.tier.cpu_eviction
-
-    @property
-    def offload(self) -> str:
-        return "lazy" if self.tier.planner.lazy else "eager"
-
-    @property
-    def restore(self) -> bool:
-        return self.tier.planner.restore
-
-    @property
-    def cpu_free_order(self) -> str:
-        return self.tier.planner.cpu_free_order
-
-    @property
-    def restore_share(self) -> float | None:
-        return self.tier.planner.restore_share
 
     def planner_config(self, *, world_size: int, max_num_batched_tokens: int) -> PlannerConfig:
         """The planner's switches for this connector on ``world_size`` workers."""
@@ -176,18 +150,8 @@ def refusal(tier: TierSetup) -> str | None:
     return None
 
 
-# The per-axis keys of earlier versions, now refused with the setup to write: the values each
-# accepted.
-_AXIS_CHOICES: dict[str, tuple[Any, ...]] = {
-    "offload": ("eager", "lazy"),
-    "restore": (True, False),
-    "cpu_free_order": ("tail_first", "head_first"),
-    "cpu_eviction": tuple(EVICTION_QUEUES),
-}
-_AXIS_KEYS = (*_AXIS_CHOICES, "restore_share")
-# What the per-axis keys meant when they were the only spelling (restore true, tail first, LRU,
-# eager): a config written in them keeps the setup it always had.
-_PER_AXIS_DEFAULTS = "eager+restore+tail"
+# The per-axis keys of earlier versions, refused with one error that asks for ``setup``.
+_AXIS_KEYS = ("offload", "restore", "restore_share", "cpu_free_order", "cpu_eviction")
 _CHOICES: dict[str, tuple[str, ...]] = {"scan": ("fused", "loop")}
 _OPTIONAL_COUNTS = ("max_restores_per_step", "max_restores_per_key")
 _KEYS = tuple(f.name for f in fields(ConnectorConfig))
@@ -195,53 +159,6 @@ _KEYS = tuple(f.name for f in fields(ConnectorConfig))
 
 def _bad(key: str, value: Any, allowed: str) -> ValueError:
     return ValueError(f"{_PREFIX}[{key!r}] = {value!r} is not allowed; expected {allowed}")
-
-
-def _axis_value(tier: TierSetup, key: str) -> Any:
-    """What ``setup`` says for the per-axis key ``key``."""
-    p = tier.planner
-    return {"offload": "lazy" if p.lazy else "eager", "restore": p.restore,
-            "cpu_free_order": p.cpu_free_order, "cpu_eviction": tier.cpu_eviction,
-            "restore_share": p.restore_share}[key]
-
-
-def _composition(tier: TierSetup, axes: Mapping[str, Any]) -> str:
-    """``setup``'s composition with the axes the per-axis keys ``axes`` set replaced. A lazy
-    store drops the default's re-store unless ``restore`` asks for it (then the grammar refuses
-    the pair); ``restore_share`` alone turns re-store on."""
-    store = axes.get("offload", _axis_value(tier, "offload"))
-    share = axes.get("restore_share", tier.planner.restore_share)
-    if "restore" in axes:
-        restore = axes["restore"]
-    elif "offload" in axes and store == "lazy":
-        restore = "restore_share" in axes and share is not None
-    else:
-        restore = tier.planner.restore or share is not None
-    parts = [store]
-    if restore:
-        parts.append("restore" if share is None
-                     else f"restore:{canonical_number(share)}")
-    if axes.get("cpu_free_order", tier.planner.cpu_free_order) == "tail_first":
-        parts.append("tail")
-    parts.append(axes.get("cpu_eviction", tier.cpu_eviction))
-    rest = tier.composition.split("+")
-    parts += [t for t in rest if t.split(":")[0] in ("second", "hinted", "refresh", "hints",
-                                                     "waiting", "shared")]
-    return "+".join(parts)
-
-
-def _check_axis_key(key: str, value: Any) -> None:
-    if key == "restore_share":
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
-                                  or not math.isfinite(value) or not 0 <= value <= 1):
-            raise _bad(key, value, "null or a number in [0, 1]")
-        return
-    allowed = _AXIS_CHOICES[key]
-    if key == "restore":
-        if not isinstance(value, bool):
-            raise _bad(key, value, "true or false")
-    elif value not in allowed:
-        raise _bad(key, value, "one of " + ", ".join(map(repr, allowed)))
 
 
 def _parse_setup(value: Any) -> TierSetup:
@@ -260,35 +177,16 @@ def _parse_setup(value: Any) -> TierSetup:
     return tier
 
 
-def _removed_keys_error(extra: Mapping[str, Any], axes: Mapping[str, Any]) -> ValueError:
-    """The error for the removed per-axis keys ``axes``: it names the ``setup`` that says what
-    they said (beside ``setup``: that setup with their axes applied; alone: with the defaults
-    they had, re-store on, tail first, LRU, eager), or why no setup can."""
-    keys = ", ".join(f"{k!r} = {json.dumps(v)}" for k, v in axes.items())
-    head = (f"{_PREFIX}[{keys}]: the per-axis keys ({', '.join(_AXIS_KEYS)}) are no longer "
-            "read; the tier's setup is one key")
-    try:
-        for key, value in axes.items():
-            _check_axis_key(key, value)
-        base = _parse_setup(extra["setup"]) if "setup" in extra else \
-            tier_setup(_PER_AXIS_DEFAULTS)
-        spec = _composition(base, axes)
-        if "restore_share" in axes and axes["restore_share"] is not None \
-                and "restore" in axes and not axes["restore"]:
-            raise ValueError("a re-store share with re-store off means nothing")
-        composition = _parse_setup(spec).composition
-    except ValueError as e:
-        reason = str(e).removeprefix(f"{_PREFIX}['setup'] = ").removeprefix("KVTritonConnector: ")
-        return ValueError(f"{head}, and these say nothing a setup can: {reason}")
-    return ValueError(f"{head}: write {json.dumps({'setup': composition})} instead")
-
-
 def _resolve_setup(extra: Mapping[str, Any]) -> TierSetup:
     """The setup ``extra`` names (the default's without ``setup``); a removed per-axis key is
-    an error that says which ``setup`` to write instead."""
-    axes = {k: extra[k] for k in _AXIS_KEYS if k in extra}
-    if axes:
-        raise _removed_keys_error(extra, axes)
+    one error naming it and asking for ``setup``."""
+    removed = [k for k in _AXIS_KEYS if k in extra]
+    if removed:
+        raise ValueError(
+            f"{_PREFIX}{removed}: the per-axis keys ({', '.join(_AXIS_KEYS)}) are no longer "
+            "read; the tier's setup is one key, 'setup', a composition of kvtriton.setups "
+            "axes such as 'eager+restore+tail+arc' (kvtriton simulate --help lists them; "
+            "these keys' defaults were eager+restore+tail)")
     return _parse_setup(extra["setup"]) if "setup" in extra else tier_setup(DEFAULT_SETUP)
 
 
