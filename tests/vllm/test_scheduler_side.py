@@ -518,9 +518,9 @@ def test_mixed_block_sizes_hit_on_the_scheduler_block(model_dir):
     ({"scan": "fast"}, r"\['scan'\] = 'fast' is not allowed; expected one of 'fused', 'loop'"),
     ({"cpu_blocks": 8}, r"unknown kv_connector_extra_config key 'cpu_blocks'"),
     ({"cpu_bytes_per_rank": 100}, r"too small for one CPU block"),
-    # A removed per-axis key names the setup it meant ({} runs eager, this ran re-store).
-    ({"cpu_eviction": "lru"}, r"\['cpu_eviction' = \"lru\"\]: the per-axis keys .* are no longer "
-                              r"read; .* write \{\"setup\": \"eager\+restore\+tail\"\} instead"),
+    # A removed per-axis key is one error naming it and asking for 'setup'.
+    ({"cpu_eviction": "lru"}, r"\['cpu_eviction'\]: the per-axis keys .* are no longer read; "
+                              r"the tier's setup is one key, 'setup'"),
 ], ids=["bad_value", "unknown_key", "too_small", "removed_key"])
 def test_bad_setting_is_one_error_when_the_scheduler_starts(model_dir, extra, message):
     with pytest.raises(ValueError, match=message):
