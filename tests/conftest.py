@@ -107,3 +107,22 @@ def _fixed_seed():
     random.seed(0)
     np.random.seed(0)  # noqa: NPY002 - the legacy global RNG, for code that still uses it
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    """The tiny Llama with random weights (``bench.vllm.engine_run.tiny_llama``'s defaults), for
+    the tests that run vLLM's engine; built once per worker process. The caller skips without
+    ``transformers`` (``pytest.importorskip``): it is imported here only when asked for."""
+    from bench.vllm.engine_run import tiny_llama
+
+    return tiny_llama(tmp_path_factory.mktemp("tiny-llama-weights"))
+
+
+@pytest.fixture(scope="session")
+def model_config_dir(tmp_path_factory):
+    """A tiny Llama's ``config.json`` alone, no weights (``max_model_len`` 8192): what the tests
+    that drive vLLM's ``Scheduler`` without an engine build its configs from."""
+    from kvtriton.sim.vllm_scheduler import tiny_model_dir
+
+    return tiny_model_dir(tmp_path_factory.mktemp("tiny-llama-config"), 8192)

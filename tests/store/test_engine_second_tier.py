@@ -21,7 +21,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("mooncake.store")
 os.environ["HF_HUB_OFFLINE"] = "1"
 
-from bench.vllm.engine_run import EngineRun, run_turns, tiny_llama
+from bench.vllm.engine_run import EngineRun, run_turns
 from kvtriton.second_tier.local_master import join, mooncake_master
 from kvtriton.vllm.stats import STATS
 
@@ -29,11 +29,6 @@ BS = 32
 BLOCK_BYTES = 2 * 2 * BS * 32 * 4 * 2  # the tiny Llama's KV block: 32 KiB
 PROMPT_BLOCKS = 9
 LOGPROB_TOL = 1e-4  # as tests/vllm/test_engine.py, which measures the scheduling noise
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_llama(tmp_path_factory.mktemp("tiny-llama-weights"))
 
 
 @pytest.fixture

@@ -20,14 +20,8 @@ pytest.importorskip("transformers")
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 from bench.vllm.claims_attack import SETUPS, TARGET_LOSS, AttackSize, losses, run_setup
-from bench.vllm.engine_run import tiny_llama
 
 SIZE = AttackSize(victims=12, turns=4)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_llama(tmp_path_factory.mktemp("tiny-llama-weights"))
 
 
 def _loss(rows: list[dict]) -> float:

@@ -22,7 +22,6 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 
 from bench.vllm.differential import MUTATIONS, mutation_table, run_seed, summarise
 from bench.vllm.differential_models import HashOrigins, TierModel, expected_flush
-from kvtriton.sim.vllm_scheduler import tiny_model_dir
 
 pytestmark = pytest.mark.scheduler_role
 
@@ -52,14 +51,9 @@ COLLISION_SEED = 1972
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"), 8192)
-
-
-@pytest.fixture(scope="module")
-def records(model_dir):
+def records(model_config_dir):
     """The unmutated seeds' records (the bug classes' answers are compared against them)."""
-    return {seed: run_seed(model_dir, seed) for seed in range(SEEDS)}
+    return {seed: run_seed(model_config_dir, seed) for seed in range(SEEDS)}
 
 
 def test_same_blocks_as_vllms_manager_on_random_schedules(records):
@@ -80,17 +74,17 @@ def test_same_blocks_as_vllms_manager_on_random_schedules(records):
     assert sum(r.failed_stores > 0 for r in records) > SEEDS // 10
 
 
-def test_the_known_difference_after_a_cursor_gap_is_recognised(model_dir):
+def test_the_known_difference_after_a_cursor_gap_is_recognised(model_config_dir):
     # Seed 1341: a cursor gap opens (kvtriton passed positions as cached that the step's
     # allocation evicted), then the request is aborted and the two finish flushes start from
     # different cursors.
-    rec = run_seed(model_dir, 1341)
+    rec = run_seed(model_config_dir, 1341)
     assert not rec.unknown, rec.unknown
     assert rec.differences["per_request_allocation"] >= 1
 
 
-def test_a_genuine_key_collision_is_recognised(model_dir):
-    rec = run_seed(model_dir, COLLISION_SEED)
+def test_a_genuine_key_collision_is_recognised(model_config_dir):
+    rec = run_seed(model_config_dir, COLLISION_SEED)
     assert not rec.unknown, rec.unknown
     assert rec.differences["key_collision"] == 1
 
@@ -100,9 +94,9 @@ def test_every_bug_class_has_seeds():
 
 
 @pytest.mark.parametrize("mutation", sorted(MUTATIONS))
-def test_a_known_bug_is_caught_wherever_it_changes_an_answer(model_dir, records, mutation):
+def test_a_known_bug_is_caught_wherever_it_changes_an_answer(model_config_dir, records, mutation):
     seeds = MUTATION_SEEDS[mutation]
-    ways = mutation_table(model_dir, seeds, [mutation], baseline=records)[mutation]
+    ways = mutation_table(model_config_dir, seeds, [mutation], baseline=records)[mutation]
     for way, row in ways.items():
         print(f"\n{mutation}, {way}: fired in {row['fired']}, changed an answer in "
               f"{row['changed']}, caught in {row['caught']} (apart in {row['caught_apart']})")

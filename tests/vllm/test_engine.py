@@ -38,11 +38,6 @@ BLOCK_BYTES = 2 * 2 * BS * 32 * 4 * 2  # K and V, 2 KV heads of 32, fp32, 2 laye
 TIER = {"cpu_bytes_per_rank": 1025 * BLOCK_BYTES}  # 1,024 CPU blocks: it never evicts
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_llama(tmp_path_factory.mktemp("tiny-llama-weights"))
-
-
 def conversations(seed: int = 0, n: int = 8, start: int = 300, turn: int = 100,
                   turns: int = 4) -> list[list[list[int]]]:
     """``turns`` batches of ``n`` conversations; each turn extends every prompt by ``turn``

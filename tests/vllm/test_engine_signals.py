@@ -23,7 +23,7 @@ pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 os.environ["HF_HUB_OFFLINE"] = "1"
 
-from bench.vllm.engine_run import shutdown_engine, tiny_llama
+from bench.vllm.engine_run import shutdown_engine
 from helpers.vllm_driver import cpu_hashes
 from kvtriton.vllm.signals import HINT_KEY
 
@@ -55,11 +55,6 @@ def _llm(model_dir, extra):
                block_size=BS, enable_prefix_caching=True, kv_cache_memory_bytes=4 << 20,
                max_model_len=2048, max_num_batched_tokens=256, max_num_seqs=8, seed=0,
                dtype="float32", kv_transfer_config=kv)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_llama(tmp_path_factory.mktemp("tiny-llama-weights"))
 
 
 @pytest.fixture(scope="module")

@@ -13,21 +13,16 @@ pytest.importorskip("vllm")
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 from helpers.vllm_driver import BS, build, gpu_hash_list, run, tokens
-from kvtriton.sim.vllm_scheduler import tiny_model_dir, vllm_request
+from kvtriton.sim.vllm_scheduler import vllm_request
 
 pytestmark = pytest.mark.scheduler_role
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"), 8192)
-
-
-def test_kv_events_use_vllm_field_names(model_dir):
+def test_kv_events_use_vllm_field_names(model_config_dir):
     from vllm.distributed.kv_events import BlockRemoved, BlockStored
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
-    s, _side, drv = build(model_dir, cpu_blocks=3, enable_kv_cache_events=True,
+    s, _side, drv = build(model_config_dir, cpu_blocks=3, enable_kv_cache_events=True,
                          extra_config={"setup": "eager+restore"})
     seen = []
     take = s.connector.take_events

@@ -24,11 +24,11 @@ pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 os.environ["HF_HUB_OFFLINE"] = "1"
 
-from bench.vllm.engine_run import run_turns, tiny_llama
+from bench.vllm.engine_run import run_turns
 from bench.vllm.scheduler_driver import Driver
 from helpers.faults import inject
 from helpers.vllm_driver import FULL, needs_engine, tokens
-from kvtriton.sim.vllm_scheduler import make_scheduler, tiny_model_dir, vllm_request
+from kvtriton.sim.vllm_scheduler import make_scheduler, vllm_request
 
 pytestmark = pytest.mark.scheduler_role
 
@@ -51,11 +51,10 @@ def _conversations() -> list[list[list[int]]]:
 
 
 @needs_engine()
-def test_late_reports_in_the_engine_end_idle_with_every_store_registered(tmp_path_factory):
-    model = tiny_llama(tmp_path_factory.mktemp("tiny-llama-late"))
+def test_late_reports_in_the_engine_end_idle_with_every_store_registered(model_dir):
     turns = _conversations()
-    ref = run_turns(model, turns, connector=None)
-    run = run_turns(model, turns, connector=TIER, patch=lambda: inject("late_reports"))
+    ref = run_turns(model_dir, turns, connector=None)
+    run = run_turns(model_dir, turns, connector=TIER, patch=lambda: inject("late_reports"))
     assert run.tokens == ref.tokens
     stats, worker = run.connector_stats, run.worker_stats
     assert stats["blocks_loaded"] > 0 and run.drain_steps > 0  # stores outlived generate()
@@ -66,15 +65,11 @@ def test_late_reports_in_the_engine_end_idle_with_every_store_registered(tmp_pat
                         "gpu_free": run.kv_cache_blocks - 1}
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"), 8192)
-
-
 @pytest.mark.parametrize("connector", ["KVTritonConnector", "SimpleCPUOffloadConnector"])
-def test_reset_of_running_requests_with_a_store_in_flight_raises_in_vllm(model_dir, connector):
+def test_reset_of_running_requests_with_a_store_in_flight_raises_in_vllm(model_config_dir,
+                                                                         connector):
     kw = {} if connector == "KVTritonConnector" else {"kv_connector_module_path": None}
-    s = make_scheduler(model_dir, [FULL], num_gpu_blocks=64, cpu_blocks=128,
+    s = make_scheduler(model_config_dir, [FULL], num_gpu_blocks=64, cpu_blocks=128,
                        max_num_batched_tokens=256, kv_connector=connector, **kw)
     drv = Driver(s)
     drv.hold_stores = True
@@ -86,11 +81,11 @@ def test_reset_of_running_requests_with_a_store_in_flight_raises_in_vllm(model_d
         s.reset_prefix_cache(reset_running_requests=True, reset_connector=True)
 
 
-def test_requests_preempted_by_a_reset_are_looked_up_again(model_dir):
+def test_requests_preempted_by_a_reset_are_looked_up_again(model_config_dir):
     # reset_prefix_cache(reset_running_requests=True) preempts every running request and vLLM
     # looks each up again before the step that reports the preemption: the connector tells the
     # planner, which otherwise refuses a lookup under a running request's id.
-    s = make_scheduler(model_dir, [FULL], num_gpu_blocks=64, cpu_blocks=128,
+    s = make_scheduler(model_config_dir, [FULL], num_gpu_blocks=64, cpu_blocks=128,
                        max_num_batched_tokens=256)
     drv = Driver(s)
     drv.add(vllm_request("a", tokens(41, 3 * 16 + 5), 60, 16))

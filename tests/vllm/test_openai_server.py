@@ -20,6 +20,7 @@ import os
 import random
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -34,7 +35,6 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 
-from bench.vllm.engine_run import tiny_llama
 from kvtriton.vllm.signals import HINT_KEY
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -170,8 +170,11 @@ def _prompt(rng: random.Random) -> str:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tiny_llama(tmp_path_factory.mktemp("tiny-llama-weights"))
+def served_model_dir(model_dir, tmp_path_factory):
+    """The tiny Llama (``model_dir``) with a tokenizer, which the server needs and the engine
+    tests do not: a copy, so that theirs stays without one."""
+    path = tmp_path_factory.mktemp("tiny-llama-served")
+    shutil.copytree(model_dir, path, dirs_exist_ok=True)
     _tokenizer(path)
     return path
 
@@ -191,9 +194,9 @@ def running_server(model_dir: Path, log: Path, extra: dict):
 
 
 @pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
+def server(served_model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "server.log"
-    with running_server(model_dir, log, {"cpu_bytes_per_rank": CPU_TIER_BYTES}) as srv:
+    with running_server(served_model_dir, log, {"cpu_bytes_per_rank": CPU_TIER_BYTES}) as srv:
         yield srv
 
 
@@ -210,9 +213,9 @@ def served(server):
     return answers, first
 
 
-def test_a_refused_setup_stops_the_server_at_start(model_dir, tmp_path):
+def test_a_refused_setup_stops_the_server_at_start(served_model_dir, tmp_path):
     log = tmp_path / "server.log"
-    proc = _start(_server_args(model_dir, _free_port(), {"setup": "lazy+restore"}), log)
+    proc = _start(_server_args(served_model_dir, _free_port(), {"setup": "lazy+restore"}), log)
     try:
         rc = proc.wait(timeout=START_TIMEOUT_S)
     finally:

@@ -29,8 +29,8 @@ from tests.vllm.test_openai_server import (
     PROMPT_BLOCKS,
     Server,
     _prompt,
-    model_dir,  # noqa: F401 (the fixture)
     running_server,
+    served_model_dir,  # noqa: F401 (the fixture)
 )
 
 BLOCK_BYTES = 32 << 10  # the tiny model's KV per 32-token block (test_openai_server.SIZING)
@@ -39,10 +39,10 @@ FILLERS = 11  # 44 blocks: more than the GPU's 32, more than the tier's 8
 
 
 @pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):  # noqa: F811
+def server(served_model_dir, tmp_path_factory):  # noqa: F811
     log = tmp_path_factory.mktemp("sessions-server") / "server.log"
     extra = {"setup": "eager+sessions", "cpu_bytes_per_rank": (TIER_BLOCKS + 1) * BLOCK_BYTES}
-    with running_server(model_dir, log, extra) as srv:
+    with running_server(served_model_dir, log, extra) as srv:
         yield srv
 
 

@@ -36,23 +36,18 @@ from helpers.vllm_driver import (
     step_until,
     tokens,
 )
-from kvtriton.sim.vllm_scheduler import make_scheduler, tiny_model_dir, vllm_request
+from kvtriton.sim.vllm_scheduler import make_scheduler, vllm_request
 from kvtriton.specs import FullAttentionSpec
 from kvtriton.vllm.releases import HINT_ACTION, request_hint_value, request_session
 
 pytestmark = pytest.mark.scheduler_role
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"), 8192)
-
-
 # ---- vLLM's simple_kv_offload scheduler scenarios, re-expressed ----------------------------------
 
 
-def test_eager_round_trip_store_then_load(model_dir):
-    s, side, drv = build(model_dir)
+def test_eager_round_trip_store_then_load(model_config_dir):
+    s, side, drv = build(model_config_dir)
     p = tokens(1, 5 * BS + 3)
     drv.add(vllm_request("a", p, 3, BS))
     so = step_until(drv, lambda so: len(so.kv_connector_metadata.store))
@@ -72,8 +67,9 @@ def test_eager_round_trip_store_then_load(model_dir):
     assert_idle(s, side)
 
 
-def test_lazy_round_trip(model_dir):
-    s, side, drv = build(model_dir, extra_config={"setup": "lazy+tail", "lazy_target_blocks": 64})
+def test_lazy_round_trip(model_config_dir):
+    s, side, drv = build(model_config_dir,
+                         extra_config={"setup": "lazy+tail", "lazy_target_blocks": 64})
     p = tokens(3, 6 * BS)
     drv.add(vllm_request("a", p, 2, BS))
     run(drv)
@@ -87,11 +83,11 @@ def test_lazy_round_trip(model_dir):
     assert_idle(s, side)
 
 
-def test_lazy_hybrid_round_trip(model_dir):
+def test_lazy_hybrid_round_trip(model_config_dir):
     """Lazy mode through vLLM's hybrid allocator: the GPU free queue holds both groups' blocks,
     each store names the group of its block's hash (vLLM's group id suffix), the CPU registers
     it under that group, and a later request's hit loads both groups."""
-    s, side, drv = build(model_dir, groups=(FULL, WINDOW), num_gpu_blocks=64,
+    s, side, drv = build(model_config_dir, groups=(FULL, WINDOW), num_gpu_blocks=64,
                          extra_config={"setup": "lazy+tail", "lazy_target_blocks": 64})
     p = tokens(44, 8 * BS)
     groups_of_stores = []
@@ -124,8 +120,8 @@ def test_lazy_hybrid_round_trip(model_dir):
     assert_idle(s, side)
 
 
-def test_last_block_cap_recomputes_the_last_token(model_dir):
-    s, side, drv = build(model_dir)
+def test_last_block_cap_recomputes_the_last_token(model_config_dir):
+    s, side, drv = build(model_config_dir)
     p = tokens(5, 4 * BS)  # exactly 4 blocks
     drv.add(vllm_request("a", p, 1, BS))
     run(drv)
@@ -136,8 +132,8 @@ def test_last_block_cap_recomputes_the_last_token(model_dir):
     assert_idle(s, side)
 
 
-def test_duplicate_prefix_is_stored_once(model_dir):
-    s, side, drv = build(model_dir)
+def test_duplicate_prefix_is_stored_once(model_config_dir):
+    s, side, drv = build(model_config_dir)
     shared = tokens(6, 4 * BS)
     drv.add(vllm_request("a", shared + tokens(7, BS), 2, BS))
     drv.add(vllm_request("b", shared + tokens(8, BS), 2, BS))
@@ -147,8 +143,8 @@ def test_duplicate_prefix_is_stored_once(model_dir):
     assert_idle(s, side)
 
 
-def test_in_flight_store_is_not_stored_again(model_dir):
-    s, side, drv = build(model_dir)
+def test_in_flight_store_is_not_stored_again(model_config_dir):
+    s, side, drv = build(model_config_dir)
     drv.hold_stores = True
     drv.add(vllm_request("a", tokens(9, 3 * BS), 40, BS))
     for _ in range(2 * BS + 4):
@@ -162,9 +158,9 @@ def test_in_flight_store_is_not_stored_again(model_dir):
     assert_idle(s, side)
 
 
-def test_lru_eviction_order_and_head_first_freeing(model_dir):
+def test_lru_eviction_order_and_head_first_freeing(model_config_dir):
     # A CPU tier of 6 blocks: the second request's stores evict the first's oldest blocks.
-    s, side, drv = build(model_dir, cpu_blocks=6, extra_config={"setup": "eager+restore"})
+    s, side, drv = build(model_config_dir, cpu_blocks=6, extra_config={"setup": "eager+restore"})
     pa = tokens(10, 4 * BS)
     drv.add(vllm_request("a", [*pa, 1], 1, BS))
     run(drv)
@@ -177,8 +173,9 @@ def test_lru_eviction_order_and_head_first_freeing(model_dir):
     assert_idle(s, side)
 
 
-def test_tail_first_freeing_keeps_the_chain_head(model_dir):
-    s, side, drv = build(model_dir, cpu_blocks=6, extra_config={"setup": "eager+restore+tail"})
+def test_tail_first_freeing_keeps_the_chain_head(model_config_dir):
+    s, side, drv = build(model_config_dir, cpu_blocks=6,
+                         extra_config={"setup": "eager+restore+tail"})
     pa = tokens(10, 4 * BS)
     drv.add(vllm_request("a", [*pa, 1], 1, BS))
     run(drv)
@@ -190,11 +187,11 @@ def test_tail_first_freeing_keeps_the_chain_head(model_dir):
     assert_idle(s, side)
 
 
-def test_cpu_hit_pinned_while_allocation_waits(model_dir):
+def test_cpu_hit_pinned_while_allocation_waits(model_config_dir):
     # b's CPU hit is found while the GPU is too full to allocate it; b waits, re-looked-up each
     # step, while c's stores fill the small CPU tier. The hit's blocks stay pinned throughout,
     # so when c finishes b still loads all of them.
-    s, side, drv = build(model_dir, num_gpu_blocks=18, cpu_blocks=8, max_num_seqs=4,
+    s, side, drv = build(model_config_dir, num_gpu_blocks=18, cpu_blocks=8, max_num_seqs=4,
                          extra_config={"setup": "eager+restore"})
     pa = tokens(12, 4 * BS)
     drv.add(vllm_request("a", [*pa, 1], 1, BS))
@@ -214,8 +211,9 @@ def test_cpu_hit_pinned_while_allocation_waits(model_dir):
     assert_idle(s, side)
 
 
-def test_preemption_frees_everything(model_dir):
-    s, side, drv = build(model_dir, num_gpu_blocks=12, max_num_batched_tokens=64, max_num_seqs=4)
+def test_preemption_frees_everything(model_config_dir):
+    s, side, drv = build(model_config_dir, num_gpu_blocks=12, max_num_batched_tokens=64,
+                         max_num_seqs=4)
     for i in range(3):
         drv.add(vllm_request(f"r{i}", tokens(20 + i, 2 * BS + 5), 3 * BS, BS))
     preemptions = 0
@@ -228,8 +226,8 @@ def test_preemption_frees_everything(model_dir):
     assert_idle(s, side)
 
 
-def test_finish_with_stores_in_flight_cleans_up_after_completion(model_dir):
-    s, side, drv = build(model_dir)
+def test_finish_with_stores_in_flight_cleans_up_after_completion(model_config_dir):
+    s, side, drv = build(model_config_dir)
     drv.hold_stores = True
     drv.add(vllm_request("a", tokens(30, 3 * BS), 2, BS))
     drv.run(20)
@@ -241,8 +239,8 @@ def test_finish_with_stores_in_flight_cleans_up_after_completion(model_dir):
     assert_idle(s, side)
 
 
-def test_chunked_prefill_stores_each_confirmed_chunk(model_dir):
-    s, side, drv = build(model_dir, max_num_batched_tokens=2 * BS, max_num_seqs=4)
+def test_chunked_prefill_stores_each_confirmed_chunk(model_config_dir):
+    s, side, drv = build(model_config_dir, max_num_batched_tokens=2 * BS, max_num_seqs=4)
     drv.add(vllm_request("a", tokens(31, 6 * BS + 1), 1, BS))
     stored = []
     for _ in range(8):
@@ -254,8 +252,8 @@ def test_chunked_prefill_stores_each_confirmed_chunk(model_dir):
     assert_idle(s, side)
 
 
-def test_partial_gpu_prefix_plus_cpu_load(model_dir):
-    s, side, drv = build(model_dir, num_gpu_blocks=24)
+def test_partial_gpu_prefix_plus_cpu_load(model_config_dir):
+    s, side, drv = build(model_config_dir, num_gpu_blocks=24)
     p = tokens(32, 8 * BS)
     drv.add(vllm_request("a", [*p, 1], 1, BS))
     run(drv)
@@ -273,8 +271,8 @@ def test_partial_gpu_prefix_plus_cpu_load(model_dir):
     assert_idle(s, side)
 
 
-def test_reset_with_transfers_in_flight(model_dir):
-    s, side, drv = build(model_dir)
+def test_reset_with_transfers_in_flight(model_config_dir):
+    s, side, drv = build(model_config_dir)
     p = tokens(33, 4 * BS)
     drv.add(vllm_request("a", [*p, 1], 1, BS))
     run(drv)
@@ -295,11 +293,11 @@ def test_reset_with_transfers_in_flight(model_dir):
 
 
 @pytest.mark.parametrize(("cpu_blocks", "flushed"), [(4, 1), (3, 0)], ids=["room", "full"])
-def test_finish_flush_joins_the_next_batch_within_capacity(model_dir, cpu_blocks, flushed):
+def test_finish_flush_joins_the_next_batch_within_capacity(model_config_dir, cpu_blocks, flushed):
     # a's last computed token completes block 3 as it finishes: no later step scans it, so the
     # finish flush queues it for the next step's store batch, if the CPU tier has a free block
     # (the held stores of blocks 0-2 keep theirs referenced).
-    s, side, drv = build(model_dir, cpu_blocks=cpu_blocks)
+    s, side, drv = build(model_config_dir, cpu_blocks=cpu_blocks)
     drv.hold_stores = True
     p = tokens(35, 2 * BS + 1)
     drv.add(vllm_request("a", p, 2 * BS, BS))  # 64 tokens computed at finish: 4 blocks
@@ -317,8 +315,8 @@ def test_finish_flush_joins_the_next_batch_within_capacity(model_dir, cpu_blocks
     assert_idle(s, side)
 
 
-def test_multi_group_null_blocks_are_skipped(model_dir):
-    s, side, drv = build(model_dir, groups=(FULL, WINDOW), max_num_batched_tokens=64,
+def test_multi_group_null_blocks_are_skipped(model_config_dir):
+    s, side, drv = build(model_config_dir, groups=(FULL, WINDOW), max_num_batched_tokens=64,
                          max_num_seqs=4)
     p = tokens(36, 6 * BS)
     drv.add(vllm_request("a", [*p, 1], 1, BS))
@@ -341,8 +339,8 @@ def test_multi_group_null_blocks_are_skipped(model_dir):
 
 
 @pytest.mark.parametrize("restore", [True, False], ids=["restore", "no_restore"])
-def test_restore_fills_the_hole_of_a_running_request(model_dir, restore):
-    s, side, drv = build(model_dir, num_gpu_blocks=32,
+def test_restore_fills_the_hole_of_a_running_request(model_config_dir, restore):
+    s, side, drv = build(model_config_dir, num_gpu_blocks=32,
                          extra_config={"setup": "eager+restore" if restore else "eager"})
     p = tokens(40, 8 * BS)
     drv.add(vllm_request("a", p, 3 * BS, BS))  # keeps running while its blocks are stored
@@ -363,8 +361,8 @@ def test_restore_fills_the_hole_of_a_running_request(model_dir, restore):
     assert_idle(s, side)
 
 
-def test_hybrid_full_and_sliding_window_round_trip(model_dir):
-    s, side, drv = build(model_dir, groups=(FULL, WINDOW), num_gpu_blocks=64)
+def test_hybrid_full_and_sliding_window_round_trip(model_config_dir):
+    s, side, drv = build(model_config_dir, groups=(FULL, WINDOW), num_gpu_blocks=64)
     assert type(s.kv_cache_manager.coordinator).__name__ == "HybridKVCacheCoordinator"
     p = tokens(42, 8 * BS)
     drv.add(vllm_request("a", [*p, 1], 2, BS))
@@ -384,8 +382,8 @@ def test_hybrid_full_and_sliding_window_round_trip(model_dir):
     assert_idle(s, side)
 
 
-def test_preemption_with_stores_in_flight(model_dir):
-    s, side, drv = build(model_dir, num_gpu_blocks=10, max_num_batched_tokens=64)
+def test_preemption_with_stores_in_flight(model_config_dir):
+    s, side, drv = build(model_config_dir, num_gpu_blocks=10, max_num_batched_tokens=64)
     drv.hold_stores = True
     drv.add(vllm_request("a", tokens(50, 3 * BS), 4 * BS, BS))
     drv.add(vllm_request("b", tokens(51, 3 * BS), 4 * BS, BS))
@@ -402,8 +400,8 @@ def test_preemption_with_stores_in_flight(model_dir):
     assert_idle(s, side)
 
 
-def test_abort_with_load_in_flight(model_dir):
-    s, side, drv = build(model_dir)
+def test_abort_with_load_in_flight(model_config_dir):
+    s, side, drv = build(model_config_dir)
     p = tokens(52, 5 * BS)
     drv.add(vllm_request("a", [*p, 1], 1, BS))
     run(drv)
@@ -420,12 +418,12 @@ def test_abort_with_load_in_flight(model_dir):
     assert_idle(s, side)
 
 
-def test_abort_with_load_pending_flushes_the_gpu_prefix_hit(model_dir):
+def test_abort_with_load_pending_flushes_the_gpu_prefix_hit(model_config_dir):
     """A request aborted while its CPU load is pending was never in a scheduler output, so the
     planner holds no table of it: its finish flush reads the table vLLM hands to
     ``request_finished_all_groups`` and stores the request's GPU prefix hit the CPU lacks, as
     vLLM's manager does."""
-    s, side, drv = build(model_dir, num_gpu_blocks=24)
+    s, side, drv = build(model_config_dir, num_gpu_blocks=24)
     p = tokens(54, 8 * BS)
     drv.add(vllm_request("a", [*p, 1], 1, BS))
     run(drv)
@@ -448,8 +446,8 @@ def test_abort_with_load_pending_flushes_the_gpu_prefix_hit(model_dir):
     assert_idle(s, side)
 
 
-def test_abort_with_stores_in_flight(model_dir):
-    s, side, drv = build(model_dir)
+def test_abort_with_stores_in_flight(model_config_dir):
+    s, side, drv = build(model_config_dir)
     drv.hold_stores = True
     drv.add(vllm_request("a", tokens(53, 4 * BS), 20, BS))
     step_until(drv, lambda so: len(so.kv_connector_metadata.store))
@@ -461,8 +459,8 @@ def test_abort_with_stores_in_flight(model_dir):
     assert_idle(s, side)
 
 
-def test_failed_load_releases_pins_and_recomputes(model_dir):
-    s, side, drv = build(model_dir)
+def test_failed_load_releases_pins_and_recomputes(model_config_dir):
+    s, side, drv = build(model_config_dir)
     p = tokens(54, 4 * BS)
     drv.add(vllm_request("a", [*p, 1], 1, BS))
     run(drv)
@@ -474,8 +472,8 @@ def test_failed_load_releases_pins_and_recomputes(model_dir):
     assert_idle(s, side)
 
 
-def test_world_size_two_counts_both_workers(model_dir):
-    s, side, drv = build(model_dir, world_size=2)
+def test_world_size_two_counts_both_workers(model_config_dir):
+    s, side, drv = build(model_config_dir, world_size=2)
     drv.world_size = 1  # each report carries one worker's completion
     p = tokens(55, 3 * BS)
     drv.add(vllm_request("a", p, 30, BS))
@@ -492,11 +490,11 @@ def test_world_size_two_counts_both_workers(model_dir):
     assert_idle(s, side)
 
 
-def test_mixed_block_sizes_hit_on_the_scheduler_block(model_dir):
+def test_mixed_block_sizes_hit_on_the_scheduler_block(model_config_dir):
     # Full attention in 32-token blocks, a window in 16-token blocks: hashes every 16 tokens,
     # hits on the 32-token scheduler block, both groups loaded.
     full32 = FullAttentionSpec(32, 1, 8, 1)
-    s, side, drv = build(model_dir, groups=(full32, WINDOW))
+    s, side, drv = build(model_config_dir, groups=(full32, WINDOW))
     assert (side.layout.hash_block_size, side.scheduler_block_size) == (16, 32)
     p = tokens(60, 5 * 32 + 19)
     drv.add(vllm_request("a", p, 3, BS))
@@ -522,14 +520,14 @@ def test_mixed_block_sizes_hit_on_the_scheduler_block(model_dir):
     ({"cpu_eviction": "lru"}, r"\['cpu_eviction'\]: the per-axis keys .* are no longer read; "
                               r"the tier's setup is one key, 'setup'"),
 ], ids=["bad_value", "unknown_key", "too_small", "removed_key"])
-def test_bad_setting_is_one_error_when_the_scheduler_starts(model_dir, extra, message):
+def test_bad_setting_is_one_error_when_the_scheduler_starts(model_config_dir, extra, message):
     with pytest.raises(ValueError, match=message):
-        make_scheduler(model_dir, [FULL], num_gpu_blocks=16, extra_config=extra)
+        make_scheduler(model_config_dir, [FULL], num_gpu_blocks=16, extra_config=extra)
 
 
-def test_cpu_tier_too_small_for_one_block_fails_at_start(model_dir):
+def test_cpu_tier_too_small_for_one_block_fails_at_start(model_config_dir):
     with pytest.raises(ValueError, match="cpu_bytes_per_rank=1 is too small for one CPU block"):
-        make_scheduler(model_dir, [FULL], num_gpu_blocks=16,
+        make_scheduler(model_config_dir, [FULL], num_gpu_blocks=16,
                        extra_config={"cpu_bytes_per_rank": 1})
 
 

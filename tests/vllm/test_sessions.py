@@ -21,7 +21,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 from helpers.vllm_driver import BS, assert_idle, build, cpu_hashes, run, tokens
 from kvtriton.sim.vllm_scheduler import vllm_request
 from kvtriton.vllm.releases import SESSION_KEY
-from tests.vllm.test_signals import kvtriton_warnings, model_dir  # noqa: F401 (the fixture)
+from tests.vllm.test_signals import kvtriton_warnings
 
 pytestmark = pytest.mark.scheduler_role
 
@@ -71,9 +71,9 @@ CASES = [
 
 @pytest.mark.parametrize(("setup", "session", "silent_s", "where", "evicted"), CASES,
                          ids=[f"{c[0]}-{c[1]}-{c[2]}s-{c[3]}" for c in CASES])
-def test_a_sessions_last_turn_is_kept_for_its_next_turn(model_dir, setup, session,  # noqa: F811
+def test_a_sessions_last_turn_is_kept_for_its_next_turn(model_config_dir, setup, session,
                                                         silent_s, where, evicted):
-    s, side, drv = build(model_dir, cpu_blocks=TIER_BLOCKS, extra_config={"setup": setup})
+    s, side, drv = build(model_config_dir, cpu_blocks=TIER_BLOCKS, extra_config={"setup": setup})
     clock = side.signals.clock = Clock()
     with kvtriton_warnings() as records:
         older = serve(drv, side, request("older", 1, session, where))
@@ -97,10 +97,10 @@ def test_a_sessions_last_turn_is_kept_for_its_next_turn(model_dir, setup, sessio
     assert_idle(s, side)
 
 
-def test_a_sessions_next_turn_renews_its_protection(model_dir):  # noqa: F811
+def test_a_sessions_next_turn_renews_its_protection(model_config_dir):
     """A second turn of the session, late in the first turn's idle time, protects the session
     again from its own end: the first turn's idle time passing no longer lets it go."""
-    s, side, drv = build(model_dir, cpu_blocks=TIER_BLOCKS,
+    s, side, drv = build(model_config_dir, cpu_blocks=TIER_BLOCKS,
                          extra_config={"setup": "eager+sessions:60"})
     clock = side.signals.clock = Clock()
     first = serve(drv, side, request("t1", 1, "s1"))

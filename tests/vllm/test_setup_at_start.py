@@ -14,14 +14,9 @@ pytest.importorskip("vllm")
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 from helpers.vllm_driver import FULL
-from kvtriton.sim.vllm_scheduler import make_scheduler, tiny_model_dir
+from kvtriton.sim.vllm_scheduler import make_scheduler
 
 pytestmark = pytest.mark.scheduler_role
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"), 8192)
 
 
 @pytest.fixture
@@ -43,27 +38,28 @@ def start_up_lines():
 
 
 @pytest.mark.parametrize("setup", ["eager+restore:0.00001", "eager+lfu:1000000"])
-def test_a_setup_with_tiny_or_huge_numbers_starts_as_written(model_dir, start_up_lines, setup):
+def test_a_setup_with_tiny_or_huge_numbers_starts_as_written(model_config_dir, start_up_lines,
+                                                             setup):
     # Eight CPU blocks: even lfu:1000000's sketch is 32 MiB here.
-    s = make_scheduler(model_dir, [FULL], num_gpu_blocks=16, cpu_blocks=8,
+    s = make_scheduler(model_config_dir, [FULL], num_gpu_blocks=16, cpu_blocks=8,
                        extra_config={"setup": setup})
     assert s.connector.config.setup == setup
     assert any(f"(setup {setup} (" in line for line in start_up_lines), start_up_lines
 
 
-def test_the_start_up_line_gives_the_sketch_size(model_dir, start_up_lines):
-    make_scheduler(model_dir, [FULL], num_gpu_blocks=16, cpu_blocks=1000,
+def test_the_start_up_line_gives_the_sketch_size(model_config_dir, start_up_lines):
+    make_scheduler(model_config_dir, [FULL], num_gpu_blocks=16, cpu_blocks=1000,
                    extra_config={"setup": "eager+lfu:64"})
     # 4 rows of 64 x 1,000 counters, rounded up to 2^16: 256 KiB.
     assert any("GiB/rank + LFU sketch 0.2 MiB" in line for line in start_up_lines), \
         start_up_lines
 
 
-def test_a_sketch_larger_than_the_machine_is_one_error_at_start(model_dir):
+def test_a_sketch_larger_than_the_machine_is_one_error_at_start(model_config_dir):
     # 262,143 CPU blocks (256 MiB of this tiny model's KV): lfu:1000000's sketch is 1 TiB. The
     # error names the setup as written, not its canonical name (eager+lfu:1000000).
     with pytest.raises(ValueError) as e:
-        make_scheduler(model_dir, [FULL], num_gpu_blocks=16, cpu_blocks=262_143,
+        make_scheduler(model_config_dir, [FULL], num_gpu_blocks=16, cpu_blocks=262_143,
                        extra_config={"setup": "lfu:1000000.0+eager"})
     msg = str(e.value)
     assert msg.startswith("KVTritonConnector: kv_connector_extra_config['setup'] = "

@@ -21,18 +21,13 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 from bench.tier_study.study import ABLATION, COMBINED
 from helpers.vllm_driver import BS, assert_idle, build, cpu_hashes, run, tokens
 from kvtriton.setups import tier_setup
-from kvtriton.sim.vllm_scheduler import tiny_model_dir, vllm_request
+from kvtriton.sim.vllm_scheduler import vllm_request
 from kvtriton.vllm.signals import HINT_KEY, LOGGED_CHARS, shorten
 
 pytestmark = pytest.mark.scheduler_role
 
 PROMPT_BLOCKS = 4
 TIER_BLOCKS = 2 * PROMPT_BLOCKS  # holds two finished prompts, nothing more
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"), 8192)
 
 
 def request(rid, seed, n_blocks, max_tokens=2, hint=None):
@@ -73,10 +68,10 @@ def serve(drv, side, req) -> set[bytes]:
 
 
 @pytest.mark.parametrize("setup", sorted(set(ABLATION + COMBINED)))
-def test_every_online_setup_of_the_study_runs_by_name(model_dir, setup):
+def test_every_online_setup_of_the_study_runs_by_name(model_config_dir, setup):
     """The simulator's ablation and combinations, each turned on by its composition alone: the
     connector runs the planner and eviction the setup parses to, and serves to an idle end."""
-    s, side, drv = build(model_dir, cpu_blocks=TIER_BLOCKS, extra_config={"setup": setup})
+    s, side, drv = build(model_config_dir, cpu_blocks=TIER_BLOCKS, extra_config={"setup": setup})
     tier = tier_setup(setup)
     assert side.config.setup == tier.composition
     name, _, window = tier.cpu_eviction.partition(":")
@@ -109,8 +104,9 @@ HINT_CASES = [
 
 @pytest.mark.parametrize(("old_hint", "new_hint", "evicted"), HINT_CASES,
                          ids=[f"{a}-{b}" for a, b, _ in HINT_CASES])
-def test_hints_decide_which_blocks_the_tier_keeps(model_dir, old_hint, new_hint, evicted):
-    s, side, drv = build(model_dir, cpu_blocks=TIER_BLOCKS, extra_config={"setup": "eager+hints"})
+def test_hints_decide_which_blocks_the_tier_keeps(model_config_dir, old_hint, new_hint, evicted):
+    s, side, drv = build(model_config_dir, cpu_blocks=TIER_BLOCKS,
+                         extra_config={"setup": "eager+hints"})
     older = serve(drv, side, request("older", 1, PROMPT_BLOCKS, hint=old_hint))
     with kvtriton_warnings() as records:
         newer = serve(drv, side, request("newer", 2, PROMPT_BLOCKS, hint=new_hint))
@@ -134,11 +130,12 @@ def test_hints_decide_which_blocks_the_tier_keeps(model_dir, old_hint, new_hint,
 
 
 @pytest.mark.parametrize("setup", ["eager", "lazy+hinted"])
-def test_hints_to_a_setup_without_hints_are_counted_as_ignored_and_warned_once(model_dir, setup):
+def test_hints_to_a_setup_without_hints_are_counted_as_ignored_and_warned_once(
+        model_config_dir, setup):
     """A setup without the hints axis or hinted admission does nothing with a hint: LRU as
     without them, the hints counted as ignored (not as applied), one warning per connector.
     With hinted admission (the positive control) they are applied and nothing is warned."""
-    _, side, drv = build(model_dir, cpu_blocks=TIER_BLOCKS, extra_config={"setup": setup})
+    _, side, drv = build(model_config_dir, cpu_blocks=TIER_BLOCKS, extra_config={"setup": setup})
     with kvtriton_warnings() as records:
         older = serve(drv, side, request("older", 1, PROMPT_BLOCKS, hint="continue"))
         newer = serve(drv, side, request("newer", 2, PROMPT_BLOCKS, hint="close"))
@@ -159,11 +156,12 @@ def test_hints_to_a_setup_without_hints_are_counted_as_ignored_and_warned_once(m
         assert not warned
 
 
-def test_a_huge_hint_or_request_id_is_warned_in_a_bounded_line(model_dir):
+def test_a_huge_hint_or_request_id_is_warned_in_a_bounded_line(model_config_dir):
     """A client's 100,000-character hint (under a 5,000-character request id) is still one
     warning naming the request and the problem, but a few hundred characters long: it used to
     be 100,202."""
-    _, side, drv = build(model_dir, cpu_blocks=TIER_BLOCKS, extra_config={"setup": "eager+hints"})
+    _, side, drv = build(model_config_dir, cpu_blocks=TIER_BLOCKS,
+                         extra_config={"setup": "eager+hints"})
     rid = "r" * 5_000
     with kvtriton_warnings() as records:
         serve(drv, side, request(rid, 1, PROMPT_BLOCKS, hint="x" * 100_000))
@@ -184,10 +182,10 @@ def test_shorten_keeps_short_text_and_cuts_long_text_saying_how_long():
     assert cut == "ababababab... (300 characters, cut at 10)"
 
 
-def test_close_spares_blocks_a_later_request_was_admitted_with(model_dir):
+def test_close_spares_blocks_a_later_request_was_admitted_with(model_config_dir):
     """A close covers the blocks its request held last: a prefix a request admitted after it
     shares belongs to that request's future and keeps the plain order."""
-    _, side, drv = build(model_dir, cpu_blocks=3 * PROMPT_BLOCKS,
+    _, side, drv = build(model_config_dir, cpu_blocks=3 * PROMPT_BLOCKS,
                          extra_config={"setup": "eager+hints"})
     shared = serve(drv, side, request("first", 1, PROMPT_BLOCKS))
     # Same prompt, admitted after "first": it is the shared blocks' last holder.
@@ -204,11 +202,11 @@ def test_close_spares_blocks_a_later_request_was_admitted_with(model_dir):
 
 
 @pytest.mark.parametrize("setup", ["eager+waiting", "eager"])
-def test_waiting_requests_keys_stay_in_the_tier(model_dir, setup):
+def test_waiting_requests_keys_stay_in_the_tier(model_config_dir, setup):
     """A request waits (one running slot, taken) for a prefix the CPU tier holds, while the
     running request's stores fill the tier: with the lookahead its prefix stays; without it
     (the negative control) LRU evicts it first. Admitted, its keys are plain again."""
-    s, side, drv = build(model_dir, cpu_blocks=TIER_BLOCKS, max_num_seqs=1,
+    s, side, drv = build(model_config_dir, cpu_blocks=TIER_BLOCKS, max_num_seqs=1,
                          extra_config={"setup": setup})
     prefix = serve(drv, side, request("p", 1, PROMPT_BLOCKS))
     serve(drv, side, request("q", 2, PROMPT_BLOCKS))

@@ -17,26 +17,20 @@ pytest.importorskip("vllm")
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 from bench.vllm.connector_soak import ConnectorSoak
-from kvtriton.sim.vllm_scheduler import tiny_model_dir
 
 GPU, CPU = 64, 128
 REQUESTS = 700  # about 4,800 distinct blocks: 25x the pools, past the planner's first 4,096 slots
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"), 8192)
-
-
-def soak(model_dir, **kw) -> ConnectorSoak:
-    return ConnectorSoak(model_dir, gpu_blocks=GPU, cpu_blocks=CPU, **kw)
+def soak(model_config_dir, **kw) -> ConnectorSoak:
+    return ConnectorSoak(model_config_dir, gpu_blocks=GPU, cpu_blocks=CPU, **kw)
 
 
 @pytest.fixture(scope="module")
-def runs(model_dir):
+def runs(model_config_dir):
     out = {}
     for recycle in (True, False):
-        s = soak(model_dir, recycle=recycle, record=True)
+        s = soak(model_config_dir, recycle=recycle, record=True)
         out[recycle] = (s, s.run(REQUESTS, sample_every=100, check_every=25))
     return out
 
@@ -78,11 +72,11 @@ def test_recycling_changes_ids_only(runs):
     assert on == off
 
 
-def test_a_recycler_that_misses_the_cpu_tier_is_caught(model_dir, runs, monkeypatch):
+def test_a_recycler_that_misses_the_cpu_tier_is_caught(model_config_dir, runs, monkeypatch):
     """Negative control: a sweep that forgets the CPU tier holds ids recycles them while CPU
     blocks are cached under them, so a new hash given such an id looks cached: the hashes
     moved part from the control run's (or the planner's books break)."""
-    broken = soak(model_dir, recycle=True, record=True)
+    broken = soak(model_config_dir, recycle=True, record=True)
     monkeypatch.setattr(broken.side.cpu_pool, "referenced_keys", lambda: [])
     try:
         broken.run(REQUESTS, sample_every=REQUESTS, check_every=5)
@@ -91,10 +85,10 @@ def test_a_recycler_that_misses_the_cpu_tier_is_caught(model_dir, runs, monkeypa
     assert broken.recorder.steps != runs[False][0].recorder.steps
 
 
-def test_sweeping_every_step_changes_nothing(model_dir, runs, monkeypatch):
+def test_sweeping_every_step_changes_nothing(model_config_dir, runs, monkeypatch):
     """A sweep after every step, with requests waiting on a looked-up CPU hit, loads and
     stores in flight, and re-stores queued: the same hashes move as in the control run."""
-    s = soak(model_dir, recycle=True, record=True)
+    s = soak(model_config_dir, recycle=True, record=True)
     side = s.side
     build = side.build_connector_meta
 

@@ -13,15 +13,10 @@ pytest.importorskip("vllm")
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 from helpers.vllm_driver import BS, build, run, tokens
-from kvtriton.sim.vllm_scheduler import tiny_model_dir, vllm_request
+from kvtriton.sim.vllm_scheduler import vllm_request
 from kvtriton.vllm.stats import GAUGES, STATS
 
 pytestmark = pytest.mark.scheduler_role
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"), 8192)
 
 
 def hashed_cpu_blocks(side) -> int:
@@ -30,8 +25,8 @@ def hashed_cpu_blocks(side) -> int:
     return sum(pool.block_hash(b) is not None for b in range(1, pool.num_blocks))
 
 
-def test_stats_report_counters_since_last_call(model_dir):
-    s, _side, drv = build(model_dir)
+def test_stats_report_counters_since_last_call(model_config_dir):
+    s, _side, drv = build(model_config_dir)
     drv.add(vllm_request("a", tokens(58, 3 * BS), 1, BS))
     run(drv)
     st = s.connector.get_kv_connector_stats()
@@ -46,12 +41,12 @@ def test_stats_report_counters_since_last_call(model_dir):
         assert merged.reduce()[gauge] == again.data[gauge]
 
 
-def test_the_fill_gauge_counts_what_the_tier_holds_not_what_transfers_pin(model_dir):
+def test_the_fill_gauge_counts_what_the_tier_holds_not_what_transfers_pin(model_config_dir):
     """After stores complete and every transfer finished, the tier holds the prompts' blocks:
     ``cpu_cached_blocks`` reads them while ``cpu_blocks_pinned_by_transfers`` reads 0. (The one
     gauge this replaced, ``cpu_used_blocks``, read 0 here: it counted the pins.) With a store
     held in flight, its destinations are pinned and not yet cached."""
-    s, side, drv = build(model_dir)
+    s, side, drv = build(model_config_dir)
     drv.add(vllm_request("a", tokens(60, 3 * BS), 1, BS))
     run(drv)
     gauges = s.connector.get_kv_connector_stats().data
@@ -74,8 +69,8 @@ def test_the_fill_gauge_counts_what_the_tier_holds_not_what_transfers_pin(model_
     assert done["cpu_blocks_pinned_by_transfers"] == 0
 
 
-def test_every_stat_the_scheduler_role_reports_is_documented_and_nothing_more(model_dir):
-    _, side, _ = build(model_dir, extra_config={"setup": "eager+hints"})
+def test_every_stat_the_scheduler_role_reports_is_documented_and_nothing_more(model_config_dir):
+    _, side, _ = build(model_config_dir, extra_config={"setup": "eager+hints"})
     reported = set(side.counters()) | set(side.gauges())
     # The second tier's stats come with it (tests/store/test_engine_second_tier.py).
     documented = {name for name in STATS if not name.startswith(("worker_", "second_tier_"))}

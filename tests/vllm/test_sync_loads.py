@@ -18,17 +18,12 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 from vllm.v1.request import RequestStatus
 
 from helpers.vllm_driver import BS, FULL, WINDOW, assert_idle, build, evict_gpu, run, tokens
-from kvtriton.sim.vllm_scheduler import make_scheduler, tiny_model_dir, vllm_request
+from kvtriton.sim.vllm_scheduler import make_scheduler, vllm_request
 
 pytestmark = pytest.mark.scheduler_role
 
 BLOCK = 1024  # bytes of one FULL block (K and V, 16 tokens x 8 fp32)
 HIT = 5  # blocks of the CPU hit each test sets up
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"), 8192)
 
 
 def cached_prompts(drv, *seeds):
@@ -42,8 +37,8 @@ def cached_prompts(drv, *seeds):
     return prompts
 
 
-def test_a_hit_that_fits_is_computed_in_the_step_that_loads_it(model_dir):
-    s, side, drv = build(model_dir, extra_config={"sync_load_budget_bytes": HIT * BLOCK})
+def test_a_hit_that_fits_is_computed_in_the_step_that_loads_it(model_config_dir):
+    s, side, drv = build(model_config_dir, extra_config={"sync_load_budget_bytes": HIT * BLOCK})
     assert side.layout.hit_bytes(HIT * BS) == HIT * BLOCK
     (p,) = cached_prompts(drv, 1)
     q = p + tokens(2, 20)
@@ -64,8 +59,8 @@ def test_a_hit_that_fits_is_computed_in_the_step_that_loads_it(model_dir):
     assert_idle(s, side)
 
 
-def test_a_hit_that_does_not_fit_waits_for_its_load(model_dir):
-    s, side, drv = build(model_dir, extra_config={"sync_load_budget_bytes": HIT * BLOCK - 1})
+def test_a_hit_that_does_not_fit_waits_for_its_load(model_config_dir):
+    s, side, drv = build(model_config_dir, extra_config={"sync_load_budget_bytes": HIT * BLOCK - 1})
     (p,) = cached_prompts(drv, 3)
     drv.add(vllm_request("b", p + tokens(4, 20), 2, BS))
     so, _ = drv.step()
@@ -78,10 +73,10 @@ def test_a_hit_that_does_not_fit_waits_for_its_load(model_dir):
     assert_idle(s, side)
 
 
-def test_the_budget_is_per_step(model_dir):
+def test_the_budget_is_per_step(model_config_dir):
     """Two hits of one budget each in one step: the first is loaded in the step, the second
     waits for its load; the next step's hit has the whole budget again."""
-    s, side, drv = build(model_dir, extra_config={"sync_load_budget_bytes": HIT * BLOCK})
+    s, side, drv = build(model_config_dir, extra_config={"sync_load_budget_bytes": HIT * BLOCK})
     p1, p2, p3 = cached_prompts(drv, 5, 6, 7)
     drv.add(vllm_request("b", p1 + tokens(8, 20), 2, BS))
     drv.add(vllm_request("c", p2 + tokens(9, 20), 2, BS))
@@ -98,10 +93,10 @@ def test_the_budget_is_per_step(model_dir):
     assert_idle(s, side)
 
 
-def test_one_token_is_left_to_compute(model_dir):
+def test_one_token_is_left_to_compute(model_config_dir):
     """A prompt that is all CPU hit: the hit stops a block short of its end (the last token
     must be computed), and that hit loads in the step that computes the rest."""
-    s, side, drv = build(model_dir, extra_config={"sync_load_budget_bytes": 1 << 20})
+    s, side, drv = build(model_config_dir, extra_config={"sync_load_budget_bytes": 1 << 20})
     p = tokens(11, HIT * BS)
     drv.add(vllm_request("a", [*p, 1], 1, BS))
     run(drv)
@@ -114,11 +109,11 @@ def test_one_token_is_left_to_compute(model_dir):
     assert_idle(s, side)
 
 
-def test_a_failed_same_step_load_is_recomputed(model_dir):
+def test_a_failed_same_step_load_is_recomputed(model_config_dir):
     """The workers report the load failed (its blocks invalid): vLLM recomputes the request
     from its first invalid block and drops the step's token; the planner releases the load's
     pins and offers the request no CPU hit again."""
-    s, side, drv = build(model_dir, extra_config={"sync_load_budget_bytes": 1 << 20})
+    s, side, drv = build(model_config_dir, extra_config={"sync_load_budget_bytes": 1 << 20})
     s.recompute_kv_load_failures = True  # kv_load_failure_policy="recompute", as a server's
     (p,) = cached_prompts(drv, 12)
     drv.failed_loads.add("b")
@@ -132,16 +127,16 @@ def test_a_failed_same_step_load_is_recomputed(model_dir):
     assert_idle(s, side)
 
 
-def test_several_kv_cache_groups_are_refused_at_start(model_dir):
+def test_several_kv_cache_groups_are_refused_at_start(model_config_dir):
     with pytest.raises(ValueError, match=r"\['sync_load_budget_bytes'\] = 4096 needs a model "
                                          r"with one KV cache group, this one has 2"):
-        make_scheduler(model_dir, [FULL, WINDOW], num_gpu_blocks=32,
+        make_scheduler(model_config_dir, [FULL, WINDOW], num_gpu_blocks=32,
                        extra_config={"sync_load_budget_bytes": 4096})
-    make_scheduler(model_dir, [FULL, WINDOW], num_gpu_blocks=32,
+    make_scheduler(model_config_dir, [FULL, WINDOW], num_gpu_blocks=32,
                    extra_config={"sync_load_budget_bytes": 0})
 
 
-def test_the_worker_waits_for_a_same_step_load_and_reports_it_apart(model_dir):
+def test_the_worker_waits_for_a_same_step_load_and_reports_it_apart(model_config_dir):
     """In the worker role a same-step load has landed when ``start_load_kv`` returns; it is
     reported in the worker metadata, never in ``finished_recving`` (the asynchronous load of
     the same event is); one that fails has its GPU blocks reported invalid."""
@@ -154,7 +149,7 @@ def test_the_worker_waits_for_a_same_step_load_and_reports_it_apart(model_dir):
     from kvtriton.vllm import KVTritonConnector
     from kvtriton.vllm.metadata import KVTritonMetadata
 
-    vllm_config, kv_cache_config, _ = make_configs(model_dir, [FULL], num_gpu_blocks=16,
+    vllm_config, kv_cache_config, _ = make_configs(model_config_dir, [FULL], num_gpu_blocks=16,
                                                    cpu_blocks=8)
     conn = KVTritonConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
     kv = torch.zeros(2, 16, BS, 1, 8)

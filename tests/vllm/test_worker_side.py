@@ -12,15 +12,9 @@ pytest.importorskip("vllm")
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 from helpers.vllm_driver import BS, FULL
-from kvtriton.sim.vllm_scheduler import tiny_model_dir
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"), 8192)
-
-
-def test_worker_role_refuses_kv_tensors_it_cannot_address(model_dir):
+def test_worker_role_refuses_kv_tensors_it_cannot_address(model_config_dir):
     """The worker role checks vLLM's KV tensors at ``register_kv_caches`` (engine start): a
     missing layer or a tensor whose blocks are not dense ranges of the spec's bytes is one
     error naming the layer, before any request is served."""
@@ -30,7 +24,7 @@ def test_worker_role_refuses_kv_tensors_it_cannot_address(model_dir):
     from kvtriton.sim.vllm_scheduler import make_configs
     from kvtriton.vllm import KVTritonConnector
 
-    vllm_config, kv_cache_config, _ = make_configs(model_dir, [FULL], num_gpu_blocks=16,
+    vllm_config, kv_cache_config, _ = make_configs(model_config_dir, [FULL], num_gpu_blocks=16,
                                                    cpu_blocks=8)
     conn = KVTritonConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
     with pytest.raises(ValueError, match="layer 'layer0' has no KV cache tensor"):
