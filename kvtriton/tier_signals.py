@@ -33,22 +33,24 @@ blocks nobody comes back for, pushing every other client's prefixes out. So a cl
 by what its client has shown:
 - *came back*: a session's turn is proven when the session ended a turn before (within the
   idle time, and among the last ``seen`` sessions) and this turn holds that turn's head key
-  (the context came back); a ``continue`` is proven when the request holds the deepest key of an
-  earlier ``continue`` (the hinted context came back whole). Keys are salted per tenant
+  (the context came back); a ``continue`` is proven when the request holds the second deepest
+  key of an earlier ``continue`` (the hinted context came back, but for its last block, which a
+  partial block or a resent output's tokenization may change). Keys are salted per tenant
   (vLLM's ``cache_salt``), so one tenant never proves another's claim.
 - *probation*: unproven claims together hold at most ``PROBATION_SHARE`` of the protected
-  segment, or the newest one alone where it is larger; past it the oldest unproven claim is
-  let go (its blocks go first: it showed nothing).
+  segment, or the newest one alone where it is larger; past it the oldest unproven claim
+  loses its protection (its blocks return to the plain order).
 - *tenants*: when the claims hold more keys than the segment and more than one tenant holds
-  some, the tenant holding the most lets go of its oldest claim until they fit, so one tenant
-  cannot push another's protection out: each keeps at least its fair share of the segment.
+  some, the tenant holding the most loses its oldest claim's protection until they fit, so one
+  tenant cannot push another's protection out: each keeps at least its fair share.
   With one tenant, the segment's own order decides, block by block (``HintedQueue``).
 - *memory*: the book tracks claims of at most ``TRACKED_SEGMENTS`` segments' worth of keys,
   and remembers at most a segment's worth (in blocks) of sessions it has seen; past either the
-  oldest goes (a claim is let go). So its memory is bounded by the tier's size
-  (``book_bytes``), whatever number of session ids clients send.
+  oldest is forgotten (the segment's own order, block by block, has demoted a claim that
+  old). So its memory is bounded by the tier's size (``book_bytes``), whatever number of
+  session ids clients send.
 A claim replaced by its session's (or chain's) next one lets go of the keys the new one does
-not hold.
+not hold (their blocks go first: the context moved on without them), as aging out does.
 """
 
 from __future__ import annotations
@@ -68,18 +70,19 @@ from kvtriton.eviction import (
     HintedQueue,
     make_eviction_queue,
 )
+from kvtriton.setups import DEFAULT_PROTECT_SHARE
 
 if TYPE_CHECKING:
     from kvtriton.setups import TierSetup
 
-#: The share of the tier a session's protected blocks may hold (``kvtriton.setups``'s default
-#: share of the protecting axes).
-DEFAULT_PROTECT_SHARE = 0.5
 
 #: The share of the protected segment that unproven claims (a session's first turn, a
-#: ``continue`` whose context nobody came back to yet) may hold together: a quarter, so a client
-#: that claims with every request takes at most an eighth of the tier at the default share.
-PROBATION_SHARE = 0.25
+#: ``continue`` whose context nobody came back to yet) may hold together: an eighth, so a client
+#: that claims with every request takes at most a sixteenth of the tier at the default share
+#: (in the engine attack of ``bench.vllm.claims_attack``, a quarter cost the others 17-24% of
+#: their CPU hits, an eighth 5-8%; the simulator's hint and session figures on the agent and
+#: coding-agent traces were the same at 0, an eighth and a quarter).
+PROBATION_SHARE = 0.125
 #: Claims tracked, in protected segments' worth of keys: the segment's own order demotes the
 #: blocks of older claims block by block before that, so the book forgets only what it let go.
 TRACKED_SEGMENTS = 2
@@ -147,9 +150,9 @@ def cpu_queue(setup: TierSetup, next_use: EvictionQueue | None = None
     if setup.hints:
         hinted = HintedQueue(base, setup.hint_protect_share)
     elif setup.sessions:
-        hinted = HintedQueue(base, DEFAULT_PROTECT_SHARE)
+        hinted = HintedQueue(base, DEFAULT_PROTECT_SHARE, role="sessions")
     elif setup.lookahead:
-        hinted = HintedQueue(base, setup.waiting_protect_share, demote="newest")
+        hinted = HintedQueue(base, setup.waiting_protect_share, demote="newest", role="waiting")
     else:
         return base, None
     return hinted, hinted
@@ -165,6 +168,14 @@ def _distinct_by_depth(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     uniq, first = np.unique(by_position, return_index=True)
     order = np.argsort(first, kind="stable")
     return uniq[order], (first[order] // max(1, keys.shape[0])).astype(np.int32)
+
+
+def _link(uniq: np.ndarray) -> int:
+    """The key by which a later request shows it continues a ``continue`` claim of ``uniq``
+    (distinct keys in chain order): the second deepest. The deepest may not come back even when
+    the context does: a trace's last block is partial, and extended it hashes anew; a resent
+    output may tokenize differently at its end."""
+    return int(uniq[-2] if len(uniq) > 1 else uniq[-1])
 
 
 def _grown(arr: np.ndarray, n: int, fill: int) -> np.ndarray:
@@ -195,7 +206,7 @@ class SignalBook:
         # (tenant, session) -> (the head key of its last turn, when it ended), least recent first
         self._seen: OrderedDict[Hashable, tuple[int, float]] = OrderedDict()
         self._tail_claim = np.full(0, -1, dtype=np.int64)  # key -> live hint claim ending there
-        self._tail = np.zeros(0, dtype=bool)  # key -> the deepest key of an earlier continue
+        self._tail = np.zeros(0, dtype=bool)  # key -> the link key of an earlier continue
         self._probation: OrderedDict[int, None] = OrderedDict()  # unproven claims, oldest first
         self._probation_keys = 0
         self._tracked_keys = 0
@@ -204,7 +215,8 @@ class SignalBook:
         #: Sessions aged out by ``expire`` (a count).
         self.sessions_expired = 0
         #: Claims let go before their time, by why: ``unproven`` (probation full),
-        #: ``over_share`` (their tenant over its fair share), ``tracked`` (the book's bound).
+        #: ``over_share`` (their tenant over its fair share); ``tracked``: claims forgotten at
+        #: the book's bound (their blocks left to the segment's order).
         self.claims_let_go = {"unproven": 0, "over_share": 0, "tracked": 0}
         #: Claims made, and those of them proven (their context came back).
         self.claims_made = 0
@@ -267,7 +279,7 @@ class SignalBook:
         if not self.hints or keys is None or not keys.size:
             return
         uniq, depths = _distinct_by_depth(keys)
-        # The claims this request continues (it holds their deepest key): replaced by its own
+        # The claims this request continues (it holds their link key): replaced by its own
         # claim on ``continue``, no longer tracked otherwise (their keys take this hint).
         before = [self._untrack(c) for c in self._claims_ending_in(uniq)]
         if hint == "continue":
@@ -348,7 +360,7 @@ class SignalBook:
         if owner is not None:
             self._session_claim[owner] = serial
         else:
-            tail = int(uniq[-1])
+            tail = _link(uniq)
             self._tail_claim = _grown(self._tail_claim, tail + 1, -1)
             self._tail = _grown(self._tail, tail + 1, False)
             self._tail_claim[tail] = serial
@@ -373,11 +385,21 @@ class SignalBook:
             tenant = max(oldest, key=lambda t: (self._tenant_keys[t], -oldest[t]))
             self._drop(oldest[tenant], "over_share")
         while self._tracked_keys > TRACKED_SEGMENTS * cap:
-            self._drop(next(iter(self._claims)), "tracked")
+            # Only forgotten: the segment's own order has demoted the blocks of claims this old
+            # block by block (the oldest claim's deepest first), which keeps their heads longer
+            # than letting the whole claim go would.
+            self._untrack(next(iter(self._claims)))
+            self.claims_let_go["tracked"] += 1
 
     def _drop(self, serial: int, why: str) -> None:
+        """A bound takes claim ``serial``'s protection: its keys that no later claim renewed
+        return to the plain order (their blocks at its young end, as the segment's own overflow
+        puts them), neither first to go nor kept: nothing says they are dead, as aging out or
+        a replacing turn says of theirs."""
         self.claims_let_go[why] += 1
-        self._let_go(self._untrack(serial))
+        claim = self._untrack(serial)
+        keys = claim.keys
+        self._set(keys[self.queue.epochs(keys) == claim.epoch], NORMAL, None)
 
     def _untrack(self, serial: int) -> _Claim:
         """Stop tracking claim ``serial`` (the queue keeps what it has); returns it."""
@@ -394,8 +416,8 @@ class SignalBook:
         if claim.owner is not None:
             if self._session_claim.get(claim.owner) == serial:
                 del self._session_claim[claim.owner]
-        elif self._tail_claim[claim.keys[-1]] == serial:
-            self._tail_claim[claim.keys[-1]] = -1
+        elif self._tail_claim[_link(claim.keys)] == serial:
+            self._tail_claim[_link(claim.keys)] = -1
         return claim
 
     def _let_go(self, claim: _Claim) -> None:
@@ -404,7 +426,7 @@ class SignalBook:
         self.queue.let_go(keys[self.queue.epochs(keys) == claim.epoch], self._free_block)
 
     def _claims_ending_in(self, uniq: np.ndarray) -> list[int]:
-        """The live hint claims whose deepest key is among ``uniq``."""
+        """The live hint claims whose link key (``_link``) is among ``uniq``."""
         serials = self._tail_claim[uniq[uniq < len(self._tail_claim)]]
         return [int(c) for c in np.unique(serials[serials >= 0])]
 

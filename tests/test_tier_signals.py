@@ -269,3 +269,14 @@ def test_fresh_session_ids_keep_the_books_memory_within_its_bound():
     # The per-key-id arrays (``_tail``, the queue's levels) grow with the ids, not the sessions.
     per_key_ids = 3 * 4_000 * (8 + 1 + 1 + 4 + 8)
     assert used <= book_bytes(cap, 256) + per_key_ids, (used, book_bytes(cap, 256))
+
+
+@pytest.mark.parametrize("setup, name", [("eager+hints", "lru+hints"),
+                                         ("eager+sessions", "lru+sessions"),
+                                         ("eager+arc+waiting", "arc+waiting")])
+def test_the_protected_queue_is_named_for_what_protects(setup, name):
+    from kvtriton.setups import tier_setup
+    from kvtriton.tier_signals import cpu_queue
+
+    queue, hinted = cpu_queue(tier_setup(setup))
+    assert queue is hinted and queue.name == name

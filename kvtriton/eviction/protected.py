@@ -10,7 +10,9 @@ share of the tier. Past it, a block of the oldest hint (``demote="oldest"``, the
 (``demote="newest"``: for a waiting-queue lookahead, whose newest arrival is admitted last)
 returns to the wrapped queue, the deepest block of that hint's chain first: a hit needs a chain's
 head, and a tail kept without its head serves nothing. Everything else is the wrapped queue's
-business (LRU, ARC, S3-FIFO), including whether a touch is reuse.
+business (any queue of ``kvtriton.eviction``), including whether a touch is reuse. The same
+segments serve the waiting-queue lookahead and sessions (``kvtriton.tier_signals``): ``role``
+names which, in the queue's name.
 """
 
 from __future__ import annotations
@@ -35,10 +37,10 @@ class HintedQueue(EvictionQueue):
     Pop order: unhashed blocks, drop blocks (oldest first), the wrapped queue's order, protected
     blocks (oldest first). ``protect_share``: the most of the pool protected blocks may hold;
     ``demote``: whose blocks a full protected segment lets go first, the oldest hint's or the
-    newest's."""
+    newest's; ``role``: what protects (``hints``, ``waiting``, ``sessions``), for its name."""
 
     def __init__(self, base: EvictionQueue, protect_share: float,
-                 demote: str = "oldest") -> None:
+                 demote: str = "oldest", role: str = "hints") -> None:
         if not 0.0 <= protect_share <= 1.0:
             raise ValueError(f"protect_share must be in [0, 1], got {protect_share!r}")
         if demote not in ("oldest", "newest"):
@@ -46,7 +48,7 @@ class HintedQueue(EvictionQueue):
         self.base = base
         self.protect_share = protect_share
         self._newest_first = demote == "newest"
-        self.name = f"{base.name}+hints"
+        self.name = f"{base.name}+{role}"
         self._level = np.zeros(0, dtype=np.uint8)
         self._depth = np.zeros(0, dtype=np.int32)  # chain position of a key, from ``hint``
         self._epoch = np.zeros(0, dtype=np.int64)  # the ``hint`` call that protected a key

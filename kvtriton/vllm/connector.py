@@ -94,9 +94,9 @@ class KVTritonConnector(KVConnectorBase_V1, SupportsHMA):
     until its last store completes, then releases it tail first. vLLM's manager lets the
     scheduler free the table at once; the blocks its stores pin then rejoin the GPU free queue
     as each store completes, after the others and head first, so the prefix cache evicts the
-    chain's head first and the next turn loses its GPU hit: on the engine benchmark's
-    cc_agentic, 33.9% against 36.2% without a tier; held, 56.4%
-    (``python -m bench.tier_study.finish_free_order``).
+    chain's head first and the next turn loses its GPU hit, below what no tier gets (measured
+    by ``python -m bench --only vllm`` and traced by
+    ``python -m bench.tier_study.finish_free_order``; the paper's engine section).
     """
 
     _cache_hit_source = CacheHitSource.HOST

@@ -16,7 +16,9 @@ vLLM's ``Scheduler``, ``BlockPool`` and ``Request`` are the truth; this adapter 
   last one, so the ids, and every array the planner indexes by them, stay within about twice
   what the pools and the running requests hold however many distinct blocks a server sees.
 
-The CPU tier is kvtriton's own ``BlockPool`` (LRU, ARC or S3-FIFO), sized as vLLM sizes its own.
+The CPU tier is kvtriton's own ``BlockPool`` under the setup's eviction queue (any of
+``kvtriton.eviction``'s, with the protected segments of hints, sessions or the lookahead:
+``kvtriton.tier_signals.cpu_queue``), sized as vLLM sizes its own.
 """
 
 from __future__ import annotations
