@@ -10,7 +10,8 @@ least one of the request's tokens remains to compute; the budget is whole again 
 
 The connector (``kvtriton.vllm.scheduler_side``) and the simulator
 (``kvtriton.sim.batch_scheduler``) apply the same rule through ``SyncLoadBudget``, and split the
-step's one load transfer with ``split_sync_loads``.
+step's one load transfer with ``split_sync_loads``. The connector waits for every worker's report
+of a same-step load (``SyncLoadsInFlight``) before its request may look up again.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from kvtriton.records import PlannerMeta, Transfer
 from kvtriton.specs import KVLayout
 from kvtriton.validation import is_int
 
-__all__ = ["SyncLoadBudget", "split_sync_loads"]
+__all__ = ["SyncLoadBudget", "SyncLoadsInFlight", "split_sync_loads"]
 
 
 class SyncLoadBudget:
@@ -99,3 +100,48 @@ def split_sync_loads(meta: PlannerMeta, queued: Mapping[str, Transfer],
         to_reqs.pop(ev, None)
         rest = Transfer()
     return PlannerMeta(meta.store, rest, to_reqs, meta.need_flush), now
+
+
+class SyncLoadsInFlight:
+    """The same-step loads issued and not yet reported by every one of ``world_size`` workers:
+    by load event, its requests and how many workers reported it landed or failed. A request
+    is in flight (``in``) from ``issued`` until the last report of its event; one load at a
+    time, so vLLM's lookups of it wait."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self._requests: dict[int, list[str]] = {}  # event -> its requests
+        self._reports: dict[int, list[int]] = {}  # event -> [landed, failed] worker reports
+        self._pending: set[str] = set()  # the requests of those events, for ``in``
+
+    def issued(self, event: int, req_ids: list[str]) -> None:
+        """The same-step loads of ``req_ids`` went out under ``event``."""
+        self._requests[event] = list(req_ids)
+        self._reports[event] = [0, 0]
+        self._pending.update(req_ids)
+
+    def __contains__(self, req_id: str) -> bool:
+        return req_id in self._pending
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def reported(self, landed: Mapping[int, int], failed: Mapping[int, int]
+                 ) -> tuple[list[str], list[str]]:
+        """Add one step's aggregated worker reports (event -> workers that reported it landed,
+        or failed; events not in flight are ignored). Returns the requests whose events every
+        worker has now reported: those that landed everywhere, and those that failed on some
+        worker (its blocks are invalid: vLLM recomputes the request)."""
+        for reports, i in ((landed, 0), (failed, 1)):
+            for ev, n in reports.items():
+                if ev in self._reports:
+                    self._reports[ev][i] += n
+        ok: list[str] = []
+        broken: list[str] = []
+        for ev, (done, bad) in list(self._reports.items()):
+            if done + bad >= self.world_size:
+                del self._reports[ev]
+                rids = self._requests.pop(ev)
+                self._pending.difference_update(rids)
+                (broken if bad else ok).extend(rids)
+        return ok, broken

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from kvtriton.planner import OffloadPlanner, StepOutput
-from kvtriton.sync_loads import SyncLoadBudget, split_sync_loads
+from kvtriton.sync_loads import SyncLoadBudget, SyncLoadsInFlight, split_sync_loads
 from kvtriton.vllm.config import ConnectorConfig
 from kvtriton.vllm.gpu_pool import VllmGpuPool
 from kvtriton.vllm.keys import KeyIds, group_suffixes
@@ -65,9 +65,7 @@ class SchedulerSide:
         # Same-step loads: the budget, and per load event the requests of its same-step part
         # until every worker reported it ([completed, failed] reports).
         self.sync_budget = SyncLoadBudget(self.layout, config.sync_load_budget_bytes)
-        self._sync_events: dict[int, list[str]] = {}
-        self._sync_reports: dict[int, list[int]] = {}
-        self._sync_pending: set[str] = set()  # the requests of those events, kept beside them
+        self._sync_in_flight = SyncLoadsInFlight(self.world_size)
         self.sync_stats = {"sync_loads": 0, "sync_load_bytes": 0}
         self.num_cpu_blocks = cpu_blocks_for_bytes(kv_cache_config, config.cpu_bytes_per_rank)
         self.max_model_len = vllm_config.model_config.max_model_len
@@ -161,7 +159,7 @@ class SchedulerSide:
         rid = vreq.request_id
         if self.store is not None and self.store.still_waiting(rid):
             return None, False  # for the store: nothing to look up again until it answers
-        if rid in self._sync_pending:
+        if rid in self._sync_in_flight:
             return None, False  # its same-step load is not reported yet (one load at a time)
         if rid in self._preemptions and self._preemptions[rid] != vreq.num_preemptions:
             # Preempted before a step said so (a reset that preempts every running request).
@@ -278,9 +276,7 @@ class SchedulerSide:
         out = KVTritonMetadata.from_planner(meta)
         if sync:
             out.sync_load, out.sync_load_reqs = now, sync
-            self._sync_events[now.event] = sync
-            self._sync_pending.update(sync)
-            self._sync_reports[now.event] = [0, 0]
+            self._sync_in_flight.issued(now.event, sync)
             per = self.layout.group_block_bytes
             self.sync_stats["sync_loads"] += len(sync)
             self.sync_stats["sync_load_bytes"] += sum(per[g] for g in now.groups)
@@ -377,21 +373,8 @@ class SchedulerSide:
 
     def _sync_landed(self, wm: KVTritonWorkerMetadata) -> tuple[list[str], list[str]]:
         """The requests whose same-step loads every worker has now reported: those that landed
-        everywhere, and those that failed on some worker (the worker reported their blocks
-        invalid, so vLLM recomputes them)."""
-        landed: list[str] = []
-        broken: list[str] = []
-        for reports, i in ((wm.completed_sync_loads, 0), (wm.failed_sync_loads, 1)):
-            for ev, n in reports.items():
-                if ev in self._sync_reports:
-                    self._sync_reports[ev][i] += n
-        for ev, (done, bad) in list(self._sync_reports.items()):
-            if done + bad >= self.world_size:
-                del self._sync_reports[ev]
-                rids = self._sync_events.pop(ev)
-                self._sync_pending.difference_update(rids)
-                (broken if bad else landed).extend(rids)
-        return landed, broken
+        everywhere, and those that failed on some worker (``SyncLoadsInFlight.reported``)."""
+        return self._sync_in_flight.reported(wm.completed_sync_loads, wm.failed_sync_loads)
 
     # ---- 5. finish -----------------------------------------------------------------------------
 
