@@ -3,7 +3,8 @@ router wins across a fleet of 1, 2, 4 and 8 replicas, on the coding-agent traces
 trace and the agent generator (``bench.fleet.cells`` says what a cell runs and holds fixed).
 
 Per workload and fleet size the combination is chosen on the *train* part (the highest hit rate
-among those whose TTFT p90 is no worse than the control's on train; the control if none) and
+among those whose TTFT p90 is no worse than the control's on train; the control if none;
+``bench.choice.choose_on_train``) and
 reported on the *test* part, beside the control (``eager``, round-robin, no store) and the
 references. The target of issue 39: at N = 4, on the coding-agent traces' test part, the chosen
 combination recovers at least half of the hit rate that splitting one replica's traffic over
@@ -23,9 +24,11 @@ from typing import Any
 
 import numpy as np
 
+from bench.choice import choose_on_train, figures
 from bench.common import RESULTS_DIR, OneLineParser, write_result
 from bench.fleet.cells import Cell
 from bench.fleet.executors import run_cells
+from kvtriton.sim.splits import TEST, TRAIN
 
 WORKLOADS = ("cc_agentic", "mooncake", "agent")
 FLEET_SIZES = (1, 2, 4, 8)
@@ -59,18 +62,13 @@ def cells(workloads: Sequence[str], sizes: Sequence[int], limits: dict[str, int 
     return out
 
 
-def _part(row: dict, part: str) -> dict:
-    return row["parts"][part]
-
-
 def choose(rows: list[dict]) -> dict:
     """The combination chosen on train among ``rows`` (one workload, one fleet size, kind
     ``fleet``): the highest train hit rate whose train TTFT p90 is at most the control's."""
     control = next(r for r in rows if (r["cell"]["setup"], r["cell"]["router"]) == CONTROL)
-    limit = _part(control, "train")["ttft_p90_s"]
-    fair = [r for r in rows if _part(r, "train")["ttft_p90_s"] <= limit] or [control]
-    return max(fair, key=lambda r: (_part(r, "train")["token_hit_rate"],
-                                    -_part(r, "train")["ttft_p90_s"]))
+    limit = figures(control, TRAIN)["ttft_p90_s"]
+    return choose_on_train(rows, lambda f: (f["token_hit_rate"], -f["ttft_p90_s"]),
+                           lambda f: f["ttft_p90_s"] <= limit) or control
 
 
 def _label(r: dict) -> str:
@@ -100,19 +98,19 @@ def summarize(rows: list[dict]) -> dict[str, Any]:
             control = next(r for r in fleet if (r["cell"]["setup"], r["cell"]["router"])
                            == CONTROL)
             best = choose(fleet)
-            test = {name: _figures(_part(r, "test"), r)
+            test = {name: _reported(figures(r, TEST), r)
                     for name, r in (("chosen", best), ("control", control), *refs.items())}
             loss = test["pooled"]["hit_rate"] - test["control"]["hit_rate"]
             gained = test["chosen"]["hit_rate"] - test["control"]["hit_rate"]
-            on_test = max(fleet, key=lambda r: _part(r, "test")["token_hit_rate"])
+            on_test = max(fleet, key=lambda r: figures(r, TEST)["token_hit_rate"])
             table[w][str(n)] = {
                 "chosen": _label(best), "test": test,
                 # What did not hold on test: the combination best there, and by how much.
                 "best_on_test": _label(on_test),
-                "best_on_test_points": 100 * (_part(on_test, "test")["token_hit_rate"]
+                "best_on_test_points": 100 * (figures(on_test, TEST)["token_hit_rate"]
                                               - test["chosen"]["hit_rate"]),
                 "control_prefix_left_elsewhere": control.get("prefix_left_elsewhere"),
-                "train_hit_rate": _part(best, "train")["token_hit_rate"],
+                "train_hit_rate": figures(best, TRAIN)["token_hit_rate"],
                 "split_loss_points": 100 * loss, "recovered_points": 100 * gained,
                 "recovered_share": gained / loss if loss > 0 else None,
                 "ttft_p90_no_worse": test["chosen"]["ttft_p90_s"]
@@ -121,8 +119,8 @@ def summarize(rows: list[dict]) -> dict[str, Any]:
                 s = scaling[w].setdefault(_label(r), {"replicas": [], "hit_rate": [],
                                                       "ttft_p90_s": []})
                 s["replicas"].append(n)
-                s["hit_rate"].append(_part(r, "test")["token_hit_rate"])
-                s["ttft_p90_s"].append(_part(r, "test")["ttft_p90_s"])
+                s["hit_rate"].append(figures(r, TEST)["token_hit_rate"])
+                s["ttft_p90_s"].append(figures(r, TEST)["ttft_p90_s"])
     target = table.get(TARGET_WORKLOAD, {}).get(str(TARGET_N))
     out: dict[str, Any] = {"table": table, "scaling": scaling}
     if target is not None:
@@ -136,7 +134,7 @@ def summarize(rows: list[dict]) -> dict[str, Any]:
     return out
 
 
-def _figures(part: dict, row: dict) -> dict[str, Any]:
+def _reported(part: dict, row: dict) -> dict[str, Any]:
     mem = row.get("memory_blocks", {})
     return {"hit_rate": part["token_hit_rate"],
             "memory_blocks": sum(mem.values()), "ttft_p50_s": part["ttft_p50_s"],

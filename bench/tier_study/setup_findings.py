@@ -10,8 +10,10 @@ it runs at. Per re-store map: where each form gains and loses.
 
 from __future__ import annotations
 
-from bench.tier_study.study import best_online, figures
+from bench.choice import figures
+from bench.tier_study.study import best_online
 from kvtriton.setups import CONTROL
+from kvtriton.sim.splits import TEST
 
 # The names of a results file's workload (``setups_<key>``; ``_full``: a ``--full`` run, the
 # whole traces and a larger generator): (in a sentence, in a table cell).
@@ -103,18 +105,18 @@ def _map_cells(doc: dict, short: str) -> list[dict]:
     for run, t in zip(doc["runs"], doc["targets"], strict=True):
         ratio = run["cpu_ratio"]
         control = next(r for r in run["rows"] if r["composition"] == CONTROL)
+        control_test = figures(control, TEST)
         best = next((r for r in run["rows"] if r["setup"] == t["best"]), None)
         test = None if best is None else 100 * (
-            best["parts"]["test"]["token_hit_rate"] - control["parts"]["test"]["token_hit_rate"])
+            figures(best, TEST)["token_hit_rate"] - control_test["token_hit_rate"])
         cells.append({
             "label": f"{short} {ratio}x", "ratio": ratio,
             "within_gpu": traits["reuse"]["within"]["gpu"],
             "within_tier": traits["reuse"]["within"][f"gpu+cpu {ratio}x"],
             "turns": traits["turns_per_session"], "continue": traits["continue_share"],
             "hinted": traits["continue_share"] > 0,
-            "queue_p50_s": control["parts"]["test"].get("queue_delay_p50_s",
-                                                        control["ttft_p50_s"]),
-            "queue_measured": "queue_delay_p50_s" in control["parts"]["test"],
+            "queue_p50_s": control_test.get("queue_delay_p50_s", control["ttft_p50_s"]),
+            "queue_measured": "queue_delay_p50_s" in control_test,
             "oracle_gain_points": t["oracle_gain_points"], "no_gap": t["no_gap"],
             "winner": t["best"], "train_points": t.get("gain_points_train"),
             "test_points": test, "test_headroom_share": t.get("judged_headroom_share")})

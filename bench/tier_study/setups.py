@@ -35,6 +35,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 
+from bench.choice import figures
 from bench.common import OneLineParser, write_result
 from bench.tier_study.setup_findings import findings
 from bench.tier_study.study import (
@@ -45,7 +46,6 @@ from bench.tier_study.study import (
     SPLITS,
     best_online,
     cc_agentic_with_closes,
-    figures,
     run_all,
     slim,
     ttft_ok,
@@ -263,9 +263,9 @@ def _target(tag: str, ratio: int, rows: list[dict], refs: dict, tolerance: float
          "upper_bound_hit_rate": upper["token_hit_rate"] if upper else None,
          "chosen_on": choose_on or "whole run", "judged_on": judge_on or "whole run"}
     if split is not None:
-        t["gain_points_train"] = None if best is None else best["parts"][TRAIN]["gain_points"]
-        t["headroom_share_train"] = (None if best is None
-                                     else best["parts"][TRAIN]["headroom_share"])
+        train = None if best is None else figures(best, TRAIN)
+        t["gain_points_train"] = None if train is None else train["gain_points"]
+        t["headroom_share_train"] = None if train is None else train["headroom_share"]
     return t
 
 

@@ -2,7 +2,8 @@
 (``ABLATION``: each axis changed alone from the control; ``COMBINED``: combinations of axes),
 the workloads at their quick and full sizes with the hints a server has and the oracle closes,
 how each is split into train and test parts, the TTFT rule's tolerance and the best online
-setup under it (``best_online``: the setup study's targets and its findings both choose by it),
+setup under it (``best_online``: the setup study's targets and its findings both choose by it,
+with ``bench.choice.choose_on_train``),
 and the process pool that runs one simulation per task. Not a study: studies import it, never
 each other.
 """
@@ -13,6 +14,7 @@ import os
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 
+from bench.choice import choose_on_train, figures
 from kvtriton.setups import CONTROL
 from kvtriton.sim import (
     CC_AGENTIC_SAMPLE,
@@ -24,7 +26,6 @@ from kvtriton.sim import (
     simulate,
     without_closes,
 )
-from kvtriton.sim.references import figures_of
 from kvtriton.sim.splits import SPLIT_SEED
 from kvtriton.sim.workloads import first_turns, serving_workload
 
@@ -100,19 +101,15 @@ def ttft_tolerance_s(conditions: dict) -> float:
     return cost.step_overhead_s + cost.prefill_s(conditions["token_budget"], 0)
 
 
-def figures(row: dict, part: str | None) -> dict:
-    """``row``'s figures over the whole run (``part`` None) or over one part of its split
-    (``kvtriton.sim.references.figures_of``; a part the row lacks is a ``KeyError``)."""
-    fig = figures_of(row, part)
-    if fig is None:
-        raise KeyError(part)
-    return fig
+def ttft_within(fig: dict, control: dict, tolerance_s: float = 0.0) -> bool:
+    """Whether figures ``fig`` have a modeled TTFT p50 and p90 no more than ``tolerance_s``
+    above ``control``'s (figures of the same part)."""
+    return (fig["ttft_p50_s"] <= control["ttft_p50_s"] + tolerance_s + 1e-9
+            and fig["ttft_p90_s"] <= control["ttft_p90_s"] + tolerance_s + 1e-9)
 
 
 def ttft_ok(row: dict, control: dict, tolerance_s: float = 0.0, part: str | None = None) -> bool:
-    r, c = figures(row, part), figures(control, part)
-    return (r["ttft_p50_s"] <= c["ttft_p50_s"] + tolerance_s + 1e-9
-            and r["ttft_p90_s"] <= c["ttft_p90_s"] + tolerance_s + 1e-9)
+    return ttft_within(figures(row, part), figures(control, part), tolerance_s)
 
 
 def best_online(rows: list[dict], tolerance_s: float = 0.0, part: str | None = None) -> dict | None:
@@ -120,13 +117,14 @@ def best_online(rows: list[dict], tolerance_s: float = 0.0, part: str | None = N
     over the control, some, with modeled TTFT p50 and p90 no more than ``tolerance_s`` above
     the control's; None if no such setup. ``part``: judged on that part of the split only (the
     train part, when a choice is to be reported on the test part)."""
-    control = next(r for r in rows if r["composition"] == CONTROL)
-    fair = [r for r in rows if not r["oracle"] and r["composition"] not in (CONTROL, "none")
-            and r.get("hint_source") != "oracle closes"
-            and figures(r, part).get("gain_points") is not None
-            and figures(r, part)["gain_points"] > 0
-            and ttft_ok(r, control, tolerance_s, part)]
-    return max(fair, key=lambda r: figures(r, part)["gain_points"]) if fair else None
+    control = figures(next(r for r in rows if r["composition"] == CONTROL), part)
+    online = [r for r in rows if not r["oracle"] and r["composition"] not in (CONTROL, "none")
+              and r.get("hint_source") != "oracle closes"]
+    return choose_on_train(
+        online, lambda f: f["gain_points"],
+        lambda f: (f.get("gain_points") is not None and f["gain_points"] > 0
+                   and ttft_within(f, control, tolerance_s)),
+        part)
 
 
 def slim(row: dict) -> dict:

@@ -29,8 +29,17 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from bench.choice import choose_on_train, figures
 from bench.common import OneLineParser, write_result
-from bench.tier_study.study import SPLITS, run_all, slim, ttft_ok, ttft_tolerance_s, workloads
+from bench.tier_study.study import (
+    SPLITS,
+    run_all,
+    slim,
+    ttft_ok,
+    ttft_tolerance_s,
+    ttft_within,
+    workloads,
+)
 from kvtriton.setups import DEFAULT_SETUP
 from kvtriton.sim.splits import TEST, TRAIN, split_named
 
@@ -55,8 +64,8 @@ def budgets(model: str = "llama3-8b", gpu: str = "H100") -> dict[int, float]:
     return out
 
 
-def _part(row: dict, part: str) -> dict:
-    p = row["parts"][part]
+def _summary(row: dict, part: str) -> dict:
+    p = figures(row, part)
     return {"ttft_p50_s": p["ttft_p50_s"], "ttft_p90_s": p["ttft_p90_s"],
             "token_hit_rate": p["token_hit_rate"]}
 
@@ -64,10 +73,12 @@ def _part(row: dict, part: str) -> dict:
 def choose(grid: list[dict], base: dict, tolerance: float) -> dict:
     """The entry of ``grid`` (rows by budget, smallest first) with the lowest train TTFT p50
     among those whose train TTFT p50 and p90 are within ``tolerance`` of ``base``'s (budget
-    0's row, which always qualifies); ties: the smaller budget."""
-    fair = [g for g in grid if g["budget_bytes"] == 0
-            or ttft_ok(g["row"], base, tolerance, TRAIN)]
-    return min(fair, key=lambda g: (g["row"]["parts"][TRAIN]["ttft_p50_s"], g["budget_bytes"]))
+    0's row, which always qualifies: it is within any tolerance of itself); ties: the smaller
+    budget (the first)."""
+    limit = figures(base, TRAIN)
+    row = choose_on_train([g["row"] for g in grid], lambda f: -f["ttft_p50_s"],
+                          lambda f: ttft_within(f, limit, tolerance))
+    return next(g for g in grid if g["row"] is row)
 
 
 def study_cell(tag: str, ratio: int, results: dict, sizes: dict[int, float]) -> dict:
@@ -79,10 +90,10 @@ def study_cell(tag: str, ratio: int, results: dict, sizes: dict[int, float]) -> 
     grid = [{"budget_bytes": b, "budget_mib": b / MIB, "link_ms": ms, "row": rows[b],
              "sync_loads": rows[b]["sync_loads"],
              "ttft_ok_train": b == 0 or ttft_ok(rows[b], base, tolerance, TRAIN),
-             TRAIN: _part(rows[b], TRAIN), TEST: _part(rows[b], TEST)}
+             TRAIN: _summary(rows[b], TRAIN), TEST: _summary(rows[b], TEST)}
             for b, ms in sorted(sizes.items())]
     chosen = choose(grid, base, tolerance)
-    off, on = _part(base, TEST), _part(chosen["row"], TEST)
+    off, on = _summary(base, TEST), _summary(chosen["row"], TEST)
     cell = {"workload": tag, "cpu_ratio": ratio, "ttft_tolerance_s": tolerance,
             "grid": [{k: v for k, v in g.items() if k != "row"} for g in grid],
             "chosen_budget_bytes": chosen["budget_bytes"],
@@ -93,8 +104,9 @@ def study_cell(tag: str, ratio: int, results: dict, sizes: dict[int, float]) -> 
             "test_hit_rate_change_points": 100 * (on["token_hit_rate"] - off["token_hit_rate"]),
             "test_ttft_no_worse": ttft_ok(chosen["row"], base, tolerance, TEST)}
     print(f"{tag} CPU {ratio}x: chosen {chosen['budget_mib']:g} MiB/step on {TRAIN} "
-          f"(p50 {chosen[TRAIN]['ttft_p50_s']:.3f} s against {_part(base, TRAIN)['ttft_p50_s']:.3f}"
-          f" s off); {TEST}: p50 {off['ttft_p50_s']:.3f} -> {on['ttft_p50_s']:.3f} s, p90 "
+          f"(p50 {chosen[TRAIN]['ttft_p50_s']:.3f} s against "
+          f"{figures(base, TRAIN)['ttft_p50_s']:.3f} s off); {TEST}: p50 "
+          f"{off['ttft_p50_s']:.3f} -> {on['ttft_p50_s']:.3f} s, p90 "
           f"{off['ttft_p90_s']:.3f} -> {on['ttft_p90_s']:.3f} s, hit rate "
           f"{off['token_hit_rate']:.1%} -> {on['token_hit_rate']:.1%}", flush=True)
     return cell
