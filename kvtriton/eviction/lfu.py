@@ -29,11 +29,10 @@ push, pop and re-rank, O(n) per aging.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator
 
 import numpy as np
 
-from kvtriton.eviction.base import EvictionQueue, LinkedQueue
+from kvtriton.eviction.ranked import RankedHeapQueue
 
 __all__ = ["DEFAULT_WINDOW_TIERS", "SKETCH_DEPTH", "FrequencySketch", "LFUQueue"]
 
@@ -125,7 +124,7 @@ class FrequencySketch:
         return got
 
 
-class LFUQueue(EvictionQueue):
+class LFUQueue(RankedHeapQueue):
     """Free blocks by estimated demand (lowest first), LRU among equals; see the module
     docstring. ``window_tiers``: the sketch's aging window in tier sizes (0: never ages);
     ``width_per_block``: sketch counters per row per pool block (None: the window's sightings,
@@ -160,95 +159,44 @@ class LFUQueue(EvictionQueue):
     def reset(self, num_blocks: int) -> None:
         width, window = self._sketch_size(num_blocks)
         self.sketch = FrequencySketch(width, depth=SKETCH_DEPTH, window=window)
-        self._unhashed = LinkedQueue(num_blocks)
-        # Entries (estimate, freed order, stamp, block); a stale entry's stamp is not its
-        # block's current one.
-        self._heap: list[tuple[int, int, int, int]] = []
-        self._stamp = [0] * num_blocks  # 0: not a hashed free block
+        super().reset(num_blocks)  # entries (estimate, freed order, stamp, block)
         self._freed = [0] * num_blocks  # when the block was last freed by a real use
         self._repeat = bytearray(num_blocks)  # taken back by its last taker: keeps its age
-        self._key = [-1] * num_blocks
-        self._by_key: dict[int, list[int]] = {}
-        self._clock = 0
-        self._len = 0
+
+    def _rank(self, block_id: int, key: int) -> tuple[int, int]:
+        return self.sketch.estimate_one(key), self._freed[block_id]
 
     def on_request(self, keys: np.ndarray) -> None:
         if self.sketch.add(keys):
             self._rerank_all()
-            return
-        by_key = self._by_key
-        if not by_key:
-            return
-        for k in keys.tolist():
-            blocks = by_key.get(k)
-            if blocks:
-                for b in blocks:
-                    self._enter(b, k)
-
-    def _enter(self, b: int, key: int) -> None:
-        self._clock += 1
-        self._stamp[b] = self._clock
-        heapq.heappush(self._heap, (self.sketch.estimate_one(key), self._freed[b],
-                                    self._clock, b))
+        elif self._by_key:
+            self._rerank(keys.tolist())
 
     def push(self, block_id: int, key: int | None) -> None:
         if key is None:
             self._unhashed.appendleft(block_id)
             return
-        self._key[block_id] = key
-        self._by_key.setdefault(key, []).append(block_id)
         if self._repeat[block_id]:
             self._repeat[block_id] = 0
         else:
             self._freed[block_id] = self._clock + 1
-        self._enter(block_id, key)
-        self._len += 1
-        if len(self._heap) > 4 * self._len + 1024:
-            self._compact()
+        self._add(block_id, key)
 
     def _leave(self, b: int) -> None:
-        self._stamp[b] = 0
-        key = self._key[b]
-        blocks = self._by_key[key]
-        blocks.remove(b)
-        if not blocks:
-            del self._by_key[key]
-        self._len -= 1
+        super()._leave(b)
+        self._repeat[b] = 0
 
     def remove(self, block_id: int, reuse: bool = True) -> None:
-        if block_id in self._unhashed:
-            self._unhashed.remove(block_id)
-            return
-        if not self._stamp[block_id]:
-            raise KeyError(block_id)
-        self._leave(block_id)
-        self._repeat[block_id] = not reuse
-
-    def pop(self) -> int:
-        if len(self._unhashed):
-            return self._unhashed.popleft()
-        heap, stamp = self._heap, self._stamp
-        while heap:
-            _, _, s, b = heapq.heappop(heap)
-            if stamp[b] == s:
-                self._leave(b)
-                self._repeat[b] = 0
-                return b
-        raise IndexError("pop from an empty queue")
+        hashed = bool(self._stamp[block_id])
+        super().remove(block_id, reuse)
+        if hashed:
+            self._repeat[block_id] = not reuse
 
     def forget_block(self, block_id: int) -> None:
         self._repeat[block_id] = 0
 
     def note_reuse(self, block_id: int) -> None:
         self._repeat[block_id] = 0
-
-    def _live(self) -> list[tuple[int, int, int, int]]:
-        stamp = self._stamp
-        return [e for e in self._heap if stamp[e[3]] == e[2]]
-
-    def _compact(self) -> None:
-        self._heap = self._live()
-        heapq.heapify(self._heap)
 
     def _rerank_all(self) -> None:
         live = self._live()
@@ -260,16 +208,3 @@ class LFUQueue(EvictionQueue):
         self._heap = [(int(f), e[1], e[2], e[3]) for f, e in zip(est.tolist(), live,
                                                                strict=True)]
         heapq.heapify(self._heap)
-
-    def __len__(self) -> int:
-        return len(self._unhashed) + self._len
-
-    def __contains__(self, block_id: int) -> bool:
-        return block_id in self._unhashed or (0 <= block_id < len(self._stamp)
-                                              and self._stamp[block_id] != 0)
-
-    def iter_blocks(self, after: int | None = None) -> Iterator[int]:
-        order = [*self._unhashed, *(b for *_, b in sorted(self._live()))]
-        if after is not None and after in self:
-            order = order[order.index(after) + 1:]
-        return iter(order)

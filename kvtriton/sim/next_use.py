@@ -13,12 +13,11 @@ of optimality (the GPU's own LRU, the store mode and the timing stay the setup's
 
 from __future__ import annotations
 
-import heapq
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from kvtriton.eviction.base import EvictionQueue, LinkedQueue
+from kvtriton.eviction.ranked import RankedHeapQueue
 
 __all__ = ["NextUse", "NextUseQueue"]
 
@@ -76,7 +75,7 @@ class NextUse:
                 cb(changed)
 
 
-class NextUseQueue(EvictionQueue):
+class NextUseQueue(RankedHeapQueue):
     """Evict the free block whose key's next use is furthest (unhashed blocks first; ties: the
     one freed longest ago). A heap with lazy deletion: O(log n) per push, pop and re-rank."""
 
@@ -84,111 +83,24 @@ class NextUseQueue(EvictionQueue):
 
     def __init__(self, next_use: NextUse) -> None:
         self._nu = next_use
-        next_use.add_listener(self._rerank)
+        next_use.add_listener(self._rerank_array)
 
     def reset(self, num_blocks: int) -> None:
-        self._unhashed = LinkedQueue(num_blocks)
-        # Entries (-next use, push order, stamp, block): a re-rank keeps the push order.
-        self._heap: list[tuple[int, int, int, int]] = []
-        self._stamp = [0] * num_blocks  # stamp of the block's live heap entry (0: none)
+        super().reset(num_blocks)  # entries (-next use, push order, stamp, block)
         self._pushed = [0] * num_blocks  # when the block was pushed (ties: earliest first)
-        self._key = [-1] * num_blocks
-        self._by_key: dict[int, set[int]] = {}
-        self._clock = 0
-        self._len = 0
 
-    def _enter(self, b: int, key: int) -> None:
-        self._clock += 1
-        self._stamp[b] = self._clock
-        heapq.heappush(self._heap, (-self._nu.next.item(key), self._pushed[b], self._clock, b))
+    def _rank(self, block_id: int, key: int) -> tuple[int, int]:
+        return -self._nu.next.item(key), self._pushed[block_id]
 
     def push(self, block_id: int, key: int | None) -> None:
-        # Called for every block a waiting request's lookup unpins, step after step: ``_enter``
-        # and the key's set are inlined (the new push order is the entry's clock).
         if key is None:
             self._unhashed.appendleft(block_id)
             return
-        self._key[block_id] = key
-        blocks = self._by_key.get(key)
-        if blocks is None:
-            self._by_key[key] = {block_id}
-        else:
-            blocks.add(block_id)
-        self._clock = clock = self._clock + 1
-        self._pushed[block_id] = self._stamp[block_id] = clock
-        heapq.heappush(self._heap, (-self._nu.next.item(key), clock, clock, block_id))
-        self._len += 1
-        if len(self._heap) > 4 * self._len + 1024:
-            self._compact()
+        self._pushed[block_id] = self._clock + 1  # the entry's own clock: a re-rank keeps it
+        self._add(block_id, key)
 
-    def _leave(self, b: int) -> None:
-        self._stamp[b] = 0
-        key = self._key[b]
-        blocks = self._by_key[key]
-        blocks.discard(b)
-        if not blocks:
-            del self._by_key[key]
-        self._len -= 1
-
-    def remove(self, block_id: int, reuse: bool = True) -> None:
-        # A live heap entry (stamp) first: a block is either there or in the unhashed list.
-        if self._stamp[block_id]:
-            self._leave(block_id)
-        elif block_id in self._unhashed:
-            self._unhashed.remove(block_id)
-        else:
-            raise KeyError(block_id)
-
-    def pop(self) -> int:
-        if len(self._unhashed):
-            return self._unhashed.popleft()
-        heap, stamp = self._heap, self._stamp
-        while heap:
-            _, _, s, b = heapq.heappop(heap)
-            if stamp[b] == s:
-                self._leave(b)
-                return b
-        raise IndexError("pop from an empty queue")
-
-    def pop_many(self, n: int) -> list[int]:
-        # ``pop`` n times, its lookups hoisted (the pool asks for a whole allocation at once).
-        unhashed = self._unhashed
-        out = [unhashed.popleft() for _ in range(min(n, len(unhashed)))]
-        heap, stamp, leave, heappop = self._heap, self._stamp, self._leave, heapq.heappop
-        while len(out) < n:
-            if not heap:
-                raise IndexError("pop from an empty queue")
-            _, _, s, b = heappop(heap)
-            if stamp[b] == s:
-                leave(b)
-                out.append(b)
-        return out
-
-    def _rerank(self, keys: np.ndarray) -> None:
-        by_key = self._by_key
-        for k in keys.tolist():
-            for b in by_key.get(k, ()):
-                self._enter(b, k)
-
-    def _compact(self) -> None:
-        stamp = self._stamp
-        self._heap = [e for e in self._heap if stamp[e[3]] == e[2]]
-        heapq.heapify(self._heap)
-
-    def __len__(self) -> int:
-        return len(self._unhashed) + self._len
-
-    def __contains__(self, block_id: int) -> bool:
-        return block_id in self._unhashed or (0 <= block_id < len(self._stamp)
-                                              and self._stamp[block_id] != 0)
-
-    def iter_blocks(self, after: int | None = None) -> Iterator[int]:
-        stamp = self._stamp
-        live = sorted(e for e in self._heap if stamp[e[3]] == e[2])
-        order = [*self._unhashed, *(b for *_, b in live)]
-        if after is not None and after in self:
-            order = order[order.index(after) + 1:]
-        return iter(order)
+    def _rerank_array(self, keys: np.ndarray) -> None:
+        self._rerank(keys.tolist())
 
     def remembered_keys(self) -> Iterable[int]:
         return ()
