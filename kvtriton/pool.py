@@ -42,7 +42,7 @@ from kvtriton.pool_interface import (
     BatchCallback,
     BlockRemoved,
     BlockStored,
-    KeyCallback,
+    PoolListeners,
 )
 from kvtriton.pool_keys import PoolKeyMap
 from kvtriton.validation import is_int
@@ -61,7 +61,7 @@ def all_distinct(ids: np.ndarray, scratch: np.ndarray) -> bool:
     return bool((scratch[ids] == at).all())
 
 
-class BlockPool(PoolKeyMap):
+class BlockPool(PoolKeyMap, PoolListeners):
     """``num_blocks`` blocks (block 0 is the null block) with ref counts and a hash map.
 
     ``on_insert(key, block_id)`` and ``on_evict(key, block_id)`` listeners see every key that
@@ -111,10 +111,7 @@ class BlockPool(PoolKeyMap):
         self._tracks_evictions = type(self._eviction).on_evicted is not EvictionQueue.on_evicted
         self._fill_free_queue()
         self._events: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
-        self._on_insert: list[KeyCallback] = []
-        self._on_evict: list[KeyCallback] = []
-        self._on_insert_many: list[BatchCallback] = []
-        self._on_evict_many: list[BatchCallback] = []
+        self._init_listeners()
 
     def _fill_free_queue(self) -> None:
         # Unhashed blocks enter at the head, so pushing in descending order hands out 1, 2, ...
@@ -123,23 +120,6 @@ class BlockPool(PoolKeyMap):
         self._eviction.push_many(blocks, np.zeros(len(blocks), dtype=bool), self._primary)
 
     # ---- listeners and introspection -------------------------------------------------------
-
-    def add_listener(self, on_insert: KeyCallback | None = None,
-                     on_evict: KeyCallback | None = None) -> None:
-        if on_insert is not None:
-            self._on_insert.append(on_insert)
-        if on_evict is not None:
-            self._on_evict.append(on_evict)
-
-    def add_batch_listener(self, on_insert_many: BatchCallback | None = None,
-                           on_evict_many: BatchCallback | None = None) -> None:
-        """Call ``on_insert_many(keys, block_ids)`` / ``on_evict_many(keys, block_ids)`` once per
-        pool call, after it, with every (key, block) pair it made hittable / dropped (int64
-        arrays; a key may repeat when several blocks held it)."""
-        if on_insert_many is not None:
-            self._on_insert_many.append(on_insert_many)
-        if on_evict_many is not None:
-            self._on_evict_many.append(on_evict_many)
 
     def _notify_many(self, listeners: list[BatchCallback], keys: list[int],
                      blocks: list[int]) -> None:

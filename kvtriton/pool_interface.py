@@ -15,11 +15,42 @@ from typing import Protocol
 import numpy as np
 
 __all__ = ["AllBlocksCleared", "BatchCallback", "BlockRemoved", "BlockStored", "GpuPool",
-           "KeyCallback"]
+           "KeyCallback", "PoolListeners"]
 
 KeyCallback = Callable[[int, int], None]
 #: ``(keys, block_ids)``: int64 arrays of the same length, pair i is one (key, block).
 BatchCallback = Callable[[np.ndarray, np.ndarray], None]
+
+
+class PoolListeners:
+    """The listeners of a pool's keys, kept alike by kvtriton's ``BlockPool`` and the adapter
+    over vLLM's (``kvtriton.vllm.gpu_pool``): per (key, block) callbacks, and per pool call
+    callbacks with every pair it made hittable or dropped."""
+
+    def _init_listeners(self) -> None:
+        self._on_insert: list[KeyCallback] = []
+        self._on_evict: list[KeyCallback] = []
+        self._on_insert_many: list[BatchCallback] = []
+        self._on_evict_many: list[BatchCallback] = []
+
+    def add_listener(self, on_insert: KeyCallback | None = None,
+                     on_evict: KeyCallback | None = None) -> None:
+        """Call ``on_insert(key, block)`` / ``on_evict(key, block)`` for every pair made
+        hittable / dropped."""
+        if on_insert is not None:
+            self._on_insert.append(on_insert)
+        if on_evict is not None:
+            self._on_evict.append(on_evict)
+
+    def add_batch_listener(self, on_insert_many: BatchCallback | None = None,
+                           on_evict_many: BatchCallback | None = None) -> None:
+        """Call ``on_insert_many(keys, block_ids)`` / ``on_evict_many(keys, block_ids)`` once per
+        pool call, after it, with every (key, block) pair it made hittable / dropped (int64
+        arrays; a key may repeat when several blocks held it)."""
+        if on_insert_many is not None:
+            self._on_insert_many.append(on_insert_many)
+        if on_evict_many is not None:
+            self._on_evict_many.append(on_evict_many)
 
 
 class GpuPool(Protocol):

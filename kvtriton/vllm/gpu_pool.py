@@ -44,12 +44,10 @@ from typing import Any
 import numpy as np
 
 from kvtriton.pool import all_distinct
+from kvtriton.pool_interface import PoolListeners
 from kvtriton.vllm.keys import KeyIds
 
 __all__ = ["VllmGpuPool"]
-
-KeyCallback = Callable[[int, int], None]
-BatchCallback = Callable[[np.ndarray, np.ndarray], None]
 
 _HOOKED = ("_insert_block_hash", "_remove_cached_block_hashes", "reset_prefix_cache",
            "cache_full_blocks", "cache_partial_block")
@@ -75,7 +73,7 @@ class _RefCounts:
         return len(self._blocks)
 
 
-class VllmGpuPool:
+class VllmGpuPool(PoolListeners):
     """The planner's GPU pool, backed by vLLM's ``BlockPool`` (see the module docstring).
 
     ``before_cache(request)`` is called with the vLLM ``Request`` whose hashes vLLM is about to
@@ -100,10 +98,7 @@ class VllmGpuPool:
         self._blocks = pool.blocks
         self._keys = keys
         self._before_cache = before_cache
-        self._on_insert: list[KeyCallback] = []
-        self._on_evict: list[KeyCallback] = []
-        self._on_insert_many: list[BatchCallback] = []
-        self._on_evict_many: list[BatchCallback] = []
+        self._init_listeners()
         # Changes of the vLLM call in progress (kind, hash, block id), for the batch listeners;
         # ``_depth``: how many wrapped calls are in progress (they nest: promotion in caching).
         self._pending: list[tuple[int, bytes, int]] = []
@@ -246,22 +241,6 @@ class VllmGpuPool:
     @property
     def vllm_pool(self) -> Any:
         return self._pool
-
-    def add_listener(self, on_insert: KeyCallback | None = None,
-                     on_evict: KeyCallback | None = None) -> None:
-        if on_insert is not None:
-            self._on_insert.append(on_insert)
-        if on_evict is not None:
-            self._on_evict.append(on_evict)
-
-    def add_batch_listener(self, on_insert_many: BatchCallback | None = None,
-                           on_evict_many: BatchCallback | None = None) -> None:
-        """As ``kvtriton.pool.BlockPool.add_batch_listener``: every (key id, block id) pair a
-        vLLM call made hittable / dropped, as int64 arrays at the end of that call."""
-        if on_insert_many is not None:
-            self._on_insert_many.append(on_insert_many)
-        if on_evict_many is not None:
-            self._on_evict_many.append(on_evict_many)
 
     def block_hash(self, block_id: int) -> int | None:
         """The primary key id of ``block_id``, or None if vLLM has not hashed it."""
