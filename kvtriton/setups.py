@@ -457,7 +457,8 @@ CONTROL = "eager"
 #: setups: eager stores of every computed block with its eviction policies, the per-request
 #: tail-first LRU (``reqlru``) and its ARC (``reqarc``: use counted per request, as vLLM counts
 #: it; kvtriton's own ``arc`` counts differently), both checked against vLLM's own policy
-#: classes (``bench/vllm/native_policies.py``). Every study table runs them beside the control.
+#: classes (``bench/conformance/native_policies.py``). Every study table runs them beside the
+#: control.
 NATIVE_SETUPS = {"eager+reqlru": "vLLM 0.33 OffloadingConnector, LRU",
                  "eager+reqarc": "vLLM 0.33 OffloadingConnector, ARC"}
 

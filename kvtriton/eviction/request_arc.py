@@ -21,9 +21,9 @@ when it counts, which a study sees:
 
 Keys are cached from their store's start and attributed to the newest live request that holds
 them, as in ``request_lru``, whose docstring lists what the planner's calls leave out of vLLM's
-connector; ``bench/vllm/native_policies.py`` drives this queue and vLLM's class with one event
-sequence and compares their evictions. Finding a T1 or T2 victim walks past held keys at the LRU
-end; a key cached in two blocks (the CPU tier never does) leaves its list with its last block.
+connector; ``bench/conformance/native_policies.py`` drives this queue and vLLM's class with one
+event sequence and compares their evictions. Finding a T1 or T2 victim walks past held keys at the
+LRU end; a key cached in two blocks (the CPU tier never does) leaves its list with its last block.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ then block, as vLLM's heap breaks them by key bytes. A rank is one int, the requ
 times ``_SPAN`` plus ``_SPAN - 1 - position``. The free blocks sit in a heap with lazy deletion:
 O(log n) per push, pop and re-rank; admission and finish cost O(keys of the request).
 
-Where this differs from vLLM 0.33's connector (``bench/vllm/native_policies.py`` drives both
+Where this differs from vLLM 0.33's connector (``bench/conformance/native_policies.py`` drives both
 with one event sequence and finds no difference in eviction order; these are what it leaves
 out):
 

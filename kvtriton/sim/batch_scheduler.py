@@ -8,8 +8,8 @@ the newest running request is preempted (recompute). A CPU hit holds its blocks 
 runs and is scheduled, without preempting anyone, once the waiting phase of a step after the
 load landed reaches it. By default a request is admitted only when its whole sequence fits
 (vLLM's ``scheduler_reserve_full_isl``). The serving-loop simulator (``kvtriton.sim.loop``) and
-the memory soak (``bench/planner/soak.py``) drive it step by step, each with its own clock,
-workload and report delays; the policy sits apart from the core because the tests' planner
+the memory soak (``bench/conformance/planner_soak.py``) drive it step by step, each with its own
+clock, workload and report delays; the policy sits apart from the core because the tests' planner
 driver calls the core's operations one by one, with none of it.
 
 Lengths are in tokens unless named blocks (of the group's own block size).

@@ -9,7 +9,7 @@ planner), preemption, finish (blocks freed tail first), the ``StepOutput`` and d
 reports to the planner. The tests' planner driver (``tests/helpers/planner_driver.py``) calls it
 call by call; ``BatchScheduler`` (``kvtriton.sim.batch_scheduler``) sequences the same operations
 with vLLM's step policy for the serving-loop simulator (``kvtriton.sim.loop``) and the memory
-soak (``bench/planner/soak.py``), so all three share one implementation of the KV side.
+soak (``bench/conformance/planner_soak.py``), so all three share one implementation of the KV side.
 
 Lengths are in tokens unless named blocks (of the group's own block size); ``planner_s`` and
 ``last_build_meta_s`` are measured wall time in seconds spent inside planner calls.

@@ -86,8 +86,8 @@ class KVTritonConnector(KVConnectorBase_V1, SupportsHMA):
     by hash too and copies one. And a position whose hash another request made first while this
     one ran keeps the id reserved for it (``kvtriton.vllm.keys``), so it is never stored for this
     request; vLLM stores it. ``tests/vllm/test_differential.py`` (``python -m
-    bench.vllm.differential`` for 3,000 seeds) checks all of this step for step against vLLM's
-    manager, accepts each difference only with its evidence, and fails on any other.
+    bench.conformance.differential`` for 3,000 seeds) checks all of this step for step against
+    vLLM's manager, accepts each difference only with its evidence, and fails on any other.
 
     One more deliberate difference, on the GPU side (``PlannerConfig.hold_finished``): a request
     that finishes with stores of its blocks in flight or queued keeps its GPU table referenced

@@ -1,6 +1,7 @@
 """vLLM 0.33's offloading eviction as kvtriton queues: ``reqlru`` and ``reqarc``'s own rules, the
 planner's calls that reach them, and the differential against vLLM 0.33's policy classes
-(``bench.vllm.native_policies``; it skips without a vLLM 0.33 tree at ``KVTRITON_VLLM033_PATH``).
+(``bench.conformance.native_policies``; it skips without a vLLM 0.33 tree at
+``KVTRITON_VLLM033_PATH``).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bench.vllm.native_policies import (
+from bench.conformance.native_policies import (
     BLOCK_TOKENS,
     KvtritonSide,
     compare,

@@ -1,7 +1,7 @@
 """Driving ``KVTritonConnector`` in vLLM's real ``Scheduler`` (scheduler role; no model is run),
 for the ``tests/vllm`` tests: a scheduler built on a local ``config.json`` (no hub access) and
-stepped with ``bench.vllm.scheduler_driver.Driver``, which reports every transfer one step after
-it was issued unless a test holds it; the hashes each side holds; the checks of an idle end.
+stepped with ``bench.conformance.scheduler_driver.Driver``, which reports every transfer one step
+after it was issued unless a test holds it; the hashes each side holds; the checks of an idle end.
 
 Importing this module does not import vLLM: the test modules skip first when it is missing.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.vllm.scheduler_driver import Driver
+from bench.conformance.scheduler_driver import Driver
 from kvtriton.sim.vllm_scheduler import make_scheduler, vllm_request
 from kvtriton.specs import FullAttentionSpec, SlidingWindowSpec
 

@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("vllm")
 os.environ["HF_HUB_OFFLINE"] = "1"
 
-from bench.vllm.crosscheck import compare, serving_loop_options
+from bench.conformance.crosscheck import compare, serving_loop_options
 from kvtriton.sim import agent_workload, simulate
 from kvtriton.sim.splits import TEST, TRAIN, session_sets
 

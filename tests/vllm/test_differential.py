@@ -1,13 +1,14 @@
 """kvtriton's scheduler side against vLLM's own ``SimpleCPUOffloadScheduler``, step for step
-(``bench.vllm.differential``: the connector that feeds both, the schedules, the recognised
+(``bench.conformance.differential``: the connector that feeds both, the schedules, the recognised
 differences and their evidence, the models kvtriton is held to while the two are apart), and
-the negative control: known bug classes (``bench.vllm.differential_mutations``), each applied by
-monkeypatch from the start and at the first recognised difference, must be caught in the seeds
+the negative control: known bug classes (``bench.conformance.differential_mutations``), each applied
+by monkeypatch from the start and at the first recognised difference, must be caught in the seeds
 where they change what kvtriton does (here a few per class; the by-name study
 ``differential_mutations`` checks every class in 300 seeds).
 
-``KVTRITON_DIFF_SEEDS`` sets the seed count (CI: ``SEEDS``); ``python -m bench.vllm.differential``
-runs thousands and records the outcome counts (``--mutations``: the bug classes' table too).
+``KVTRITON_DIFF_SEEDS`` sets the seed count (CI: ``SEEDS``); ``python -m
+bench.conformance.differential`` runs thousands and records the outcome counts (``--mutations``: the
+bug classes' table too).
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ import pytest
 pytest.importorskip("vllm")
 os.environ["HF_HUB_OFFLINE"] = "1"
 
-from bench.vllm.differential import MUTATIONS, mutation_table, run_seed, summarise
-from bench.vllm.differential_models import HashOrigins, TierModel, expected_flush
+from bench.conformance.differential import MUTATIONS, mutation_table, run_seed, summarise
+from bench.conformance.differential_models import HashOrigins, TierModel, expected_flush
 
 pytestmark = pytest.mark.scheduler_role
 

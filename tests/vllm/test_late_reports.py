@@ -24,8 +24,8 @@ pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 os.environ["HF_HUB_OFFLINE"] = "1"
 
+from bench.conformance.scheduler_driver import Driver
 from bench.vllm.engine_run import run_turns
-from bench.vllm.scheduler_driver import Driver
 from helpers.faults import inject
 from helpers.vllm_driver import FULL, needs_engine, tokens
 from kvtriton.sim.vllm_scheduler import make_scheduler, vllm_request

@@ -5,9 +5,9 @@ The scenarios of vLLM's own ``tests/v1/simple_kv_offload/test_scheduler.py``, wr
 this connector; then the re-store scenario vLLM's tests lack, a hybrid layout through vLLM's
 hybrid allocator, preemption and abort with transfers in flight, store completions counted over
 two workers, and the errors a bad setting gives at start-up. Each test builds a scheduler on a
-local ``config.json`` (no hub access) and steps it with ``bench.vllm.scheduler_driver.Driver``
-(``helpers.vllm_driver``), which reports every transfer one step after it was issued unless a
-test holds it.
+local ``config.json`` (no hub access) and steps it with
+``bench.conformance.scheduler_driver.Driver`` (``helpers.vllm_driver``), which reports every
+transfer one step after it was issued unless a test holds it.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Bounded memory through the connector: key ids recycled in vLLM's real scheduler.
 
-A soak (``bench.vllm.connector_soak``) makes over ten times more distinct blocks than the GPU and
-CPU pools hold together. With recycling the connector's key ids and the planner's per-key slots stay
-flat; the control (recycling off) shows they would grow with every distinct block. Recycling
-changes ids only: the hashes stored and loaded step by step are those of the control run, and a
-recycler that misses a holder of ids (the GPU prefix cache) is caught by that comparison.
+A soak (``bench.conformance.connector_soak_run``) makes over ten times more distinct blocks than the
+GPU and CPU pools hold together. With recycling the connector's key ids and the planner's per-key
+slots stay flat; the control (recycling off) shows they would grow with every distinct block.
+Recycling changes ids only: the hashes stored and loaded step by step are those of the control run,
+and a recycler that misses a holder of ids (the GPU prefix cache) is caught by that comparison.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("vllm")
 os.environ["HF_HUB_OFFLINE"] = "1"
 
-from bench.vllm.connector_soak import ConnectorSoak
+from bench.conformance.connector_soak_run import ConnectorSoak
 
 GPU, CPU = 64, 128
 REQUESTS = 700  # about 4,800 distinct blocks: 25x the pools, past the planner's first 4,096 slots

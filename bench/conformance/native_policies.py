@@ -33,7 +33,7 @@ sequences on vLLM 0.33's classes in a subprocess (the source tree at ``KVTRITON_
 ``.venv/vllm033`` by default, first on its path) and ``first_difference`` names the first event
 whose evictions differ.
 
-Run: ``python -m bench.vllm.native_policies [--sequences N] [--events N] [--seed S]
+Run: ``python -m bench.conformance.native_policies [--sequences N] [--events N] [--seed S]
 [--json out.json]``: the differential for both policies, plus kvtriton's own ``lru`` and ``arc``
 against vLLM's (they differ by design; the counts say how often).
 """
@@ -435,7 +435,7 @@ def replay_vllm(runs: list[dict[str, Any]], path: Path | None = None,
     with tempfile.TemporaryDirectory() as tmp:
         src, dst = Path(tmp) / "runs.json", Path(tmp) / "traces.json"
         src.write_text(json.dumps(runs))
-        proc = subprocess.run([sys.executable, "-m", "bench.vllm.native_policies",
+        proc = subprocess.run([sys.executable, "-m", "bench.conformance.native_policies",
                                "--replay-vllm", str(src), str(dst)],
                               cwd=REPO, env=env, capture_output=True, text=True,
                               timeout=timeout_s, check=False)
@@ -486,7 +486,7 @@ def differential(policy: str, seeds: Sequence[int], *, num_events: int = 200,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = OneLineParser(prog="python -m bench.vllm.native_policies",
+    parser = OneLineParser(prog="python -m bench.conformance.native_policies",
                            description=__doc__.split("\n\n")[0])
     parser.add_argument("--sequences", type=int, default=200)
     parser.add_argument("--events", type=int, default=300)

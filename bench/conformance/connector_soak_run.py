@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.vllm.scheduler_driver import Driver
+from bench.conformance.scheduler_driver import Driver
 from kvtriton.sim.vllm_scheduler import make_scheduler, vllm_request
 from kvtriton.specs import FullAttentionSpec
 

@@ -1,5 +1,5 @@
 """Known bug classes planted in kvtriton's side, each of which the differential
-(``bench.vllm.differential``) must catch.
+(``bench.conformance.differential``) must catch.
 
 ``MUTATIONS`` maps a name to a context manager factory that applies the bug (a monkeypatch)
 while it is open. Each planted call also counts when it *fired*: it did something the original

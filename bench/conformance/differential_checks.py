@@ -1,9 +1,10 @@
-"""What the differential (``bench.vllm.differential``) checks of kvtriton's scheduler side, as
-mixins of its connector (``bench.vllm.differential_tee.TeeConnector``, whose state they read):
+"""What the differential (``bench.conformance.differential``) checks of kvtriton's scheduler side,
+as mixins of its connector (``bench.conformance.differential_tee.TeeConnector``, whose state they
+read):
 
 - ``OwnRules``: kvtriton against the models kept from the connector's boundary
-  (``bench.vllm.differential_models``), every step, in step or apart: its tier, its lookups, its
-  stores, cursors and loads, its finish flushes and its books.
+  (``bench.conformance.differential_models``), every step, in step or apart: its tier, its lookups,
+  its stores, cursors and loads, its finish flushes and its books.
 - ``InStepComparison``: kvtriton against vLLM's manager while the two are in step, each
   difference recognised only with its evidence, and whether the two are back in step.
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from bench.vllm.differential_models import expected_flush
+from bench.conformance.differential_models import expected_flush
 
 __all__ = ["BS", "GROUP0", "Diverged", "InStepComparison", "OwnRules", "Record"]
 
@@ -46,8 +47,8 @@ class Record:
     failed_stores: int = 0  # kvtriton store events the driver reported failed
     unknown: list[str] = field(default_factory=list)
     unknown_apart: bool = False  # the unrecognised difference came while the pair was apart
-    # Under a planted bug (bench.vllm.differential_mutations): whether it changed what kvtriton did
-    # in a call made while the pair was in step, and in one made while apart.
+    # Under a planted bug (bench.conformance.differential_mutations): whether it changed what
+    # kvtriton did in a call made while the pair was in step, and in one made while apart.
     fired_in_step: bool = False
     fired_apart: bool = False
     # A digest of every answer kvtriton gave: a planted bug that leaves it as the unmutated

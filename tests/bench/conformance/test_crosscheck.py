@@ -1,5 +1,5 @@
-"""``python -m bench.vllm.crosscheck``: every bad argument is one line and exit 2, found before
-either loop runs anything."""
+"""``python -m bench.conformance.crosscheck``: every bad argument is one line and exit 2, found
+before either loop runs anything."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("vllm")
 os.environ["HF_HUB_OFFLINE"] = "1"
 
-from bench.vllm import crosscheck
+from bench.conformance import crosscheck
 
 
 @pytest.mark.parametrize(("args", "named"), [

@@ -1,7 +1,7 @@
-"""The differential's connector (``bench.vllm.differential``): ``TeeConnector`` feeds every
+"""The differential's connector (``bench.conformance.differential``): ``TeeConnector`` feeds every
 scheduler call to vLLM's ``SimpleCPUOffloadScheduler``, whose answers drive the scheduler, and to
 kvtriton's ``SchedulerSide``, whose answers are compared with them while the two are in step
-(``InStepComparison``) and held to the models of ``bench.vllm.differential_models`` always
+(``InStepComparison``) and held to the models of ``bench.conformance.differential_models`` always
 (``OwnRules``). vLLM loads it by ``kv_connector_module_path``; this module needs vLLM, the
 differential's driver does not.
 """
@@ -23,9 +23,16 @@ from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.simple_kv_offload.manager import SimpleCPUOffloadScheduler
 
-from bench.vllm.differential_checks import BS, GROUP0, Diverged, InStepComparison, OwnRules, Record
-from bench.vllm.differential_models import HashOrigins, RuleBroken, TierModel
-from bench.vllm.differential_mutations import fired
+from bench.conformance.differential_checks import (
+    BS,
+    GROUP0,
+    Diverged,
+    InStepComparison,
+    OwnRules,
+    Record,
+)
+from bench.conformance.differential_models import HashOrigins, RuleBroken, TierModel
+from bench.conformance.differential_mutations import fired
 from kvtriton.vllm.config import parse_extra_config
 from kvtriton.vllm.scheduler_side import SchedulerSide
 

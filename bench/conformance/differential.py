@@ -3,9 +3,9 @@
 One real vLLM ``Scheduler`` runs a random schedule (shared prefixes, repeated prompts, chunked
 prefill, decode, preemption, aborts, the finish flush, transfer reports 0-2 steps late; then the
 GPU prefix cache is dropped and earlier prompts come back, so most schedules load from the CPU
-tier). Its connector is ``TeeConnector`` (``bench.vllm.differential_tee``): every call goes to
-vLLM's manager, whose answers drive the scheduler, and to kvtriton's ``SchedulerSide`` with the same
-setup (re-store off, head-first freeing, LRU).
+tier). Its connector is ``TeeConnector`` (``bench.conformance.differential_tee``): every call goes
+to vLLM's manager, whose answers drive the scheduler, and to kvtriton's ``SchedulerSide`` with the
+same setup (re-store off, head-first freeing, LRU).
 
 While the two are *in step* (every seed starts so) each answer is compared: lookup hits, stored
 GPU blocks, loaded blocks and the hashes their CPU blocks hold, every request's store cursor,
@@ -35,27 +35,27 @@ differences (``KVTritonConnector``'s docstring) are accepted only with their evi
 
 Anything else is *unrecognised*, and fails the test. After a recognised difference the tiers
 hold different blocks: the pair is *apart*. Every step, in step or apart, kvtriton is held to
-models kept from what crosses the connector's boundary alone (``bench.vllm.differential_models``):
-its CPU tier's contents, pins and free queue against ``TierModel`` (the tier's LRU rules:
-stores take the head, completions free head first, failures free unhashed); a lookup hit is the
-longest run the model holds, capped to recompute the last token; a step's load is exactly the
-hits accepted since the last step, CPU blocks of the hit into the GPU blocks past the local
-hit; a store copies hashed blocks neither cached nor in flight onto the head of the free queue,
-within the free blocks, and a scan that spent its budget moves no later cursor; a finish flush
-is every confirmed block past the cursor that the model does not hold (``expected_flush``); and
-the planner's and the pool's stated invariants hold. kvtriton is fed answers it can serve (an
-accepted hit no longer than its own). The pair is *in step* again, and compared again, as soon
-as both hold the same CPU contents in the same eviction order, the same stores in flight, the
-same loads in flight and the same cursors.
+models kept from what crosses the connector's boundary alone
+(``bench.conformance.differential_models``): its CPU tier's contents, pins and free queue against
+``TierModel`` (the tier's LRU rules: stores take the head, completions free head first, failures
+free unhashed); a lookup hit is the longest run the model holds, capped to recompute the last token;
+a step's load is exactly the hits accepted since the last step, CPU blocks of the hit into the GPU
+blocks past the local hit; a store copies hashed blocks neither cached nor in flight onto the head
+of the free queue, within the free blocks, and a scan that spent its budget moves no later cursor; a
+finish flush is every confirmed block past the cursor that the model does not hold
+(``expected_flush``); and the planner's and the pool's stated invariants hold. kvtriton is fed
+answers it can serve (an accepted hit no longer than its own). The pair is *in step* again, and
+compared again, as soon as both hold the same CPU contents in the same eviction order, the same
+stores in flight, the same loads in flight and the same cursors.
 
 ``run_seed`` runs one seed, ``main`` many (the bench study: outcome counts per seed in JSON);
-``MUTATIONS`` (``bench.vllm.differential_mutations``) are known bug classes, each of which the
-comparison must catch wherever it changes an answer, planted from the start or at the first
+``MUTATIONS`` (``bench.conformance.differential_mutations``) are known bug classes, each of which
+the comparison must catch wherever it changes an answer, planted from the start or at the first
 recognised difference (``mutation_table``).
 
-Run: ``python -m bench.vllm.differential [--seeds N] [--first S] [--mutations] [--json out.json]``
-(3,000 seeds by default, about 15 minutes on one core; ``--mutations`` plants every bug class
-two ways in every seed).
+Run: ``python -m bench.conformance.differential [--seeds N] [--first S] [--mutations]
+[--json out.json]`` (3,000 seeds by default, about 15 minutes on one core; ``--mutations`` plants
+every bug class two ways in every seed).
 """
 
 from __future__ import annotations
@@ -70,8 +70,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.vllm.differential_checks import BS, Record
-from bench.vllm.differential_mutations import MUTATIONS, fired, reset_fired
+from bench.conformance.differential_checks import BS, Record
+from bench.conformance.differential_mutations import MUTATIONS, fired, reset_fired
 
 #: The share of seeds whose kvtriton store reports may fail, and the share of those seeds' store
 #: events that do.
@@ -111,7 +111,7 @@ def run_seed(model_dir, seed: int, max_steps: int = 1200, plant_apart: str | Non
 
     ``plant_apart`` names a bug class (``MUTATIONS``) planted at the pair's first recognised
     difference and kept to the end: a bug that acts only while the two sides are apart, where
-    kvtriton is held to the models of ``bench.vllm.differential_models`` alone."""
+    kvtriton is held to the models of ``bench.conformance.differential_models`` alone."""
     with contextlib.ExitStack() as stack:
         plant = None if plant_apart is None else \
             (lambda: stack.enter_context(MUTATIONS[plant_apart]()))
@@ -124,7 +124,7 @@ def _run_seed(model_dir, seed: int, max_steps: int, plant: Callable[[], None] | 
     from vllm.v1.request import RequestStatus
     from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata
 
-    from bench.vllm.differential_tee import TeeWorkerMetadata
+    from bench.conformance.differential_tee import TeeWorkerMetadata
     from kvtriton.sim.vllm_scheduler import default_token, make_scheduler, vllm_request
     from kvtriton.specs import FullAttentionSpec
     from kvtriton.vllm.metadata import KVTritonWorkerMetadata
@@ -136,7 +136,7 @@ def _run_seed(model_dir, seed: int, max_steps: int, plant: Callable[[], None] | 
                        cpu_blocks=int(rng.choice([6, 12, 24, 48, 160])),
                        max_num_batched_tokens=int(rng.choice([64, 128, 256])), max_num_seqs=8,
                        kv_connector="TeeConnector",
-                       kv_connector_module_path="bench.vllm.differential_tee")
+                       kv_connector_module_path="bench.conformance.differential_tee")
     tee = s.connector
     tee.rec.seed = seed
     tee.on_apart = plant

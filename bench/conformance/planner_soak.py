@@ -15,7 +15,8 @@ structure. Steady state is judged on the samples after the warm-up (the first 10
 RSS and object counts must not trend up and no structure may grow, from the first quarter to the
 last. Writes ``bench/results/soak.json``.
 
-Run: ``python -m bench.planner.soak [--steps 100000] [--sample 1000] [--fresh] [--seed 0]``.
+Run: ``python -m bench.conformance.planner_soak [--steps 100000] [--sample 1000] [--fresh] [--seed
+0]``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""What the differential (``bench.vllm.differential``) knows of kvtriton's side without asking it.
+"""What the differential (``bench.conformance.differential``) knows of kvtriton's side without
+asking it.
 
 kvtriton answers from its own books; a check that reads those books to excuse an answer lets a
 wrong book excuse itself. These models are kept from what crosses the connector's boundary

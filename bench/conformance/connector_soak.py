@@ -1,14 +1,14 @@
 """Soak through the vLLM connector: memory stays flat while distinct blocks grow without bound.
 
 vLLM's real ``Scheduler`` with ``KVTritonConnector`` serves a stream of requests that are almost
-all new content (``bench.vllm.connector_soak``; no model runs, transfers report one step later),
-first with key-id recycling (the connector's default), then with it off as the control. Every
-``--sample`` finished requests it records the key ids bound and their capacity, the planner's
+all new content (``bench.conformance.connector_soak_run``; no model runs, transfers report one step
+later), first with key-id recycling (the connector's default), then with it off as the control.
+Every ``--sample`` finished requests it records the key ids bound and their capacity, the planner's
 per-key slots and the process RSS. The run sees ``--requests`` requests, over ten times more
 distinct blocks than the GPU and CPU pools hold together at the default sizes. Writes
 ``bench/results/vllm_soak.json`` and ``vllm_soak.png``.
 
-Run: ``python -m bench.vllm.soak [--requests 6000] [--sample 250] [--quick]``
+Run: ``python -m bench.conformance.connector_soak [--requests 6000] [--sample 250] [--quick]``
 (needs vLLM: ``make test`` installs it into ``.venv``).
 """
 
@@ -36,7 +36,7 @@ def _positive(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = OneLineParser(prog="python -m bench.vllm.soak",
+    ap = OneLineParser(prog="python -m bench.conformance.connector_soak",
                        description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=_positive, default=6000)
     ap.add_argument("--sample", type=_positive, default=250, help="requests between samples")
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
-        from bench.vllm.connector_soak import ConnectorSoak
+        from bench.conformance.connector_soak_run import ConnectorSoak
         from kvtriton.sim.vllm_scheduler import tiny_model_dir
     except ImportError as e:
         print(f"bench_connector_soak: needs vLLM ({e}); `make test` installs it", file=sys.stderr)

@@ -7,7 +7,7 @@ one point is a finding, to be explained. vLLM runs with its
 defaults unless ``--vllm-scheduler`` says otherwise, and ServingLoop with the options that model
 the same settings (``serving_loop_options``): like is compared with like.
 
-Run: ``python -m bench.vllm.crosscheck [--workloads agent cc_agentic mooncake]
+Run: ``python -m bench.conformance.crosscheck [--workloads agent cc_agentic mooncake]
 [--limit N | --limit NAME=N ...] [--json out.json]``. It prints each workload's rows as it
 finishes, then one markdown table of every row; ``--json`` holds the machine, date, versions,
 conditions and every row, rewritten after each workload so a long run leaves what it finished.
@@ -184,7 +184,7 @@ def _document(args, limits: dict, results: list[dict], wall_s: float, done: bool
             if abs(r["hit_rate_diff_points"]) > FINDING_POINTS]
     return {
         "benchmark": "crosscheck", "machine": machine_info(), "complete": done,
-        "command": " ".join(["python -m bench.vllm.crosscheck", *args.argv]),
+        "command": " ".join(["python -m bench.conformance.crosscheck", *args.argv]),
         "wall_s": wall_s,
         "conditions": {
             "model": args.model, "gpu": args.gpu, "setups": args.setups,
@@ -208,7 +208,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from kvtriton.specs import PRESETS
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    ap = OneLineParser(prog="python -m bench.vllm.crosscheck", description=__doc__.splitlines()[0])
+    ap = OneLineParser(prog="python -m bench.conformance.crosscheck",
+                       description=__doc__.splitlines()[0])
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     ap.add_argument("--setups", nargs="+", default=list(DEFAULT_SETUPS))
     ap.add_argument("--limit", action="append", default=[], metavar="N|NAME=N",
