@@ -80,6 +80,32 @@ class ServingClock(ABC):
         self.on_release: Callable[[str, float], None] | None = None
         self.next_external: Callable[[], float] | None = None
 
+    # ---- a fleet's view (``kvtriton.sim.fleet``): what a router reads, how a request comes in ----
+
+    def join_fleet(self, on_release: Callable[[str, float], None],
+                   next_arrival: Callable[[], float]) -> None:
+        """The fleet owns the arrivals from now on: this replica forgets its own, calls
+        ``on_release(request id, now)`` when a turn finishes (the fleet releases its next
+        turns), and waits for ``next_arrival()`` when it has nothing to do."""
+        self._arrivals, self._successors = [], {}
+        self.on_release = on_release
+        self.next_external = next_arrival
+
+    def accept(self, at: float, index: int) -> None:
+        """The fleet routed request ``index`` of the workload here, arriving at ``at`` (s)."""
+        heapq.heappush(self._arrivals, (at, index))
+        self.now = max(self.now, at)
+
+    @property
+    def num_not_admitted(self) -> int:
+        """Requests routed here that have not reached the scheduler yet."""
+        return len(self._arrivals)
+
+    @property
+    def next_completion_s(self) -> float:
+        """When the next transfer completes (s; ``inf``: none in flight)."""
+        return self._completions[0][0] if self._completions else inf
+
     # ---- arrivals ------------------------------------------------------------------------------
 
     def _due_arrivals(self) -> Iterator[tuple[float, int, WorkloadRequest]]:

@@ -50,7 +50,7 @@ class Router(ABC):
 def load(replica: ServingLoop) -> int:
     """Requests routed to ``replica`` and not finished: waiting, running or not yet admitted
     (vLLM's ``num_requests_waiting`` plus ``num_requests_running``)."""
-    return len(replica.sched.seqs) + len(replica._arrivals)
+    return len(replica.sched.seqs) + replica.num_not_admitted
 
 
 class RoundRobin(Router):
@@ -181,9 +181,7 @@ class Fleet:
         self._left_blocks = self._prompt_blocks = 0
         for r in self.replicas:
             # The fleet owns arrivals: a replica's finished turns release theirs through it.
-            r._arrivals, r._successors = [], {}
-            r.on_release = self._release
-            r.next_external = self._next_arrival
+            r.join_fleet(self._release, self._next_arrival)
 
     def _next_arrival(self) -> float:
         return self._arrivals[0][0] if self._arrivals else math.inf
@@ -200,9 +198,7 @@ class Fleet:
             held = [PrefixAware.cached_prefix(x, keys) for x in self.replicas]
             self._left_blocks += max(held) - held[r]
         self._prompt_blocks += keys.shape[1]
-        replica = self.replicas[r]
-        heapq.heappush(replica._arrivals, (at, i))
-        replica.now = max(replica.now, at)
+        self.replicas[r].accept(at, i)
         self.routed[r] += 1
         self._parked[r] = False
 
@@ -211,7 +207,7 @@ class Fleet:
         r = self.replicas[i]
         if not self._parked[i]:
             return r.now
-        return r._completions[0][0] if r._completions else math.inf
+        return r.next_completion_s
 
     def run(self) -> FleetRun:
         t0 = time.perf_counter()

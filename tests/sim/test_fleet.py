@@ -69,7 +69,7 @@ def test_the_prefix_router_picks_the_longest_cached_prefix_within_its_load_cap()
         def __init__(self, held, seqs):
             self.gpu, self.cpu = _Pool(held), None
             self.sched = type("S", (), {"seqs": dict.fromkeys(range(seqs))})()
-            self._arrivals = []
+            self.num_not_admitted = 0
 
     keys = np.array([[1, 2, 3, 4]])
     replicas = [_Replica({1}, 0), _Replica({1, 2, 3}, 1), _Replica({1, 2, 3, 4}, 30)]
