@@ -289,3 +289,14 @@ def test_the_recorded_command_names_the_results_folder_from_the_clone(tmp_path, 
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)  # outside the clone the whole path is the only one that works
     assert _shown(results) == results
+
+
+def test_every_writer_the_manifest_records_is_a_module_here():
+    """``python -m bench --findings`` imports each results file's writer: a module moved
+    without its manifest entry (bench/vllm/differential.py to bench/conformance/) stops it."""
+    import importlib.util
+
+    files = json.loads((bench.common.RESULTS_DIR / MANIFEST).read_text())["files"]
+    modules = {e["writer"]["module"] for e in files.values() if e.get("writer", {}).get("module")}
+    missing = sorted(m for m in modules if importlib.util.find_spec(m) is None)
+    assert modules and not missing, missing
