@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                                   "recycling run first, then the control, in one process"},
            "summary": summary, "runs": runs}
     path = write_result("vllm_soak", doc)
-    from kvtriton.plots import plot_connector_soak
+    from bench.plots import plot_connector_soak
 
     fig = record_output(plot_connector_soak(doc, RESULTS_DIR / "vllm_soak.png"))
     print(f"quarter-way -> end, recycling: {summary['recycling']}")

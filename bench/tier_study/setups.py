@@ -317,7 +317,7 @@ def restore_map(tag: str, quick: bool, progress: bool, results_dir=None, grid=No
     ``(workload, gpu_tokens, ratios, max_running)`` instead of ``map_grid``'s. ``results`` and
     ``wall_s``: as ``ablation`` takes them, for ``map_tasks(grid)``."""
     from bench.common import RESULTS_DIR, record_output
-    from kvtriton.plots import plot_restore_map
+    from bench.plots import plot_restore_map
 
     grid = grid if grid is not None else map_grid(tag, quick)
     wl, gpu, ratios, running = grid

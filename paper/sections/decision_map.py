@@ -16,7 +16,7 @@ def decision_map_section(v: dict) -> None:
                                   "(`python -m bench --only setups`).*")
         v["fig_decision_map"] = ""
         return
-    from kvtriton.plots import plot_decision_map
+    from bench.plots import plot_decision_map
 
     plot_decision_map(cells, FIGURES / "decision_map.png")
     queue = ("queueing delay p50 (s)" if all(c["queue_measured"] for c in cells)

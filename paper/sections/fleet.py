@@ -25,7 +25,7 @@ def fleet_section(v: dict) -> None:
         v["fleet_text"] = f"*Pending: `fleet.json` is {not_run('fleet.json')}.*"
         v["fig_fleet"] = ""
         return
-    from kvtriton.plots import plot_fleet
+    from bench.plots import plot_fleet
 
     plot_fleet(doc, FIGURES / "fleet.png")
     f, cond = doc["findings"], doc["conditions"]

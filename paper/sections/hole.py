@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvtriton.plots import plot_hole
+from bench.plots import plot_hole
 from paper.format import machine_line
 from paper.results import FIGURES, load
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvtriton.plots import plot_kernels
+from bench.plots import plot_kernels
 from paper.format import machine_line, md_table
 from paper.results import FIGURES, load
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvtriton.plots import PLANNER_VARIANTS, plot_planner
+from bench.plots import PLANNER_VARIANTS, plot_planner
 from paper.format import fmt_ms, machine_line, md_table
 from paper.results import FIGURES, load, vs_vllm_doc
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvtriton.plots import plot_restore_map
+from bench.plots import plot_restore_map
 from paper.format import machine_line
 from paper.results import FIGURES, MAP_TAGS, load
 

@@ -29,7 +29,7 @@ def second_tier_section(v: dict) -> None:
                                  f"{not_run('second_tier.json')}.*")
         v["fig_second_tier"] = ""
         return
-    from kvtriton.plots import plot_second_tier
+    from bench.plots import plot_second_tier
 
     plot_second_tier(doc, FIGURES / "second_tier.png")
     f, tier, rep = doc["findings"], doc["tier"], doc["replicas"]

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from kvtriton.plots import plot_gain_over_control
+from bench.plots import plot_gain_over_control
 from kvtriton.setups import NATIVE_SETUPS, UPPER_BOUND_SETUPS
 from paper.format import machine_line, md_table, pct, points, share_pct
 from paper.results import FIGURES, setup_docs

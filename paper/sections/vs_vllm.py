@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvtriton.plots import plot_vs_vllm
+from bench.plots import plot_vs_vllm
 from paper.format import machine_line, md_table
 from paper.results import FIGURES, load, vs_vllm_doc
 

@@ -1,4 +1,4 @@
-"""``kvtriton.plots``: the study's gain figure draws what the paper cites."""
+"""``bench.plots``: the study's gain figure draws what the paper cites."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from kvtriton.plots import plot_gain_over_control
+from bench.plots import plot_gain_over_control
 
 
 def _row(setup: str, hit: float, oracle: bool = False) -> dict:
@@ -27,7 +27,7 @@ def test_gain_figure_needs_the_control():
 
 
 def test_decision_map_draws_every_cell(tmp_path):
-    from kvtriton.plots import plot_decision_map
+    from bench.plots import plot_decision_map
 
     cells = [{"label": "agent 1x", "within_tier": 0.5, "queue_p50_s": 0.2, "winner": "lazy",
               "test_points": 4.2, "hinted": True},
