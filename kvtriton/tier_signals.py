@@ -38,8 +38,8 @@ by what its client has shown:
   partial block or a resent output's tokenization may change). Keys are salted per tenant
   (vLLM's ``cache_salt``), so one tenant never proves another's claim.
 - *probation*: unproven claims together hold at most ``PROBATION_SHARE`` of the protected
-  segment, or the newest one alone where it is larger; past it the oldest unproven claim
-  loses its protection (its blocks return to the plain order).
+  segment (none: the newest unproven claim alone is protected); past it the oldest unproven
+  claim loses its protection (its blocks return to the plain order).
 - *tenants*: when the claims hold more keys than the segment and more than one tenant holds
   some, the tenant holding the most loses its oldest claim's protection until they fit, so one
   tenant cannot push another's protection out: each keeps at least its fair share.
@@ -77,12 +77,14 @@ if TYPE_CHECKING:
 
 
 #: The share of the protected segment that unproven claims (a session's first turn, a
-#: ``continue`` whose context nobody came back to yet) may hold together: an eighth, so a client
-#: that claims with every request takes at most a sixteenth of the tier at the default share
-#: (in the engine attack of ``bench.vllm.claims_attack``, a quarter cost the others 17-24% of
-#: their CPU hits, an eighth 5-8%; the simulator's hint and session figures on the agent and
-#: coding-agent traces were the same at 0, an eighth and a quarter).
-PROBATION_SHARE = 0.125
+#: ``continue`` whose context nobody came back to yet) may hold together, the newest one aside:
+#: none. Only the newest unproven claim is protected, and the next takes its place. In the
+#: engine attack of ``bench.vllm.claims_attack`` (66 GPU blocks, 150 in the tier) a quarter of
+#: the segment cost the other clients 17-24% of their CPU hits, an eighth 5-24%, none 6-8% over
+#: three pairs of runs; LRU's cliff turns a few protected blocks into many lost hits. The
+#: simulator's hint and session figures on the agent and coding-agent traces were the same at
+#: none, an eighth and a quarter.
+PROBATION_SHARE = 0.0
 #: Claims tracked, in protected segments' worth of keys: the segment's own order demotes the
 #: blocks of older claims block by block before that, so the book forgets only what it let go.
 TRACKED_SEGMENTS = 2
@@ -460,6 +462,9 @@ class SignalBook:
         """``keys`` will name other blocks: they start over in the plain order, holderless."""
         if len(keys):
             self.queue.hint(keys, NORMAL, lambda _key: None)
+            # A claim still tracked may hold these ids: its let-go must not reach their new
+            # blocks (it lets go of the keys whose epoch is its own).
+            self.queue.clear_epochs(keys)
         inside = keys[keys < len(self._holder)]
         self._holder[inside] = -1
         inside = keys[keys < len(self._tail)]

@@ -110,18 +110,22 @@ def _attack_params(kind: str, arm: str, serial: int) -> dict | None:
             else {HINT_KEY: "continue"})
 
 
-def run_arm(llm: Any, side: Any, size: AttackSize, kind: str, arm: str) -> dict:
+def run_arm(llm: Any, side: Any, size: AttackSize, kind: str, arm: str,
+            first_id: int = 0) -> dict:
     """One arm on a reset tier: the victims' CPU-hit tokens, their outputs, the book's
-    claim counts."""
+    claim counts. The attacker's session ids count from ``first_id``: fresh in every arm of
+    one engine, as the attack sends them (an id seen in an earlier arm, with the same context,
+    would be a session that came back)."""
     assert llm.reset_prefix_cache(reset_connector=True)
     start = side.counters()
     rng = random.Random(size.seed)
     prompts = [[rng.randrange(1, 999) for _ in range(size.system_tokens + size.user_tokens)]
                for _ in range(size.victims)]
-    attack_rng = random.Random(size.seed + 1)
+    # The attacker's prompts fresh in every arm too: a context sent again would come back.
+    attack_rng = random.Random(f"{size.seed + 1}-{first_id}")
     victim_hits = victim_cached = 0
     outputs: list[list[int]] = []
-    serial = 0
+    serial = first_id
     for turn in range(size.turns):
         before = side.counters()["cpu_hit_tokens"]
         outs, cached = _generate(llm, prompts, size, [None] * size.victims)
@@ -144,7 +148,7 @@ def run_arm(llm: Any, side: Any, size: AttackSize, kind: str, arm: str) -> dict:
             if k.startswith(("claims_", "session_turns", "hints_continue"))}
     return {"arm": arm, "victim_cpu_hit_tokens": int(victim_hits),
             "victim_cached_tokens": int(victim_cached),
-            "attack_requests": serial if arm != "quiet" else 0,
+            "attack_requests": serial - first_id,
             "claims_made": done.get("session_turns", 0) + done.get("hints_continue", 0),
             "claims_proven": done.get("claims_proven", 0),
             "claims_let_go": {"unproven": done.get("claims_unproven_let_go", 0),
@@ -160,7 +164,10 @@ def run_setup(model_dir: Path, setup: str, size: AttackSize,
     llm = _llm(model_dir, size, setup)
     side = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler_side
     try:
-        rows = [run_arm(llm, side, size, SETUPS[setup], arm) for arm in arms]
+        rows = []
+        for arm in arms:
+            rows.append(run_arm(llm, side, size, SETUPS[setup], arm,
+                                sum(r["attack_requests"] for r in rows)))
     finally:
         shutdown_engine(llm)
     same = all(r["outputs"] == rows[0]["outputs"] for r in rows)

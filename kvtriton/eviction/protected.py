@@ -242,6 +242,11 @@ class HintedQueue(EvictionQueue):
         """The serial of the last ``hint`` that protected keys (the epoch it gave them)."""
         return self._hints
 
+    def clear_epochs(self, keys: np.ndarray) -> None:
+        """``keys`` name other blocks now (recycled ids): no earlier hint protected them."""
+        keys = np.asarray(keys, dtype=np.int64)
+        self._epoch[keys[keys < len(self._epoch)]] = 0
+
     def epochs(self, keys: np.ndarray) -> np.ndarray:
         """The serial of the ``hint`` that last protected each key (0: never)."""
         out = np.zeros(len(keys), dtype=np.int64)

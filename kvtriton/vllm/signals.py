@@ -34,12 +34,11 @@ A session id that is not a string of 1 to ``MAX_SESSION_CHARS`` characters is co
 ``malformed_sessions`` and warned about once; the request is served without one.
 
 What a client may claim. A session id and a ``continue`` hint are the client's word, so each
-claim on the protected segment is bounded (``kvtriton.tier_signals``, "Claims"): a claim whose
-context has not come back yet (a session's first turn, a ``continue`` nobody continued) is on
-probation, where all such claims together hold at most ``PROBATION_SHARE`` of the segment, the
-oldest let go first; and where several tenants (``cache_salt``) hold claims, none keeps more
-than its fair share of the segment. One client sending a fresh session id or ``continue`` with
-every request takes at most the probation share, not half the tier.
+claim on the protected segment is bounded (``kvtriton.tier_signals``, "Claims"): of the claims
+whose context has not come back yet (a session's first turn, a ``continue`` nobody continued)
+only the newest is protected; and where several tenants (``cache_salt``) hold claims, none keeps
+more than its fair share of the segment. One client sending a fresh session id or ``continue``
+with every request holds one request's blocks protected, not half the tier.
 
 Key ids are recycled (``kvtriton.vllm.keys``): the keys held here are reported by
 ``referenced_keys`` and recycled ones return to the plain order (``forget``).

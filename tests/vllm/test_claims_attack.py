@@ -19,25 +19,33 @@ pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 os.environ["HF_HUB_OFFLINE"] = "1"
 
-from bench.vllm.claims_attack import SETUPS, TARGET_LOSS, AttackSize, losses, run_setup
+from bench.vllm.claims_attack import SETUPS, TARGET_LOSS, AttackSize, run_setup
 
 SIZE = AttackSize(victims=12, turns=4)
 
 
+#: Pairs of arms per setup: one pair's hits vary by up to 10% from run to run on
+#: ``eager+sessions`` (the engine's order over sets of request ids); over three pairs the loss
+#: measured 6-8% in three runs.
+REPEATS = 3
+
+
 def _loss(rows: list[dict]) -> float:
-    (setup,) = {r["setup"] for r in rows}
-    return losses(rows)[setup]["vs_plain"]
+    """The victims' loss under the claims against the plain arms, over every pair."""
+    hits = {arm: sum(r["victim_cpu_hit_tokens"] for r in rows if r["arm"] == arm)
+            for arm in ("plain", "claims")}
+    return 1 - hits["claims"] / hits["plain"]
 
 
 @pytest.mark.parametrize("setup", list(SETUPS))
 def test_one_client_claiming_every_request_costs_the_others_at_most_a_fifth(model_dir, setup):
-    rows = run_setup(model_dir, setup, SIZE, arms=("plain", "claims"))
-    plain, claims = rows
-    assert plain["victim_cpu_hit_tokens"] > 0  # the tier serves the victims at all
-    assert claims["claims_made"] == 3 * SIZE.attack and claims["claims_proven"] == 0
-    assert claims["claims_let_go"]["unproven"] > 0
-    assert _loss(rows) <= TARGET_LOSS, rows
-    assert claims["outputs_identical"]
+    rows = run_setup(model_dir, setup, SIZE, arms=("plain", "claims") * REPEATS)
+    assert all(r["victim_cpu_hit_tokens"] > 0 for r in rows if r["arm"] == "plain")
+    for claims in (r for r in rows if r["arm"] == "claims"):
+        assert claims["claims_made"] == 3 * SIZE.attack and claims["claims_proven"] == 0
+        assert claims["claims_let_go"]["unproven"] > 0
+    assert _loss(rows) <= TARGET_LOSS, [r["victim_cpu_hit_tokens"] for r in rows]
+    assert rows[0]["outputs_identical"]
 
 
 def test_without_the_probation_bound_the_claims_take_the_tier(model_dir, monkeypatch):
