@@ -376,8 +376,8 @@ class SignalBook:
 
     def _bound(self) -> None:
         cap = max(1, self.queue.protect_capacity)
-        # The newest unproven claim stays whatever its size (up to the segment): a tier too
-        # small for its share still keeps the last turn for the next one.
+        # The newest unproven claim stays whatever the share (none by default): the last turn
+        # is kept for the next one until another unproven claim takes its place.
         while self._probation_keys > int(PROBATION_SHARE * cap) and len(self._probation) > 1:
             self._drop(next(iter(self._probation)), "unproven")
         while len(self._tenant_keys) > 1 and self._tracked_keys > cap:
@@ -399,9 +399,7 @@ class SignalBook:
         puts them), neither first to go nor kept: nothing says they are dead, as aging out or
         a replacing turn says of theirs."""
         self.claims_let_go[why] += 1
-        claim = self._untrack(serial)
-        keys = claim.keys
-        self._set(keys[self.queue.epochs(keys) == claim.epoch], NORMAL, None)
+        self._set(self._still_held(self._untrack(serial)), NORMAL, None)
 
     def _untrack(self, serial: int) -> _Claim:
         """Stop tracking claim ``serial`` (the queue keeps what it has); returns it."""
@@ -424,8 +422,11 @@ class SignalBook:
 
     def _let_go(self, claim: _Claim) -> None:
         """``claim``'s keys that no later claim renewed go first now (``HintedQueue.let_go``)."""
-        keys = claim.keys
-        self.queue.let_go(keys[self.queue.epochs(keys) == claim.epoch], self._free_block)
+        self.queue.let_go(self._still_held(claim), self._free_block)
+
+    def _still_held(self, claim: _Claim) -> np.ndarray:
+        """``claim``'s keys that no later protection renewed (their epoch is still its own)."""
+        return claim.keys[self.queue.epochs(claim.keys) == claim.epoch]
 
     def _claims_ending_in(self, uniq: np.ndarray) -> list[int]:
         """The live hint claims whose link key (``_link``) is among ``uniq``."""

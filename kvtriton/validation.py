@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-__all__ = ["block_id_array", "check_block_ids", "check_request_keys", "is_finite_number",
-           "is_int"]
+__all__ = ["block_id_array", "check_block_ids", "check_request_keys", "host_memory_bytes",
+           "is_finite_number", "is_int"]
+
+
+def host_memory_bytes() -> int:
+    """This machine's physical memory, bytes: the bound of every size a setting may ask for."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def is_int(value: object) -> bool:

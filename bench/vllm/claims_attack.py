@@ -179,10 +179,14 @@ def run_setup(model_dir: Path, setup: str, size: AttackSize,
 
 def losses(rows: list[dict]) -> dict[str, dict[str, float]]:
     """Per setup, the victims' loss under ``claims`` against ``plain`` and against ``quiet``
-    (a share of their CPU-hit tokens there; None where they had none)."""
+    (a share of their CPU-hit tokens there, over every run of each arm; None where they had
+    none)."""
     out: dict[str, dict[str, float]] = {}
     for setup in dict.fromkeys(r["setup"] for r in rows):
-        hits = {r["arm"]: r["victim_cpu_hit_tokens"] for r in rows if r["setup"] == setup}
+        hits: dict[str, int] = {}
+        for r in rows:
+            if r["setup"] == setup:
+                hits[r["arm"]] = hits.get(r["arm"], 0) + r["victim_cpu_hit_tokens"]
         out[setup] = {f"vs_{ref}": (None if not hits.get(ref)
                                     else round(1 - hits["claims"] / hits[ref], 4))
                       for ref in ("plain", "quiet")}

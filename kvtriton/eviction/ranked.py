@@ -12,6 +12,7 @@ in every queue of ``kvtriton.eviction``.
 from __future__ import annotations
 
 import heapq
+from abc import abstractmethod
 from collections.abc import Iterable, Iterator
 
 from kvtriton.eviction.base import EvictionQueue, LinkedQueue
@@ -32,9 +33,9 @@ class RankedHeapQueue(EvictionQueue):
         self._clock = 0
         self._len = 0
 
+    @abstractmethod
     def _rank(self, block_id: int, key: int) -> tuple[int, int]:
         """(rank, tie-break) of ``block_id`` caching ``key``: lower leaves first."""
-        raise NotImplementedError
 
     def _enter(self, b: int, key: int) -> None:
         """Push a fresh entry for ``b``: any older one goes stale."""

@@ -37,14 +37,13 @@ under 16 MiB or larger than the host can map).
 from __future__ import annotations
 
 import ipaddress
-import os
 import re
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvtriton.validation import is_finite_number, is_int
+from kvtriton.validation import host_memory_bytes, is_finite_number, is_int
 
 __all__ = ["MAX_FETCH_TIMEOUT_S", "MIN_SEGMENT_BYTES", "SecondTierConfig", "host_memory_bytes",
            "parse_second_tier"]
@@ -62,12 +61,6 @@ MAX_FETCH_TIMEOUT_S = 600.0
 # A host name or IPv4 address: ASCII labels (no space, no other script's letters or digits).
 _HOSTNAME = re.compile(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*\.?")
 _PORT = re.compile(r"[0-9]{1,5}")
-
-
-def host_memory_bytes() -> int:
-    """This machine's physical memory, bytes (``kvtriton.vllm.config`` has its twin; this
-    package imports nothing of vLLM)."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 @dataclass(frozen=True)

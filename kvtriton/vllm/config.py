@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -34,7 +33,7 @@ from kvtriton.setups import (
     tier_setup,
 )
 from kvtriton.tier_signals import claim_bytes, eviction_state
-from kvtriton.validation import is_int
+from kvtriton.validation import host_memory_bytes, is_int
 
 __all__ = ["DEFAULT_CPU_BYTES_PER_RANK", "DEFAULT_SETUP", "ConnectorConfig", "check_host_memory",
            "extra_config_for", "host_memory_bytes", "parse_extra_config"]
@@ -251,11 +250,6 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:
     values["setup"] = (tier.composition if tier.second_tier or values["second_tier"] is None
                        else f"{tier.composition}+shared")
     return ConnectorConfig(**values)
-
-
-def host_memory_bytes() -> int:
-    """This machine's physical memory, bytes."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def check_host_memory(config: ConnectorConfig, ranks_on_host: int = 1,

@@ -19,7 +19,7 @@ pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 os.environ["HF_HUB_OFFLINE"] = "1"
 
-from bench.vllm.claims_attack import SETUPS, TARGET_LOSS, AttackSize, run_setup
+from bench.vllm.claims_attack import SETUPS, TARGET_LOSS, AttackSize, losses, run_setup
 
 SIZE = AttackSize(victims=12, turns=4)
 
@@ -32,9 +32,8 @@ REPEATS = 3
 
 def _loss(rows: list[dict]) -> float:
     """The victims' loss under the claims against the plain arms, over every pair."""
-    hits = {arm: sum(r["victim_cpu_hit_tokens"] for r in rows if r["arm"] == arm)
-            for arm in ("plain", "claims")}
-    return 1 - hits["claims"] / hits["plain"]
+    (setup,) = {r["setup"] for r in rows}
+    return losses(rows)[setup]["vs_plain"]
 
 
 @pytest.mark.parametrize("setup", list(SETUPS))
